@@ -1,0 +1,1 @@
+//! In-process inbox store (being written).

@@ -1,0 +1,215 @@
+//! One error type for every store, classified by what the caller should do.
+
+/// A boxed error source, kept so the chain reaches the log.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// What a message handler should do with a delivery that failed.
+///
+/// This is the only question an error has to answer at the broker boundary:
+/// a retryable failure is redelivered (the same message will likely succeed
+/// later), a permanent one goes to the dead-letter queue (retrying would loop
+/// forever).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Disposition {
+    /// Transient: roll back and redeliver later.
+    Retry,
+    /// Will fail again the same way: dead-letter with the reason.
+    DeadLetter,
+}
+
+/// Everything that can go wrong in the inbox.
+///
+/// A duplicate delivery is *not* an error: it is [`crate::Claim::Duplicate`],
+/// an outcome. Treating a unique violation as an error is how a duplicate
+/// froze a Kafka partition in another inbox (Wolverine #2639).
+///
+/// Each variant is either retryable or permanent ([`InboxError::is_retryable`],
+/// [`InboxError::disposition`]); backends classify driver errors by SQLSTATE
+/// or error kind, never by message text.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum InboxError {
+    /// The message id is missing or not a UUID. Permanent.
+    #[error("invalid message id {value:?}: {reason}")]
+    InvalidMessageId {
+        /// The offending text, truncated.
+        value: String,
+        /// Which rule it broke.
+        reason: &'static str,
+    },
+
+    /// The consumer name breaks a rule of [`crate::ConsumerName`]. Permanent.
+    #[error("invalid consumer name {value:?}: {reason}")]
+    InvalidConsumerName {
+        /// The offending text, truncated.
+        value: String,
+        /// Which rule it broke.
+        reason: &'static str,
+    },
+
+    /// An argument outside its domain (a zero batch size, a bad schema
+    /// name). Permanent: a programming or configuration error.
+    #[error("invalid argument: {message}")]
+    InvalidArgument {
+        /// What was wrong.
+        message: String,
+    },
+
+    /// The connection to the store failed or was lost. Retryable: whether the
+    /// transaction committed is unknown, and redelivery resolves it (a
+    /// committed claim answers `Duplicate`, a lost one `Fresh`).
+    #[error("store connection failed")]
+    Connection {
+        /// The driver's error.
+        #[source]
+        source: BoxError,
+    },
+
+    /// No connection became free in time. Retryable.
+    #[error("timed out waiting for a store connection")]
+    PoolTimeout {
+        /// The pool's error, when it gave one.
+        #[source]
+        source: Option<BoxError>,
+    },
+
+    /// The store aborted the transaction to resolve a conflict with another
+    /// one (serialization failure 40001, deadlock 40P01, lock timeout).
+    /// Retryable.
+    #[error("transaction aborted by a concurrent conflict")]
+    Conflict {
+        /// The driver's error.
+        #[source]
+        source: BoxError,
+    },
+
+    /// The inbox table or schema is missing or not what this code expects.
+    /// Permanent until someone migrates: redelivering cannot fix it.
+    #[error("inbox schema is missing or incompatible")]
+    Schema {
+        /// The driver's error.
+        #[source]
+        source: BoxError,
+    },
+
+    /// Any other store failure, classified by the backend.
+    #[error("store failed")]
+    Store {
+        /// Whether redelivery can help.
+        retryable: bool,
+        /// The driver's error.
+        #[source]
+        source: BoxError,
+    },
+
+    /// The consumer's own work failed. The transaction was rolled back; the
+    /// consumer decided whether the failure is worth a retry.
+    #[error("handler failed")]
+    Handler {
+        /// Whether redelivery can help.
+        retryable: bool,
+        /// The consumer's error.
+        #[source]
+        source: BoxError,
+    },
+}
+
+impl InboxError {
+    /// A handler failure worth retrying (a timeout of a downstream call, say).
+    pub fn retryable_handler(source: impl Into<BoxError>) -> Self {
+        Self::Handler {
+            retryable: true,
+            source: source.into(),
+        }
+    }
+
+    /// A handler failure that will repeat on every delivery (the message
+    /// breaks a business rule, say): dead-letter it.
+    pub fn permanent_handler(source: impl Into<BoxError>) -> Self {
+        Self::Handler {
+            retryable: false,
+            source: source.into(),
+        }
+    }
+
+    /// Whether redelivering the message can succeed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::InvalidMessageId { .. }
+            | Self::InvalidConsumerName { .. }
+            | Self::InvalidArgument { .. }
+            | Self::Schema { .. } => false,
+            Self::Connection { .. } | Self::PoolTimeout { .. } | Self::Conflict { .. } => true,
+            Self::Store { retryable, .. } | Self::Handler { retryable, .. } => *retryable,
+        }
+    }
+
+    /// What to do with the delivery: redeliver or dead-letter.
+    pub fn disposition(&self) -> Disposition {
+        if self.is_retryable() {
+            Disposition::Retry
+        } else {
+            Disposition::DeadLetter
+        }
+    }
+
+    /// A short, stable label for metrics and dead-letter reasons.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::InvalidMessageId { .. } => "invalid_message_id",
+            Self::InvalidConsumerName { .. } => "invalid_consumer_name",
+            Self::InvalidArgument { .. } => "invalid_argument",
+            Self::Connection { .. } => "connection",
+            Self::PoolTimeout { .. } => "pool_timeout",
+            Self::Conflict { .. } => "conflict",
+            Self::Schema { .. } => "schema",
+            Self::Store { .. } => "store",
+            Self::Handler { .. } => "handler",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn io() -> BoxError {
+        Box::new(std::io::Error::other("boom"))
+    }
+
+    #[test]
+    fn classification() {
+        let retryable = [
+            InboxError::Connection { source: io() },
+            InboxError::PoolTimeout { source: None },
+            InboxError::Conflict { source: io() },
+            InboxError::retryable_handler(io()),
+            InboxError::Store {
+                retryable: true,
+                source: io(),
+            },
+        ];
+        for e in &retryable {
+            assert!(e.is_retryable(), "{e:?}");
+            assert_eq!(e.disposition(), Disposition::Retry);
+        }
+        let permanent = [
+            InboxError::Schema { source: io() },
+            InboxError::permanent_handler(io()),
+            InboxError::InvalidArgument {
+                message: "x".into(),
+            },
+        ];
+        for e in &permanent {
+            assert!(!e.is_retryable(), "{e:?}");
+            assert_eq!(e.disposition(), Disposition::DeadLetter);
+        }
+    }
+
+    #[test]
+    fn source_is_kept() {
+        let e = InboxError::Connection { source: io() };
+        let src = std::error::Error::source(&e).expect("source kept");
+        assert_eq!(src.to_string(), "boom");
+    }
+}

@@ -1,0 +1,212 @@
+//! The idempotency middleware: begin, claim, work, mark processed, commit.
+
+use std::future::Future;
+use std::time::Instant;
+
+use crate::metrics as names;
+use crate::{Claim, InboxError, InboxKey, InboxStore, InboxTransaction};
+
+/// What [`Inbox::handle`] did with a delivery.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[must_use]
+pub enum Handled<T> {
+    /// The work ran and committed together with the claim; `T` is what the
+    /// work returned. Acknowledge the delivery now, not before.
+    Processed(T),
+    /// The message was already processed by this consumer; the work did not
+    /// run. Acknowledge the delivery and drop it.
+    Duplicate,
+}
+
+impl<T> Handled<T> {
+    /// Whether the work was skipped as a duplicate.
+    pub fn is_duplicate(&self) -> bool {
+        matches!(self, Self::Duplicate)
+    }
+}
+
+/// Names the future of an async closure so its `Send`-ness can be required.
+///
+/// `AsyncFnOnce::CallOnceFuture` is not stable, and a plain
+/// `FnOnce(&mut Tx) -> Fut` cannot tie `Fut` to the borrow of the
+/// transaction. This is the shape diesel-async 0.9 settled on for its
+/// `transaction` method. It is implemented for every async closure; users
+/// never name it, they write `async |tx| { … }`.
+pub trait AsyncWork<Arg, R>: AsyncFnOnce(Arg) -> R + FnOnce(Arg) -> <Self as AsyncWork<Arg, R>>::Fut {
+    /// The closure's future.
+    type Fut: Future<Output = R>;
+}
+
+impl<F, Arg, Fut, R> AsyncWork<Arg, R> for F
+where
+    F: AsyncFnOnce(Arg) -> R + FnOnce(Arg) -> Fut,
+    Fut: Future<Output = R>,
+{
+    type Fut = Fut;
+}
+
+/// The idempotency middleware around a consumer's work.
+///
+/// Like a tower layer it owns the step around the consumer: the consumer's
+/// code receives an open transaction and contains no idempotency code at all.
+/// Cheap to share: wrap it in an `Arc` or clone the store inside.
+#[derive(Clone, Debug)]
+pub struct Inbox<S> {
+    store: S,
+}
+
+impl<S: InboxStore> Inbox<S> {
+    /// Wraps a store.
+    pub fn new(store: S) -> Self {
+        Self { store }
+    }
+
+    /// The store underneath, for cleanup and diagnostics.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// Runs `work` exactly once per `key`, however often the message is
+    /// delivered.
+    ///
+    /// In one transaction: claim `key` (the first write), run `work` with the
+    /// transaction so its writes share the claim's fate, mark the row
+    /// processed, commit. Returns [`Handled::Duplicate`] without running
+    /// `work` when this consumer already processed the message.
+    ///
+    /// Acknowledge the delivery only after this returns `Ok`. If `work`
+    /// returns an error the transaction is rolled back (the claim with it, so
+    /// a redelivery runs the work again) and the error is returned. If the
+    /// returned future is dropped midway (a crash, a timeout) the transaction
+    /// is dropped and rolls back.
+    ///
+    /// Errors of the store are converted into `E` (hence `E:
+    /// From<InboxError>`, as in sqlx's `Connection::transaction`), so a
+    /// consumer keeps its own error type; [`InboxError`] itself works too.
+    ///
+    /// Bound the work's time (for example with `tokio::time::timeout` around
+    /// this call) below the broker's consumer timeout: a transaction that
+    /// outlives the broker channel gets redelivered while it still holds the
+    /// claim, and the redelivery waits on it.
+    ///
+    /// # Errors
+    /// The work's error, or a store error converted into `E`; check
+    /// [`InboxError::disposition`] to choose between redelivery and
+    /// dead-lettering.
+    ///
+    /// # Example
+    /// ```
+    /// use inbox_api::{Handled, Inbox, InboxError, InboxKey, InboxStore};
+    ///
+    /// async fn on_delivery<S: InboxStore>(
+    ///     inbox: &Inbox<S>,
+    ///     key: &InboxKey,
+    ///     parcel: &str, // borrowed local data is fine
+    /// ) -> Result<bool, InboxError> {
+    ///     let outcome = inbox
+    ///         .handle(key, async |tx| {
+    ///             // business writes go through `tx` (a backend exposes its
+    ///             // native connection on its transaction type)
+    ///             let _ = tx;
+    ///             Ok::<_, InboxError>(parcel.len())
+    ///         })
+    ///         .await?;
+    ///     Ok(matches!(outcome, Handled::Processed(_)))
+    /// }
+    ///
+    /// // The future is Send, so it can be spawned.
+    /// fn spawnable<S: InboxStore>(inbox: std::sync::Arc<Inbox<S>>, key: InboxKey) {
+    ///     tokio::spawn(async move {
+    ///         let parcel = String::from("P-1");
+    ///         on_delivery(&inbox, &key, &parcel).await
+    ///     });
+    /// }
+    /// ```
+    pub fn handle<'a, T, E, F>(
+        &'a self,
+        key: &'a InboxKey,
+        work: F,
+    ) -> impl Future<Output = Result<Handled<T>, E>> + Send + 'a
+    where
+        for<'t> F: AsyncFnOnce(&'t mut S::Transaction) -> Result<T, E>
+            + AsyncWork<&'t mut S::Transaction, Result<T, E>, Fut: Send>
+            + Send
+            + 'a,
+        E: From<InboxError> + Send + 'a,
+        T: Send + 'a,
+    {
+        async move {
+            let started = Instant::now();
+            let consumer = key.consumer.as_str().to_owned();
+            let fail = |stage: &'static str, retryable: &'static str| {
+                metrics::counter!(names::FAILED,
+                    "consumer" => consumer.clone(),
+                    "stage" => stage,
+                    "retryable" => retryable)
+                .increment(1);
+                metrics::histogram!(names::HANDLE_DURATION,
+                    "consumer" => consumer.clone(), "outcome" => "failed")
+                .record(started.elapsed().as_secs_f64());
+            };
+            let store_failed = |stage: &'static str, error: InboxError| {
+                tracing::warn!(message_id = %key.message_id, consumer = %key.consumer,
+                    stage, error = %error, retryable = error.is_retryable(), "inbox store failed");
+                fail(stage, if error.is_retryable() { "true" } else { "false" });
+                E::from(error)
+            };
+
+            let mut tx = self
+                .store
+                .begin()
+                .await
+                .map_err(|e| store_failed("begin", e))?;
+            match tx.claim(key).await {
+                Ok(Claim::Fresh) => {}
+                Ok(Claim::Duplicate) => {
+                    // Nothing was written; the row that made this a duplicate
+                    // is committed, so a failed rollback changes nothing.
+                    if let Err(error) = tx.rollback().await {
+                        tracing::debug!(message_id = %key.message_id, consumer = %key.consumer,
+                            error = %error, "rollback after duplicate failed");
+                    }
+                    metrics::counter!(names::DUPLICATES_DISCARDED, "consumer" => consumer.clone())
+                        .increment(1);
+                    metrics::histogram!(names::HANDLE_DURATION,
+                        "consumer" => consumer.clone(), "outcome" => "duplicate")
+                    .record(started.elapsed().as_secs_f64());
+                    tracing::debug!(message_id = %key.message_id, consumer = %key.consumer,
+                        "duplicate delivery discarded");
+                    return Ok(Handled::Duplicate);
+                }
+                Err(error) => return Err(store_failed("claim", error)),
+            }
+
+            let value = match work(&mut tx).await {
+                Ok(value) => value,
+                Err(error) => {
+                    if let Err(rollback) = tx.rollback().await {
+                        // The work's error is the one the caller must act
+                        // on; the transaction is gone either way.
+                        tracing::warn!(message_id = %key.message_id, consumer = %key.consumer,
+                            error = %rollback, "rollback after failed work failed");
+                    }
+                    // Whether the work's error is retryable is the caller's
+                    // call (its type is theirs); the metric records the stage.
+                    fail("work", "unknown");
+                    return Err(error);
+                }
+            };
+
+            tx.mark_processed(key)
+                .await
+                .map_err(|e| store_failed("commit", e))?;
+            tx.commit().await.map_err(|e| store_failed("commit", e))?;
+
+            metrics::counter!(names::PROCESSED, "consumer" => consumer.clone()).increment(1);
+            metrics::histogram!(names::HANDLE_DURATION,
+                "consumer" => consumer.clone(), "outcome" => "processed")
+            .record(started.elapsed().as_secs_f64());
+            Ok(Handled::Processed(value))
+        }
+    }
+}

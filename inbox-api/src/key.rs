@@ -1,0 +1,263 @@
+//! The identity of a delivery: which message, seen by which consumer.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use uuid::Uuid;
+
+use crate::InboxError;
+
+/// The producer-assigned identity of a message.
+///
+/// Deduplication is only as good as this id: the producer must assign it once
+/// per logical message and reuse it on every retry of the publish. A fresh
+/// random id per publish attempt silently turns the inbox off, which is why
+/// there is deliberately no `Default` and why [`MessageId::parse`] refuses
+/// anything that is not a UUID instead of hashing it into one.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MessageId(Uuid);
+
+impl MessageId {
+    /// Wraps a UUID the producer assigned.
+    pub const fn from_uuid(id: Uuid) -> Self {
+        Self(id)
+    }
+
+    /// A new time-ordered (v7) id, for producers.
+    ///
+    /// Time-ordered ids keep the inbox primary key's B-tree inserts local,
+    /// which matters on tables of millions of rows.
+    pub fn new_v7() -> Self {
+        Self(Uuid::now_v7())
+    }
+
+    /// Parses the textual form found in a message header.
+    ///
+    /// # Errors
+    /// [`InboxError::InvalidMessageId`] (permanent) when `text` is empty or
+    /// not a UUID; the error carries the offending text, truncated, for the
+    /// dead-letter reason.
+    pub fn parse(text: &str) -> Result<Self, InboxError> {
+        let trimmed = text.trim();
+        if trimmed.is_empty() {
+            return Err(InboxError::InvalidMessageId {
+                value: String::new(),
+                reason: "message id is empty",
+            });
+        }
+        Uuid::parse_str(trimmed)
+            .map(Self)
+            .map_err(|_| InboxError::InvalidMessageId {
+                value: truncate(trimmed, 64),
+                reason: "message id is not a UUID",
+            })
+    }
+
+    /// The UUID inside.
+    pub const fn as_uuid(&self) -> &Uuid {
+        &self.0
+    }
+}
+
+impl From<Uuid> for MessageId {
+    fn from(id: Uuid) -> Self {
+        Self(id)
+    }
+}
+
+impl From<MessageId> for Uuid {
+    fn from(id: MessageId) -> Self {
+        id.0
+    }
+}
+
+impl FromStr for MessageId {
+    type Err = InboxError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::parse(s)
+    }
+}
+
+impl fmt::Display for MessageId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl fmt::Debug for MessageId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "MessageId({})", self.0)
+    }
+}
+
+/// The name of a consumer: the scope of deduplication.
+///
+/// The inbox key is `(message, consumer)`, never the message alone: keyed on
+/// the message id only, a second consumer of the same message would find the
+/// first one's row and silently skip its own work.
+///
+/// Validated on construction so it always fits the `consumer_type
+/// VARCHAR(500)` column and prints safely in a log line: non-empty, at most
+/// [`ConsumerName::MAX_LEN`] bytes, no control characters, no surrounding
+/// whitespace (two names that differ only by a trailing space would be two
+/// scopes that look like one).
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConsumerName(Arc<str>);
+
+impl ConsumerName {
+    /// The longest name, in bytes, that fits the schema's column.
+    pub const MAX_LEN: usize = 500;
+
+    /// Validates and wraps a consumer name.
+    ///
+    /// # Errors
+    /// [`InboxError::InvalidConsumerName`] (permanent) naming the broken rule.
+    pub fn new(name: impl AsRef<str>) -> Result<Self, InboxError> {
+        let name = name.as_ref();
+        let reason = if name.is_empty() {
+            Some("consumer name is empty")
+        } else if name.len() > Self::MAX_LEN {
+            Some("consumer name is longer than 500 bytes")
+        } else if name.chars().any(char::is_control) {
+            Some("consumer name contains a control character")
+        } else if name.trim() != name {
+            Some("consumer name has leading or trailing whitespace")
+        } else {
+            None
+        };
+        match reason {
+            Some(reason) => Err(InboxError::InvalidConsumerName {
+                value: truncate(name, 64),
+                reason,
+            }),
+            None => Ok(Self(Arc::from(name))),
+        }
+    }
+
+    /// The name as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl FromStr for ConsumerName {
+    type Err = InboxError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::new(s)
+    }
+}
+
+impl AsRef<str> for ConsumerName {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for ConsumerName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for ConsumerName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ConsumerName({:?})", &*self.0)
+    }
+}
+
+/// The primary key of the inbox: one message as seen by one consumer.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+pub struct InboxKey {
+    /// Which message.
+    pub message_id: MessageId,
+    /// Which consumer's scope.
+    pub consumer: ConsumerName,
+}
+
+impl InboxKey {
+    /// Pairs a message with the consumer handling it.
+    pub fn new(message_id: MessageId, consumer: ConsumerName) -> Self {
+        Self {
+            message_id,
+            consumer,
+        }
+    }
+}
+
+impl fmt::Display for InboxKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}@{}", self.message_id, self.consumer)
+    }
+}
+
+/// Cuts `text` to at most `max` bytes on a char boundary, for error messages
+/// that quote user input.
+fn truncate(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_owned();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn message_id_round_trips_and_rejects_garbage() {
+        let id = MessageId::new_v7();
+        assert_eq!(MessageId::parse(&id.to_string()).unwrap(), id);
+        assert_eq!(
+            MessageId::parse(&format!("  {id} ")).unwrap(),
+            id,
+            "header values may carry whitespace"
+        );
+        for bad in ["", "   ", "not-a-uuid", "12345", "00000000-0000-0000-0000-00000000000g"] {
+            let err = MessageId::parse(bad).unwrap_err();
+            assert!(matches!(err, InboxError::InvalidMessageId { .. }), "{bad:?}: {err}");
+            assert!(!err.is_retryable(), "a malformed id never becomes valid on retry");
+        }
+    }
+
+    #[test]
+    fn message_id_error_quotes_truncated_input() {
+        let long = "x".repeat(1000);
+        let err = MessageId::parse(&long).unwrap_err();
+        assert!(err.to_string().len() < 200, "{err}");
+    }
+
+    #[test]
+    fn consumer_name_rules() {
+        assert!(ConsumerName::new("notification").is_ok());
+        assert!(ConsumerName::new("a".repeat(500)).is_ok());
+        assert!(ConsumerName::new("é".repeat(250)).is_ok(), "500 bytes exactly");
+        for bad in [
+            String::new(),
+            "a".repeat(501),
+            "é".repeat(251),
+            "tab\there".to_owned(),
+            " padded".to_owned(),
+            "padded ".to_owned(),
+        ] {
+            let err = ConsumerName::new(&bad).unwrap_err();
+            assert!(matches!(err, InboxError::InvalidConsumerName { .. }), "{bad:?}");
+            assert!(!err.is_retryable());
+        }
+    }
+
+    #[test]
+    fn keys_differ_by_consumer() {
+        let id = MessageId::new_v7();
+        let a = InboxKey::new(id, ConsumerName::new("a").unwrap());
+        let b = InboxKey::new(id, ConsumerName::new("b").unwrap());
+        assert_ne!(a, b);
+        assert_eq!(a.to_string(), format!("{id}@a"));
+    }
+}

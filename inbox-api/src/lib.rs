@@ -1,0 +1,28 @@
+//! The Inbox pattern's vocabulary: exactly-once *effects* on top of
+//! at-least-once delivery.
+//!
+//! A broker redelivers after a crash, a lost ack or a restart. In the same
+//! database transaction as the consumer's own writes, the inbox records
+//! `(message_id, consumer)`; a second delivery finds the record, and is
+//! acknowledged and dropped without running the work again.
+//!
+//! - [`MessageId`], [`ConsumerName`], [`InboxKey`]: what is deduplicated.
+//! - [`InboxStore`] / [`InboxTransaction`]: the contract each backend keeps
+//!   (`inbox-backend-memory`, `inbox-backend-sqlx`, `inbox-backend-diesel`).
+//! - [`Inbox::handle`]: the middleware a consumer runs inside.
+//! - [`InboxError`]: one error type, each error retryable or permanent.
+//! - [`metrics`]: the metric names, documented in one place.
+//!
+//! This crate depends on no backend and no runtime.
+#![deny(missing_docs)]
+
+mod error;
+mod inbox;
+mod key;
+pub mod metrics;
+mod store;
+
+pub use error::{BoxError, Disposition, InboxError};
+pub use inbox::{AsyncWork, Handled, Inbox};
+pub use key::{ConsumerName, InboxKey, MessageId};
+pub use store::{Claim, InboxRecord, InboxStore, InboxTransaction};

@@ -1,0 +1,182 @@
+//! The storage contract every backend keeps.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+
+use crate::{InboxError, InboxKey};
+
+/// The answer to a claim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[must_use = "a Duplicate claim means the work must be skipped"]
+pub enum Claim {
+    /// No committed row for this key: this transaction now holds it and must
+    /// do the work. Concurrent claims of the same key wait for this
+    /// transaction to end.
+    Fresh,
+    /// A transaction that claimed this key has committed: the work is done,
+    /// skip it and acknowledge the delivery.
+    Duplicate,
+}
+
+/// One committed inbox row, as read back for diagnostics.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InboxRecord {
+    /// Which message, for which consumer.
+    pub key: InboxKey,
+    /// When the claim was made (store clock).
+    pub received_at: DateTime<Utc>,
+    /// When the work was marked processed, in the same transaction. `None`
+    /// only for rows a caller committed without marking them.
+    pub processed_at: Option<DateTime<Utc>>,
+}
+
+/// A store of inbox rows with transactions the consumer's own writes share.
+///
+/// Implementations keep the contract in `shared/DESIGN.md`, checked line by
+/// line by the `inbox-conformance` crate:
+///
+/// 1. [`InboxTransaction::claim`] is one atomic insert-or-nothing, never a
+///    check followed by an insert.
+/// 2. A claim of a key held by another open transaction waits for it: commit
+///    means `Duplicate`, rollback or drop means `Fresh`. Distinct keys never
+///    wait on each other.
+/// 3. The inbox row and the business writes commit together or not at all; a
+///    transaction dropped without commit leaves no trace.
+/// 4. The key is `(message, consumer)`.
+/// 5. `processed_at` is set inside the transaction, and cleanup deletes
+///    processed rows in bounded batches.
+/// 6. Every error is classified retryable or permanent.
+#[async_trait]
+pub trait InboxStore: Send + Sync + 'static {
+    /// The backend's transaction. It also gives the consumer the backend's
+    /// native handle (a `PgConnection`, an `AsyncPgConnection`, …) for its
+    /// business writes, so they share the claim's fate.
+    type Transaction: InboxTransaction;
+
+    /// Opens a transaction.
+    ///
+    /// # Errors
+    /// Retryable when no connection is available.
+    async fn begin(&self) -> Result<Self::Transaction, InboxError>;
+
+    /// Reads the committed row of `key`, without waiting for open
+    /// transactions.
+    ///
+    /// For diagnostics and tests only. Never use it to decide whether to do
+    /// the work: a check followed by a claim lets two concurrent first
+    /// deliveries both pass the check (MassTransit PR #3617).
+    ///
+    /// # Errors
+    /// As [`InboxStore::begin`].
+    async fn lookup(&self, key: &InboxKey) -> Result<Option<InboxRecord>, InboxError>;
+
+    /// Deletes at most `limit` processed rows whose `processed_at` is before
+    /// `cutoff`, in one short transaction of its own, and returns how many
+    /// went.
+    ///
+    /// Bounded so that cleanup never holds locks long enough to stall the
+    /// claims running beside it, and so several instances cleaning at once
+    /// do not fail each other. Rows never marked processed are kept.
+    ///
+    /// # Errors
+    /// [`InboxError::InvalidArgument`] when `limit` is zero; otherwise as the
+    /// store's transactions.
+    async fn purge_processed_batch(
+        &self,
+        cutoff: DateTime<Utc>,
+        limit: u32,
+    ) -> Result<u64, InboxError>;
+
+    /// Deletes every processed row older than `cutoff`, `batch_size` rows per
+    /// transaction, and returns how many went.
+    ///
+    /// # Errors
+    /// As [`InboxStore::purge_processed_batch`]; rows deleted by the batches
+    /// that committed before an error stay deleted.
+    async fn purge_processed_before(
+        &self,
+        cutoff: DateTime<Utc>,
+        batch_size: u32,
+    ) -> Result<u64, InboxError> {
+        let mut total = 0;
+        loop {
+            let deleted = self.purge_processed_batch(cutoff, batch_size).await?;
+            total += deleted;
+            if deleted < u64::from(batch_size) {
+                tracing::debug!(total, "inbox purge finished");
+                return Ok(total);
+            }
+        }
+    }
+}
+
+/// An open transaction of an [`InboxStore`].
+///
+/// Dropping it without [`InboxTransaction::commit`] rolls it back: its claims
+/// are released (a waiting claim then gets `Fresh`) and its writes vanish.
+/// Backends whose driver can only queue that rollback must make sure the
+/// connection is not reused inside an open transaction.
+#[async_trait]
+pub trait InboxTransaction: Send {
+    /// Claims `key` for this transaction: the first write of the
+    /// transaction, one atomic insert-or-nothing.
+    ///
+    /// Waits while another open transaction holds the key. Claiming a key
+    /// this transaction already holds answers `Duplicate`.
+    ///
+    /// # Errors
+    /// Store failures only; a duplicate is [`Claim::Duplicate`], not an error.
+    async fn claim(&mut self, key: &InboxKey) -> Result<Claim, InboxError>;
+
+    /// Sets `processed_at` on a key this transaction claimed, so cleanup can
+    /// later find it.
+    ///
+    /// # Errors
+    /// Store failures, or [`InboxError::InvalidArgument`] for a key this
+    /// transaction did not claim.
+    async fn mark_processed(&mut self, key: &InboxKey) -> Result<(), InboxError>;
+
+    /// Makes the claims and the business writes durable, together.
+    ///
+    /// # Errors
+    /// A lost connection during commit is retryable and leaves the outcome
+    /// unknown; redelivery resolves it.
+    async fn commit(self) -> Result<(), InboxError>;
+
+    /// Discards the claims and the business writes.
+    ///
+    /// # Errors
+    /// Store failures; the transaction is gone either way.
+    async fn rollback(self) -> Result<(), InboxError>;
+}
+
+#[async_trait]
+impl<S: InboxStore> InboxStore for Arc<S> {
+    type Transaction = S::Transaction;
+
+    async fn begin(&self) -> Result<Self::Transaction, InboxError> {
+        (**self).begin().await
+    }
+
+    async fn lookup(&self, key: &InboxKey) -> Result<Option<InboxRecord>, InboxError> {
+        (**self).lookup(key).await
+    }
+
+    async fn purge_processed_batch(
+        &self,
+        cutoff: DateTime<Utc>,
+        limit: u32,
+    ) -> Result<u64, InboxError> {
+        (**self).purge_processed_batch(cutoff, limit).await
+    }
+
+    async fn purge_processed_before(
+        &self,
+        cutoff: DateTime<Utc>,
+        batch_size: u32,
+    ) -> Result<u64, InboxError> {
+        (**self).purge_processed_before(cutoff, batch_size).await
+    }
+}
