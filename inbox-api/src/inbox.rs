@@ -32,7 +32,9 @@ impl<T> Handled<T> {
 /// transaction. This is the shape diesel-async 0.9 settled on for its
 /// `transaction` method. It is implemented for every async closure; users
 /// never name it, they write `async |tx| { … }`.
-pub trait AsyncWork<Arg, R>: AsyncFnOnce(Arg) -> R + FnOnce(Arg) -> <Self as AsyncWork<Arg, R>>::Fut {
+pub trait AsyncWork<Arg, R>:
+    AsyncFnOnce(Arg) -> R + FnOnce(Arg) -> <Self as AsyncWork<Arg, R>>::Fut
+{
     /// The closure's future.
     type Fut: Future<Output = R>;
 }
@@ -122,6 +124,10 @@ impl<S: InboxStore> Inbox<S> {
     ///     });
     /// }
     /// ```
+    #[expect(
+        clippy::manual_async_fn,
+        reason = "an async fn cannot promise `Send`; the explicit bound lets callers spawn it"
+    )]
     pub fn handle<'a, T, E, F>(
         &'a self,
         key: &'a InboxKey,
@@ -151,7 +157,14 @@ impl<S: InboxStore> Inbox<S> {
             let store_failed = |stage: &'static str, error: InboxError| {
                 tracing::warn!(message_id = %key.message_id, consumer = %key.consumer,
                     stage, error = %error, retryable = error.is_retryable(), "inbox store failed");
-                fail(stage, if error.is_retryable() { "true" } else { "false" });
+                fail(
+                    stage,
+                    if error.is_retryable() {
+                        "true"
+                    } else {
+                        "false"
+                    },
+                );
                 E::from(error)
             };
 

@@ -219,10 +219,22 @@ mod tests {
             id,
             "header values may carry whitespace"
         );
-        for bad in ["", "   ", "not-a-uuid", "12345", "00000000-0000-0000-0000-00000000000g"] {
+        for bad in [
+            "",
+            "   ",
+            "not-a-uuid",
+            "12345",
+            "00000000-0000-0000-0000-00000000000g",
+        ] {
             let err = MessageId::parse(bad).unwrap_err();
-            assert!(matches!(err, InboxError::InvalidMessageId { .. }), "{bad:?}: {err}");
-            assert!(!err.is_retryable(), "a malformed id never becomes valid on retry");
+            assert!(
+                matches!(err, InboxError::InvalidMessageId { .. }),
+                "{bad:?}: {err}"
+            );
+            assert!(
+                !err.is_retryable(),
+                "a malformed id never becomes valid on retry"
+            );
         }
     }
 
@@ -237,7 +249,10 @@ mod tests {
     fn consumer_name_rules() {
         assert!(ConsumerName::new("notification").is_ok());
         assert!(ConsumerName::new("a".repeat(500)).is_ok());
-        assert!(ConsumerName::new("é".repeat(250)).is_ok(), "500 bytes exactly");
+        assert!(
+            ConsumerName::new("é".repeat(250)).is_ok(),
+            "500 bytes exactly"
+        );
         for bad in [
             String::new(),
             "a".repeat(501),
@@ -247,7 +262,10 @@ mod tests {
             "padded ".to_owned(),
         ] {
             let err = ConsumerName::new(&bad).unwrap_err();
-            assert!(matches!(err, InboxError::InvalidConsumerName { .. }), "{bad:?}");
+            assert!(
+                matches!(err, InboxError::InvalidConsumerName { .. }),
+                "{bad:?}"
+            );
             assert!(!err.is_retryable());
         }
     }

@@ -90,6 +90,13 @@ pub trait Harness: Send + Sync + 'static {
     /// move the timestamps back), so cleanup can be tested without waiting.
     async fn age_rows(&self, store: &Self::Store, age: Duration);
 
+    /// The store's idea of now, against which rows are timestamped (a
+    /// manual clock in the memory backend; the database clock otherwise).
+    async fn store_now(&self, store: &Self::Store) -> chrono::DateTime<chrono::Utc> {
+        let _ = store;
+        chrono::Utc::now()
+    }
+
     /// How long the suite waits to decide that a claim is blocked (it must
     /// still be pending after this long). Longer for stores over a network.
     fn blocking_probe(&self) -> Duration {

@@ -1,0 +1,282 @@
+//! Deliberately broken stores: the suite must reject every one of them.
+//!
+//! Each wraps a correct store and breaks one promise the way real inboxes
+//! have broken it. They are generic wrappers, so they break any backend the
+//! same way; this crate's tests run them over the memory backend and assert
+//! that both the contract tests and the crash-point model fail.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use inbox_api::{Claim, InboxError, InboxKey, InboxRecord, InboxStore, InboxTransaction};
+
+use crate::{CrashKind, Harness, TxOf};
+
+/// Which promise the store breaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Broken {
+    /// Reads committed state, and if the key is absent inserts it without
+    /// looking at the insert's outcome: two concurrent first deliveries both
+    /// pass the check (MassTransit before PR #3617).
+    CheckThenInsert,
+    /// Commits the claim in a transaction of its own before the work: a
+    /// crash after the claim loses the message for good.
+    ClaimInOwnTransaction,
+    /// Does the work first and claims at the end, keeping the work even when
+    /// the late claim finds a duplicate.
+    WorkBeforeClaim,
+    /// Treats a key claimed by another *open* transaction as done instead of
+    /// waiting for it: if that transaction rolls back, the message is lost.
+    ClaimWithoutWaiting,
+}
+
+impl Broken {
+    /// Every broken store.
+    pub const ALL: [Broken; 4] = [
+        Broken::CheckThenInsert,
+        Broken::ClaimInOwnTransaction,
+        Broken::WorkBeforeClaim,
+        Broken::ClaimWithoutWaiting,
+    ];
+}
+
+/// Keys claimed by open transactions of one [`BrokenStore`], so that
+/// [`Broken::ClaimWithoutWaiting`] can answer without waiting.
+type InFlight = Arc<Mutex<HashSet<InboxKey>>>;
+
+fn lock(set: &InFlight) -> std::sync::MutexGuard<'_, HashSet<InboxKey>> {
+    set.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A correct store `S` broken the way `kind` says.
+#[derive(Clone, Debug)]
+pub struct BrokenStore<S> {
+    inner: S,
+    kind: Broken,
+    in_flight: InFlight,
+}
+
+impl<S> BrokenStore<S> {
+    /// Breaks `inner`.
+    pub fn new(inner: S, kind: Broken) -> Self {
+        Self {
+            inner,
+            kind,
+            in_flight: Arc::default(),
+        }
+    }
+
+    /// The correct store underneath.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+}
+
+/// Releases the keys an open transaction held in [`InFlight`].
+struct HeldKeys {
+    set: InFlight,
+    keys: Vec<InboxKey>,
+}
+
+impl Drop for HeldKeys {
+    fn drop(&mut self) {
+        let mut set = lock(&self.set);
+        for key in &self.keys {
+            set.remove(key);
+        }
+    }
+}
+
+/// A transaction of a [`BrokenStore`].
+pub struct BrokenTransaction<S: InboxStore> {
+    inner: S::Transaction,
+    store: BrokenStore<S>,
+    held: HeldKeys,
+    /// Keys whose claim was skipped or made elsewhere: no marking here.
+    not_claimed_here: Vec<InboxKey>,
+    /// Keys whose claim [`Broken::WorkBeforeClaim`] postponed.
+    deferred: Vec<InboxKey>,
+}
+
+impl<S: InboxStore> BrokenTransaction<S> {
+    /// The correct transaction underneath, for business writes.
+    pub fn inner_mut(&mut self) -> &mut S::Transaction {
+        &mut self.inner
+    }
+}
+
+#[async_trait]
+impl<S: InboxStore + Clone> InboxStore for BrokenStore<S> {
+    type Transaction = BrokenTransaction<S>;
+
+    async fn begin(&self) -> Result<Self::Transaction, InboxError> {
+        Ok(BrokenTransaction {
+            inner: self.inner.begin().await?,
+            store: self.clone(),
+            held: HeldKeys {
+                set: self.in_flight.clone(),
+                keys: Vec::new(),
+            },
+            not_claimed_here: Vec::new(),
+            deferred: Vec::new(),
+        })
+    }
+
+    async fn lookup(&self, key: &InboxKey) -> Result<Option<InboxRecord>, InboxError> {
+        self.inner.lookup(key).await
+    }
+
+    async fn purge_processed_batch(
+        &self,
+        cutoff: DateTime<Utc>,
+        limit: u32,
+    ) -> Result<u64, InboxError> {
+        self.inner.purge_processed_batch(cutoff, limit).await
+    }
+}
+
+#[async_trait]
+impl<S: InboxStore + Clone> InboxTransaction for BrokenTransaction<S> {
+    async fn claim(&mut self, key: &InboxKey) -> Result<Claim, InboxError> {
+        match self.store.kind {
+            Broken::CheckThenInsert => {
+                if self.store.inner.lookup(key).await?.is_some() {
+                    return Ok(Claim::Duplicate);
+                }
+                // The gap between check and insert is where a concurrent
+                // first delivery slips through.
+                tokio::task::yield_now().await;
+                if self.inner.claim(key).await? == Claim::Duplicate {
+                    self.not_claimed_here.push(key.clone());
+                }
+                Ok(Claim::Fresh)
+            }
+            Broken::ClaimInOwnTransaction => {
+                let mut own = self.store.inner.begin().await?;
+                let claim = own.claim(key).await?;
+                if claim == Claim::Fresh {
+                    own.mark_processed(key).await?;
+                    own.commit().await?;
+                } else {
+                    own.rollback().await?;
+                }
+                self.not_claimed_here.push(key.clone());
+                Ok(claim)
+            }
+            Broken::WorkBeforeClaim => {
+                self.deferred.push(key.clone());
+                Ok(Claim::Fresh)
+            }
+            Broken::ClaimWithoutWaiting => {
+                let in_flight_elsewhere = {
+                    let set = lock(&self.store.in_flight);
+                    set.contains(key) && !self.held.keys.contains(key)
+                };
+                if in_flight_elsewhere {
+                    return Ok(Claim::Duplicate);
+                }
+                lock(&self.store.in_flight).insert(key.clone());
+                self.held.keys.push(key.clone());
+                self.inner.claim(key).await
+            }
+        }
+    }
+
+    async fn mark_processed(&mut self, key: &InboxKey) -> Result<(), InboxError> {
+        if self.deferred.contains(key) {
+            // The late claim: whatever it answers, the work is already in
+            // this transaction and will commit.
+            if self.inner.claim(key).await? == Claim::Fresh {
+                self.inner.mark_processed(key).await?;
+            }
+            return Ok(());
+        }
+        if self.not_claimed_here.contains(key) {
+            return Ok(());
+        }
+        self.inner.mark_processed(key).await
+    }
+
+    async fn commit(self) -> Result<(), InboxError> {
+        self.inner.commit().await
+    }
+
+    async fn rollback(self) -> Result<(), InboxError> {
+        self.inner.rollback().await
+    }
+}
+
+/// Runs any harness's backend through a broken store.
+pub struct BrokenHarness<H> {
+    inner: H,
+    kind: Broken,
+}
+
+impl<H> BrokenHarness<H> {
+    /// Breaks the stores `inner` makes the way `kind` says.
+    pub fn new(inner: H, kind: Broken) -> Self {
+        Self { inner, kind }
+    }
+}
+
+#[async_trait]
+impl<H: Harness> Harness for BrokenHarness<H> {
+    type Store = BrokenStore<H::Store>;
+
+    fn name(&self) -> String {
+        format!("{} broken by {:?}", self.inner.name(), self.kind)
+    }
+
+    async fn fresh_store(&self) -> Self::Store {
+        BrokenStore::new(self.inner.fresh_store().await, self.kind)
+    }
+
+    async fn record_effect(&self, tx: &mut TxOf<Self>, key: &InboxKey) -> Result<(), InboxError> {
+        self.inner.record_effect(tx.inner_mut(), key).await
+    }
+
+    async fn effects(&self, store: &Self::Store) -> std::collections::BTreeMap<InboxKey, u64> {
+        self.inner.effects(store.inner()).await
+    }
+
+    async fn inbox_rows(&self, store: &Self::Store) -> Vec<InboxRecord> {
+        self.inner.inbox_rows(store.inner()).await
+    }
+
+    async fn crash(&self, store: &Self::Store, tx: TxOf<Self>, kind: CrashKind) {
+        let BrokenTransaction { inner, held, .. } = tx;
+        self.inner.crash(store.inner(), inner, kind).await;
+        drop(held);
+    }
+
+    async fn commit_lost(
+        &self,
+        store: &Self::Store,
+        tx: TxOf<Self>,
+        commit_happens: bool,
+    ) -> Option<bool> {
+        let BrokenTransaction { inner, held, .. } = tx;
+        let outcome = self
+            .inner
+            .commit_lost(store.inner(), inner, commit_happens)
+            .await;
+        drop(held);
+        outcome
+    }
+
+    async fn age_rows(&self, store: &Self::Store, age: Duration) {
+        self.inner.age_rows(store.inner(), age).await;
+    }
+
+    async fn store_now(&self, store: &Self::Store) -> DateTime<Utc> {
+        self.inner.store_now(store.inner()).await
+    }
+
+    fn blocking_probe(&self) -> Duration {
+        self.inner.blocking_probe()
+    }
+}

@@ -1,0 +1,556 @@
+//! Deterministic tests, one or more per line of the contract in DESIGN.md.
+//!
+//! Each is a plain `pub async fn` generic over a [`Harness`]; failures come
+//! back as [`Failure`]s naming what was expected and what was seen.
+
+use std::future::Future;
+use std::pin::pin;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use futures::future::join_all;
+use inbox_api::{
+    Claim, ConsumerName, Handled, Inbox, InboxError, InboxKey, InboxRecord, InboxStore,
+    InboxTransaction, MessageId,
+};
+
+use crate::{CrashKind, Failure, Harness, Outcome, check, check_eq};
+
+/// How long a claim that must *not* wait may take before the suite calls it
+/// blocked.
+const NO_WAIT_LIMIT: Duration = Duration::from_secs(10);
+
+/// A fresh key for `consumer`.
+pub fn new_key(consumer: &str) -> InboxKey {
+    InboxKey::new(MessageId::new_v7(), consumer_name(consumer))
+}
+
+fn consumer_name(name: &str) -> ConsumerName {
+    ConsumerName::new(name).expect("test consumer names are valid")
+}
+
+/// Committed effects of `key`.
+pub async fn effects_of<H: Harness>(h: &H, store: &H::Store, key: &InboxKey) -> u64 {
+    h.effects(store).await.get(key).copied().unwrap_or(0)
+}
+
+/// The committed inbox row of `key`, read through the harness.
+pub async fn row_of<H: Harness>(h: &H, store: &H::Store, key: &InboxKey) -> Option<InboxRecord> {
+    h.inbox_rows(store)
+        .await
+        .into_iter()
+        .find(|r| r.key == *key)
+}
+
+/// Claims, records one effect, marks processed and commits.
+pub async fn process_once<H: Harness>(h: &H, store: &H::Store, key: &InboxKey) -> Outcome {
+    let mut tx = store.begin().await?;
+    check_eq!(tx.claim(key).await?, Claim::Fresh, "first claim of {key}");
+    h.record_effect(&mut tx, key).await?;
+    tx.mark_processed(key).await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Whether `fut` is still unfinished after the harness' blocking probe.
+async fn stays_pending<F: Future + Unpin>(h: &impl Harness, fut: &mut F) -> bool {
+    tokio::time::timeout(h.blocking_probe(), fut).await.is_err()
+}
+
+/// Runs `fut` to completion unless it takes longer than [`NO_WAIT_LIMIT`].
+async fn without_waiting<F: Future>(what: &str, fut: F) -> Result<F::Output, Failure> {
+    tokio::time::timeout(NO_WAIT_LIMIT, fut)
+        .await
+        .map_err(|_| Failure::new(format!("{what} waited {NO_WAIT_LIMIT:?}; it must not wait")))
+}
+
+/// A key's row and effect agree and say "processed exactly once".
+async fn expect_processed_once<H: Harness>(h: &H, store: &H::Store, key: &InboxKey) -> Outcome {
+    check_eq!(effects_of(h, store, key).await, 1, "effects of {key}");
+    let row = row_of(h, store, key).await;
+    check!(row.is_some(), "no inbox row for processed {key}");
+    check!(
+        row.as_ref().is_some_and(|r| r.processed_at.is_some()),
+        "inbox row of {key} has no processed_at: {row:?}"
+    );
+    Ok(())
+}
+
+/// A key has neither a row nor an effect.
+async fn expect_no_trace<H: Harness>(h: &H, store: &H::Store, key: &InboxKey) -> Outcome {
+    check_eq!(effects_of(h, store, key).await, 0, "effects of {key}");
+    let row = row_of(h, store, key).await;
+    check!(row.is_none(), "inbox row left behind for {key}: {row:?}");
+    Ok(())
+}
+
+/// Contract 1: a first claim is `Fresh`, every later one `Duplicate`.
+pub async fn claim_is_fresh_then_duplicate<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let key = new_key("c1");
+    process_once(h, &store, &key).await?;
+    for attempt in 0..2 {
+        let mut tx = store.begin().await?;
+        check_eq!(
+            tx.claim(&key).await?,
+            Claim::Duplicate,
+            "redelivery {attempt}"
+        );
+        tx.rollback().await?;
+    }
+    expect_processed_once(h, &store, &key).await
+}
+
+/// Claiming a key the same transaction holds answers `Duplicate`, like an
+/// `INSERT … ON CONFLICT DO NOTHING` repeated in one transaction.
+pub async fn claim_twice_in_one_transaction_is_duplicate<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let key = new_key("c1");
+    let mut tx = store.begin().await?;
+    check_eq!(tx.claim(&key).await?, Claim::Fresh, "first claim");
+    let second =
+        without_waiting("a second claim in the same transaction", tx.claim(&key)).await??;
+    check_eq!(
+        second,
+        Claim::Duplicate,
+        "second claim in the same transaction"
+    );
+    h.record_effect(&mut tx, &key).await?;
+    tx.mark_processed(&key).await?;
+    tx.commit().await?;
+    check_eq!(h.inbox_rows(&store).await.len(), 1, "rows");
+    expect_processed_once(h, &store, &key).await
+}
+
+/// Contract 3: a rolled back transaction leaves neither row nor effect, and
+/// the key can be claimed again.
+pub async fn rollback_leaves_no_trace<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let key = new_key("c1");
+    let mut tx = store.begin().await?;
+    check_eq!(tx.claim(&key).await?, Claim::Fresh, "claim");
+    h.record_effect(&mut tx, &key).await?;
+    tx.mark_processed(&key).await?;
+    tx.rollback().await?;
+    expect_no_trace(h, &store, &key).await?;
+    process_once(h, &store, &key).await?;
+    expect_processed_once(h, &store, &key).await
+}
+
+async fn crash_leaves_no_trace<H: Harness>(h: &H, kind: CrashKind) -> Outcome {
+    let store = h.fresh_store().await;
+    let key = new_key("c1");
+    let mut tx = store.begin().await?;
+    check_eq!(tx.claim(&key).await?, Claim::Fresh, "claim");
+    h.record_effect(&mut tx, &key).await?;
+    tx.mark_processed(&key).await?;
+    h.crash(&store, tx, kind).await;
+    expect_no_trace(h, &store, &key).await?;
+    // The redelivery must not wait on the dead transaction's claim.
+    without_waiting("the claim after a crash", process_once(h, &store, &key)).await??;
+    expect_processed_once(h, &store, &key).await
+}
+
+/// Contract 3: a transaction dropped without commit (a panic, a cancelled
+/// future) leaves no trace.
+pub async fn dropped_transaction_leaves_no_trace<H: Harness>(h: &H) -> Outcome {
+    crash_leaves_no_trace(h, CrashKind::Drop).await
+}
+
+/// Contract 3: a transaction whose connection is killed from outside leaves
+/// no trace.
+pub async fn killed_connection_leaves_no_trace<H: Harness>(h: &H) -> Outcome {
+    crash_leaves_no_trace(h, CrashKind::KillConnection).await
+}
+
+/// How the first of two concurrent claimers ends.
+#[derive(Clone, Copy, Debug)]
+enum Ending {
+    Commit,
+    Rollback,
+    Crash(CrashKind),
+}
+
+/// Contract 2: B's claim waits while A holds the key, then sees A's ending.
+async fn concurrent_claim<H: Harness>(h: &H, ending: Ending) -> Outcome {
+    let store = h.fresh_store().await;
+    let key = new_key("c1");
+    let mut a = store.begin().await?;
+    check_eq!(a.claim(&key).await?, Claim::Fresh, "A's claim");
+    h.record_effect(&mut a, &key).await?;
+
+    let b_store = store.clone();
+    let b_key = key.clone();
+    let mut b = pin!(async move {
+        let mut tx = b_store.begin().await?;
+        let claim = tx.claim(&b_key).await?;
+        Ok::<_, InboxError>((tx, claim))
+    });
+    check!(
+        stays_pending(h, &mut b).await,
+        "B's claim of {key} returned while A still held it uncommitted; it must wait"
+    );
+
+    match ending {
+        Ending::Commit => {
+            a.mark_processed(&key).await?;
+            a.commit().await?;
+        }
+        Ending::Rollback => a.rollback().await?,
+        Ending::Crash(kind) => h.crash(&store, a, kind).await,
+    }
+
+    let (mut b_tx, b_claim) = without_waiting("B's claim after A ended", b).await??;
+    match ending {
+        Ending::Commit => {
+            check_eq!(b_claim, Claim::Duplicate, "B's claim after A committed");
+            b_tx.rollback().await?;
+        }
+        Ending::Rollback | Ending::Crash(_) => {
+            check_eq!(
+                b_claim,
+                Claim::Fresh,
+                "B's claim after A ended with {ending:?}"
+            );
+            h.record_effect(&mut b_tx, &key).await?;
+            b_tx.mark_processed(&key).await?;
+            b_tx.commit().await?;
+        }
+    }
+    expect_processed_once(h, &store, &key).await
+}
+
+/// Contract 2: a concurrent claim waits, then sees `Duplicate` after commit.
+pub async fn concurrent_claim_waits_then_duplicate_after_commit<H: Harness>(h: &H) -> Outcome {
+    concurrent_claim(h, Ending::Commit).await
+}
+
+/// Contract 2: a concurrent claim waits, then gets `Fresh` after rollback.
+pub async fn concurrent_claim_waits_then_fresh_after_rollback<H: Harness>(h: &H) -> Outcome {
+    concurrent_claim(h, Ending::Rollback).await
+}
+
+/// Contract 2: a concurrent claim waits, then gets `Fresh` after the holder
+/// is dropped.
+pub async fn concurrent_claim_waits_then_fresh_after_drop<H: Harness>(h: &H) -> Outcome {
+    concurrent_claim(h, Ending::Crash(CrashKind::Drop)).await
+}
+
+/// Contract 2: a concurrent claim waits, then gets `Fresh` after the
+/// holder's connection is killed.
+pub async fn concurrent_claim_waits_then_fresh_after_kill<H: Harness>(h: &H) -> Outcome {
+    concurrent_claim(h, Ending::Crash(CrashKind::KillConnection)).await
+}
+
+/// Contract 2: claims of different keys never wait on each other.
+pub async fn distinct_keys_do_not_wait<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let held = new_key("c1");
+    let other = new_key("c1");
+    let mut a = store.begin().await?;
+    check_eq!(a.claim(&held).await?, Claim::Fresh, "A's claim");
+    without_waiting("a claim of another key", process_once(h, &store, &other)).await??;
+    a.rollback().await?;
+    expect_processed_once(h, &store, &other).await?;
+    expect_no_trace(h, &store, &held).await
+}
+
+/// Contract 4: the key is `(message, consumer)`: one consumer's claim,
+/// pending or committed, never hides the message from another consumer.
+pub async fn scope_is_per_consumer<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let message = MessageId::new_v7();
+    let notify = InboxKey::new(message, consumer_name("notification"));
+    let carrier = InboxKey::new(message, consumer_name("carrier"));
+
+    let mut a = store.begin().await?;
+    check_eq!(
+        a.claim(&notify).await?,
+        Claim::Fresh,
+        "notification's claim"
+    );
+    without_waiting(
+        "the other consumer's claim",
+        process_once(h, &store, &carrier),
+    )
+    .await??;
+    h.record_effect(&mut a, &notify).await?;
+    a.mark_processed(&notify).await?;
+    a.commit().await?;
+
+    expect_processed_once(h, &store, &notify).await?;
+    expect_processed_once(h, &store, &carrier).await?;
+    check_eq!(h.inbox_rows(&store).await.len(), 2, "one row per consumer");
+    Ok(())
+}
+
+/// Contract 3: claim and business write become visible together at commit,
+/// not before.
+pub async fn business_write_commits_with_claim<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let key = new_key("c1");
+    let mut tx = store.begin().await?;
+    check_eq!(tx.claim(&key).await?, Claim::Fresh, "claim");
+    h.record_effect(&mut tx, &key).await?;
+    tx.mark_processed(&key).await?;
+    expect_no_trace(h, &store, &key).await?;
+    check!(
+        store.lookup(&key).await?.is_none(),
+        "lookup sees an uncommitted claim"
+    );
+    tx.commit().await?;
+    expect_processed_once(h, &store, &key).await
+}
+
+/// Contract 5: `processed_at` is set inside the transaction; a claim
+/// committed without marking keeps it empty.
+pub async fn processed_at_is_set_in_the_transaction<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let inbox = Inbox::new(store.clone());
+    let key = new_key("c1");
+    let handled = inbox
+        .handle(&key, async |tx| h.record_effect(tx, &key).await)
+        .await?;
+    check_eq!(handled, Handled::Processed(()), "handle");
+    let row = row_of(h, &store, &key).await;
+    let Some(row) = row else {
+        return Err(Failure::new(format!("no row for {key}")));
+    };
+    let Some(processed_at) = row.processed_at else {
+        return Err(Failure::new(format!("processed_at not set: {row:?}")));
+    };
+    check!(
+        processed_at >= row.received_at,
+        "processed_at {processed_at} before received_at {}",
+        row.received_at
+    );
+
+    let unmarked = new_key("c1");
+    let mut tx = store.begin().await?;
+    check_eq!(tx.claim(&unmarked).await?, Claim::Fresh, "claim");
+    tx.commit().await?;
+    let row = row_of(h, &store, &unmarked).await;
+    check!(
+        row.as_ref().is_some_and(|r| r.processed_at.is_none()),
+        "a committed claim that was never marked must keep processed_at empty: {row:?}"
+    );
+    Ok(())
+}
+
+/// Marking a key the transaction did not claim is a permanent error.
+pub async fn mark_processed_requires_a_claim<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let key = new_key("c1");
+    let mut tx = store.begin().await?;
+    let result = tx.mark_processed(&key).await;
+    check!(
+        matches!(&result, Err(e) if !e.is_retryable()),
+        "mark_processed of an unclaimed key must fail permanently, got {result:?}"
+    );
+    tx.rollback().await?;
+    expect_no_trace(h, &store, &key).await
+}
+
+/// `lookup` reads committed state without waiting for open transactions.
+pub async fn lookup_does_not_wait<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let key = new_key("c1");
+    let mut tx = store.begin().await?;
+    check_eq!(tx.claim(&key).await?, Claim::Fresh, "claim");
+    let seen = without_waiting("lookup of a pending key", store.lookup(&key)).await??;
+    check!(
+        seen.is_none(),
+        "lookup returned an uncommitted row: {seen:?}"
+    );
+    h.record_effect(&mut tx, &key).await?;
+    tx.mark_processed(&key).await?;
+    tx.commit().await?;
+    let seen = store.lookup(&key).await?;
+    check!(
+        seen.as_ref()
+            .is_some_and(|r| r.key == key && r.processed_at.is_some()),
+        "lookup after commit: {seen:?}"
+    );
+    Ok(())
+}
+
+/// Contract 5: cleanup deletes processed rows older than the cutoff, in
+/// batches of the given size, and keeps unprocessed and recent rows.
+pub async fn purge_deletes_old_processed_rows_in_batches<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let old: Vec<InboxKey> = (0..3).map(|_| new_key("c1")).collect();
+    for key in &old {
+        process_once(h, &store, key).await?;
+    }
+    let unmarked = new_key("c1");
+    let mut tx = store.begin().await?;
+    check_eq!(tx.claim(&unmarked).await?, Claim::Fresh, "claim");
+    tx.commit().await?;
+
+    h.age_rows(&store, Duration::from_secs(10 * 24 * 3600))
+        .await;
+    let recent = new_key("c1");
+    process_once(h, &store, &recent).await?;
+
+    let cutoff = h.store_now(&store).await - chrono::Duration::days(7);
+    let first = store.purge_processed_batch(cutoff, 2).await?;
+    check_eq!(first, 2, "first batch of 2");
+    let rest = store.purge_processed_before(cutoff, 2).await?;
+    check_eq!(rest, 1, "the remaining old processed row");
+    let again = store.purge_processed_before(cutoff, 2).await?;
+    check_eq!(again, 0, "nothing left to purge");
+
+    let mut left: Vec<InboxKey> = h
+        .inbox_rows(&store)
+        .await
+        .into_iter()
+        .map(|r| r.key)
+        .collect();
+    left.sort();
+    let mut expected = vec![unmarked, recent];
+    expected.sort();
+    check_eq!(left, expected, "rows left after purge");
+    Ok(())
+}
+
+/// A zero batch size is refused, not treated as "unbounded".
+pub async fn purge_rejects_zero_batch<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let result = store
+        .purge_processed_batch(h.store_now(&store).await, 0)
+        .await;
+    check!(
+        matches!(&result, Err(InboxError::InvalidArgument { .. })),
+        "purge with batch size 0: {result:?}"
+    );
+    Ok(())
+}
+
+/// The middleware runs the work once and reports the duplicate after.
+pub async fn handle_runs_work_once<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let inbox = Inbox::new(store.clone());
+    let key = new_key("c1");
+    let runs = AtomicU32::new(0);
+    for expected in [
+        Handled::Processed(7),
+        Handled::Duplicate,
+        Handled::Duplicate,
+    ] {
+        let handled = inbox
+            .handle(&key, async |tx| {
+                runs.fetch_add(1, Ordering::SeqCst);
+                h.record_effect(tx, &key).await?;
+                Ok::<_, InboxError>(7)
+            })
+            .await?;
+        check_eq!(handled, expected, "handle");
+    }
+    check_eq!(runs.load(Ordering::SeqCst), 1, "work runs");
+    expect_processed_once(h, &store, &key).await
+}
+
+/// The middleware rolls back the claim with the work when the work fails,
+/// returns the work's error, and a redelivery runs the work again.
+pub async fn handle_rolls_back_on_work_error<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let inbox = Inbox::new(store.clone());
+    let key = new_key("c1");
+    let failed = inbox
+        .handle(&key, async |tx| {
+            h.record_effect(tx, &key).await?;
+            Err::<(), _>(InboxError::permanent_handler("carrier refused"))
+        })
+        .await;
+    check!(
+        matches!(
+            &failed,
+            Err(InboxError::Handler {
+                retryable: false,
+                ..
+            })
+        ),
+        "the work's error must come back as it was: {failed:?}"
+    );
+    expect_no_trace(h, &store, &key).await?;
+    let handled = without_waiting(
+        "the redelivery after a failed work",
+        inbox.handle(&key, async |tx| h.record_effect(tx, &key).await),
+    )
+    .await??;
+    check_eq!(handled, Handled::Processed(()), "redelivery");
+    expect_processed_once(h, &store, &key).await
+}
+
+/// The middleware's future dropped mid-work (a crash, a timeout) rolls back.
+pub async fn handle_rolls_back_when_cancelled<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let inbox = Inbox::new(store.clone());
+    let key = new_key("c1");
+    let (reached, mut work_done) = tokio::sync::oneshot::channel::<()>();
+    let mut reached = Some(reached);
+    {
+        let handling = inbox.handle(&key, async |tx| {
+            h.record_effect(tx, &key).await?;
+            if let Some(signal) = reached.take() {
+                let _ = signal.send(());
+            }
+            std::future::pending::<()>().await;
+            Ok::<_, InboxError>(())
+        });
+        tokio::select! {
+            result = handling => {
+                return Err(Failure::new(format!("pending work finished: {result:?}")));
+            }
+            _ = &mut work_done => {}
+        }
+    }
+    expect_no_trace(h, &store, &key).await?;
+    let handled = without_waiting(
+        "the redelivery after a cancelled handle",
+        inbox.handle(&key, async |tx| h.record_effect(tx, &key).await),
+    )
+    .await??;
+    check_eq!(handled, Handled::Processed(()), "redelivery");
+    expect_processed_once(h, &store, &key).await
+}
+
+/// Contract 1 and 2 under load: many concurrent first deliveries of one key
+/// run the work exactly once (check-then-insert fails this).
+pub async fn concurrent_first_deliveries_run_work_once<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let inbox = Inbox::new(store.clone());
+    let key = new_key("c1");
+    let deliveries = (0..8).map(|_| {
+        inbox.handle(&key, async |tx| {
+            tokio::task::yield_now().await;
+            h.record_effect(tx, &key).await?;
+            tokio::task::yield_now().await;
+            Ok::<_, InboxError>(())
+        })
+    });
+    let results = join_all(deliveries).await;
+    let mut processed = 0;
+    for result in results {
+        match result? {
+            Handled::Processed(()) => processed += 1,
+            Handled::Duplicate => {}
+        }
+    }
+    check_eq!(processed, 1, "deliveries that ran the work");
+    expect_processed_once(h, &store, &key).await
+}
+
+/// Runs every contract test against `h` and returns the failures by name.
+pub async fn run_all<H: Harness>(h: &H) -> Vec<(&'static str, Failure)> {
+    let mut failures = Vec::new();
+    macro_rules! run {
+        ($($name:ident),+ $(,)?) => {$(
+            if let Err(failure) = $name(h).await {
+                failures.push((stringify!($name), failure));
+            }
+        )+};
+    }
+    crate::__with_contract_tests!(run run);
+    failures
+}

@@ -1,0 +1,421 @@
+//! The crash-point model: an at-least-once broker over random schedules.
+//!
+//! M messages × C consumers are published, some more than once. The broker
+//! hands out deliveries in a random order, sometimes two copies of one key at
+//! once, and takes back every delivery that was not acknowledged. Each
+//! delivery meets a fault from the schedule (a crash after the claim, after
+//! the work, a commit whose answer is lost, a lost ack, a failing handler, a
+//! cancelled middleware future); once the schedule's faults are spent, the
+//! broker drains with healthy deliveries.
+//!
+//! The invariant after draining: every (message, consumer) has its effect
+//! committed exactly once and an inbox row (processed) iff the effect.
+//! Failures shrink to a minimal schedule.
+
+use std::collections::VecDeque;
+use std::fmt;
+
+use inbox_api::{Claim, Handled, Inbox, InboxError, InboxKey, InboxStore, InboxTransaction};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
+use tokio::task::yield_now;
+
+use crate::contract::new_key;
+use crate::{CrashKind, Failure, Harness};
+
+/// What befalls one delivery.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Handled through the middleware and acknowledged.
+    None,
+    /// Handled and committed, but the ack never reaches the broker.
+    AckLost,
+    /// The work fails with a retryable error; the middleware rolls back.
+    HandlerError,
+    /// The consumer dies right after its claim.
+    CrashAfterClaim(CrashKind),
+    /// The consumer dies after the business write, before commit.
+    CrashAfterWork(CrashKind),
+    /// The connection dies around COMMIT; the commit may or may not happen.
+    CommitLost {
+        /// Which way the default harness resolves it.
+        commit_happens: bool,
+    },
+    /// The middleware's future is dropped while the work is in flight.
+    CancelledInHandle,
+}
+
+/// One broker step of the schedule.
+#[derive(Clone, Debug)]
+pub struct Step {
+    /// Which queued delivery goes next (modulo the queue length).
+    pub pick: usize,
+    /// Whether a copy of the same key is delivered at the same time.
+    pub concurrent_copy: bool,
+    /// The fault of the picked delivery.
+    pub first: Fault,
+    /// The fault of the concurrent copy, if any.
+    pub second: Fault,
+}
+
+/// One generated run of the model.
+#[derive(Clone, Debug)]
+pub struct Schedule {
+    /// Distinct messages.
+    pub messages: usize,
+    /// Consumers of every message.
+    pub consumers: usize,
+    /// Extra publishes per (message, consumer), cycled.
+    pub extra_copies: Vec<u8>,
+    /// The faulty prefix of the run.
+    pub steps: Vec<Step>,
+}
+
+impl fmt::Display for Schedule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} message(s) x {} consumer(s), extra copies {:?}, steps:",
+            self.messages, self.consumers, self.extra_copies
+        )?;
+        for step in &self.steps {
+            write!(f, "\n  pick {} {:?}", step.pick, step.first)?;
+            if step.concurrent_copy {
+                write!(f, " || concurrent copy {:?}", step.second)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn crash_kind() -> impl Strategy<Value = CrashKind> {
+    prop_oneof![Just(CrashKind::Drop), Just(CrashKind::KillConnection)]
+}
+
+fn fault() -> impl Strategy<Value = Fault> {
+    prop_oneof![
+        3 => Just(Fault::None),
+        1 => Just(Fault::AckLost),
+        1 => Just(Fault::HandlerError),
+        1 => crash_kind().prop_map(Fault::CrashAfterClaim),
+        1 => crash_kind().prop_map(Fault::CrashAfterWork),
+        1 => any::<bool>().prop_map(|commit_happens| Fault::CommitLost { commit_happens }),
+        1 => Just(Fault::CancelledInHandle),
+    ]
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    (0usize..16, prop::bool::weighted(0.35), fault(), fault()).prop_map(
+        |(pick, concurrent_copy, first, second)| Step {
+            pick,
+            concurrent_copy,
+            first,
+            second,
+        },
+    )
+}
+
+/// Schedules of 1–3 messages × 1–2 consumers with up to 12 faulty steps.
+pub fn schedule() -> impl Strategy<Value = Schedule> {
+    (
+        1usize..=3,
+        1usize..=2,
+        prop::collection::vec(0u8..=2, 1..=6),
+        prop::collection::vec(step(), 0..=12),
+    )
+        .prop_map(|(messages, consumers, extra_copies, steps)| Schedule {
+            messages,
+            consumers,
+            extra_copies,
+            steps,
+        })
+}
+
+/// What the consumer tells the broker about one delivery.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ack {
+    /// Acknowledged: the broker forgets the delivery.
+    Ack,
+    /// Not acknowledged (crash, error, lost ack): the broker redelivers.
+    Redeliver,
+}
+
+/// A store error during a delivery: retryable ones are redelivered like a
+/// crash, permanent ones break the model (no fault injects bad input).
+fn on_error(key: &InboxKey, error: InboxError) -> Result<Ack, Failure> {
+    if error.is_retryable() {
+        Ok(Ack::Redeliver)
+    } else {
+        Err(Failure::new(format!(
+            "permanent error while delivering {key}: {error}"
+        )))
+    }
+}
+
+async fn work<H: Harness>(
+    h: &H,
+    tx: &mut crate::TxOf<H>,
+    key: &InboxKey,
+) -> Result<(), InboxError> {
+    yield_now().await;
+    h.record_effect(tx, key).await?;
+    yield_now().await;
+    Ok(())
+}
+
+/// One delivery of `key` meeting `fault`.
+async fn deliver<H: Harness>(
+    h: &H,
+    inbox: &Inbox<H::Store>,
+    key: &InboxKey,
+    fault: Fault,
+) -> Result<Ack, Failure> {
+    let store = inbox.store();
+    match fault {
+        Fault::None | Fault::AckLost => {
+            match inbox.handle(key, async |tx| work(h, tx, key).await).await {
+                Ok(_) if fault == Fault::AckLost => Ok(Ack::Redeliver),
+                Ok(_) => Ok(Ack::Ack),
+                Err(error) => on_error(key, error),
+            }
+        }
+        Fault::HandlerError => {
+            let handled = inbox
+                .handle(key, async |tx| {
+                    work(h, tx, key).await?;
+                    Err::<(), _>(InboxError::retryable_handler("carrier API timed out"))
+                })
+                .await;
+            match handled {
+                Ok(Handled::Duplicate) => Ok(Ack::Ack),
+                Ok(Handled::Processed(())) => Err(Failure::new(format!(
+                    "handle of {key} reported Processed for work that failed"
+                ))),
+                Err(InboxError::Handler { .. }) => Ok(Ack::Redeliver),
+                Err(error) => on_error(key, error),
+            }
+        }
+        Fault::CrashAfterClaim(kind) | Fault::CrashAfterWork(kind) => {
+            let mut tx = match store.begin().await {
+                Ok(tx) => tx,
+                Err(error) => return on_error(key, error),
+            };
+            let claim = match tx.claim(key).await {
+                Ok(claim) => claim,
+                Err(error) => return on_error(key, error),
+            };
+            yield_now().await;
+            // Work on a Duplicate claim would be a consumer bug, not the
+            // store's: only work on what was claimed Fresh.
+            if matches!(fault, Fault::CrashAfterWork(_)) && claim == Claim::Fresh {
+                if let Err(error) = work(h, &mut tx, key).await {
+                    return on_error(key, error);
+                }
+            }
+            h.crash(store, tx, kind).await;
+            Ok(Ack::Redeliver)
+        }
+        Fault::CommitLost { commit_happens } => {
+            let mut tx = match store.begin().await {
+                Ok(tx) => tx,
+                Err(error) => return on_error(key, error),
+            };
+            match tx.claim(key).await {
+                Ok(Claim::Fresh) => {}
+                Ok(Claim::Duplicate) => {
+                    let _ = tx.rollback().await;
+                    return Ok(Ack::Ack);
+                }
+                Err(error) => return on_error(key, error),
+            }
+            if let Err(error) = work(h, &mut tx, key).await {
+                return on_error(key, error);
+            }
+            if let Err(error) = tx.mark_processed(key).await {
+                return on_error(key, error);
+            }
+            let _unknown_to_the_consumer = h.commit_lost(store, tx, commit_happens).await;
+            Ok(Ack::Redeliver)
+        }
+        Fault::CancelledInHandle => {
+            let (reached, work_started) = tokio::sync::oneshot::channel::<()>();
+            let mut reached = Some(reached);
+            let handling = inbox.handle(key, async |tx| {
+                work(h, tx, key).await?;
+                if let Some(signal) = reached.take() {
+                    let _ = signal.send(());
+                }
+                std::future::pending::<()>().await;
+                Ok::<_, InboxError>(())
+            });
+            tokio::select! {
+                result = handling => match result {
+                    Ok(Handled::Duplicate) => Ok(Ack::Ack),
+                    Ok(Handled::Processed(())) => Err(Failure::new("pending work finished")),
+                    Err(error) => on_error(key, error),
+                },
+                _ = work_started => Ok(Ack::Redeliver),
+            }
+        }
+    }
+}
+
+/// Runs one schedule against `store` with fresh keys, drains the broker, and
+/// checks the invariant.
+pub async fn run_schedule<H: Harness>(
+    h: &H,
+    store: &H::Store,
+    schedule: &Schedule,
+) -> Result<(), Failure> {
+    let inbox = Inbox::new(store.clone());
+    let consumers = ["notification", "carrier"];
+    let mut keys = Vec::new();
+    for _ in 0..schedule.messages {
+        let message = new_key(consumers[0]).message_id;
+        for consumer in consumers.iter().take(schedule.consumers) {
+            keys.push(InboxKey::new(
+                message,
+                inbox_api::ConsumerName::new(*consumer).expect("valid consumer name"),
+            ));
+        }
+    }
+    // Every publish is one delivery in the queue; duplicates share the key.
+    let mut queue: VecDeque<usize> = VecDeque::new();
+    for (i, _) in keys.iter().enumerate() {
+        let extra = schedule.extra_copies[i % schedule.extra_copies.len()];
+        for _ in 0..=extra {
+            queue.push_back(i);
+        }
+    }
+
+    let mut steps = schedule.steps.iter();
+    let mut rounds = 0usize;
+    while !queue.is_empty() {
+        rounds += 1;
+        if rounds > 1_000 {
+            return Err(Failure::new(format!(
+                "the broker never drained: {} deliveries still redelivered after {rounds} rounds",
+                queue.len()
+            )));
+        }
+        let (pick, concurrent, first, second) = match steps.next() {
+            Some(step) => (step.pick, step.concurrent_copy, step.first, step.second),
+            None => (0, false, Fault::None, Fault::None),
+        };
+        let Some(index) = queue.remove(pick % queue.len()) else {
+            break;
+        };
+        let key = &keys[index];
+        if concurrent {
+            // The copy is another queued publish of this key if there is
+            // one: two independent deliveries. Otherwise it is this very
+            // delivery, redelivered while the first consumer still works on
+            // it (its channel died, say): the first consumer's ack then goes
+            // nowhere, and only the copy's ack counts.
+            let copy = queue.iter().position(|&k| k == index);
+            if let Some(position) = copy {
+                queue.remove(position);
+            }
+            let (a, b) = tokio::join!(
+                deliver(h, &inbox, key, first),
+                deliver(h, &inbox, key, second)
+            );
+            let (a, b) = (a?, b?);
+            if copy.is_some() && a == Ack::Redeliver {
+                queue.push_back(index);
+            }
+            if b == Ack::Redeliver {
+                queue.push_back(index);
+            }
+        } else if deliver(h, &inbox, key, first).await? == Ack::Redeliver {
+            queue.push_back(index);
+        }
+    }
+
+    let all_effects = h.effects(store).await;
+    let rows = h.inbox_rows(store).await;
+    for key in &keys {
+        let effects = all_effects.get(key).copied().unwrap_or(0);
+        let row = rows.iter().find(|r| r.key == *key);
+        if effects != 1 {
+            return Err(Failure::new(format!(
+                "{key}: effect committed {effects} times (row: {row:?})"
+            )));
+        }
+        match row {
+            Some(row) if row.processed_at.is_some() => {}
+            other => {
+                return Err(Failure::new(format!(
+                    "{key}: effect committed but inbox row is {other:?}"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Runs `cases` random schedules against one store of `h` (keys are fresh
+/// per case, so cases never see each other). On failure, the message holds
+/// the shrunk, minimal schedule.
+///
+/// # Errors
+/// The first broken invariant, after shrinking.
+pub fn run<H: Harness>(rt: &tokio::runtime::Runtime, h: &H, cases: u32) -> Result<(), Failure> {
+    run_with(rt, h, cases, TestRunner::new(config(cases)))
+}
+
+/// As [`run`], with a fixed seed: the same schedules on every run. For
+/// tests that must find a known bug reliably.
+///
+/// # Errors
+/// As [`run`].
+pub fn run_deterministic<H: Harness>(
+    rt: &tokio::runtime::Runtime,
+    h: &H,
+    cases: u32,
+) -> Result<(), Failure> {
+    run_with(
+        rt,
+        h,
+        cases,
+        TestRunner::new_with_rng(
+            config(cases),
+            proptest::test_runner::TestRng::deterministic_rng(
+                proptest::test_runner::RngAlgorithm::ChaCha,
+            ),
+        ),
+    )
+}
+
+fn config(cases: u32) -> Config {
+    Config {
+        cases,
+        failure_persistence: None,
+        max_shrink_iters: 2_000,
+        ..Config::default()
+    }
+}
+
+fn run_with<H: Harness>(
+    rt: &tokio::runtime::Runtime,
+    h: &H,
+    cases: u32,
+    mut runner: TestRunner,
+) -> Result<(), Failure> {
+    let store = rt.block_on(h.fresh_store());
+    let result = runner.run(&schedule(), |schedule| {
+        rt.block_on(run_schedule(h, &store, &schedule))
+            .map_err(|failure| TestCaseError::fail(failure.message))
+    });
+    match result {
+        Ok(()) => Ok(()),
+        Err(TestError::Fail(reason, schedule)) => Err(Failure::new(format!(
+            "{}: crash-point model broken after shrinking ({cases} cases):\n{reason}\nminimal schedule: {schedule}",
+            h.name()
+        ))),
+        Err(TestError::Abort(reason)) => Err(Failure::new(format!(
+            "{}: crash-point model aborted: {reason}",
+            h.name()
+        ))),
+    }
+}

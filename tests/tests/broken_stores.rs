@@ -1,0 +1,50 @@
+//! The suite proves it can fail: every deliberately broken store is
+//! rejected, by the contract tests and by the crash-point model on its own.
+
+mod common;
+
+use inbox_conformance::broken::{Broken, BrokenHarness};
+use inbox_conformance::{contract, model, runtime};
+
+/// Cases the model gets to find each bug (with a fixed seed, so the test is
+/// stable); the healthy store passes the same schedules.
+const MODEL_CASES: u32 = 300;
+
+#[test]
+fn contract_tests_reject_every_broken_store() {
+    let rt = runtime();
+    for kind in Broken::ALL {
+        let harness = BrokenHarness::new(common::MemoryHarness, kind);
+        let failures = rt.block_on(contract::run_all(&harness));
+        assert!(
+            !failures.is_empty(),
+            "the contract tests accepted a store broken by {kind:?}"
+        );
+        let names: Vec<_> = failures.iter().map(|(name, _)| *name).collect();
+        println!("{kind:?} rejected by {names:?}");
+    }
+}
+
+#[test]
+fn crash_point_model_rejects_every_broken_store() {
+    let rt = runtime();
+    for kind in Broken::ALL {
+        let harness = BrokenHarness::new(common::MemoryHarness, kind);
+        match model::run_deterministic(&rt, &harness, MODEL_CASES) {
+            Ok(()) => panic!("the crash-point model accepted a store broken by {kind:?}"),
+            Err(failure) => println!("{kind:?} rejected by the model:\n{failure}\n"),
+        }
+    }
+}
+
+#[test]
+fn healthy_store_passes_what_rejects_the_broken_ones() {
+    let rt = runtime();
+    let failures = rt.block_on(contract::run_all(&common::MemoryHarness));
+    assert!(
+        failures.is_empty(),
+        "healthy memory store failed: {failures:?}"
+    );
+    model::run_deterministic(&rt, &common::MemoryHarness, MODEL_CASES)
+        .unwrap_or_else(|failure| panic!("{failure}"));
+}

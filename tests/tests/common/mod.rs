@@ -1,0 +1,111 @@
+//! The memory backend's harness, shared by this crate's test files.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use inbox_api::{ConsumerName, InboxError, InboxKey, InboxRecord, MessageId};
+use inbox_backend_memory::{ManualClock, MemoryStore, MemoryTransaction};
+use inbox_conformance::Harness;
+
+/// Effects are KV entries `effect/<message>/<consumer>/<unique>`: appended,
+/// never overwritten, so doubles stay countable.
+const EFFECT_PREFIX: &str = "effect/";
+
+/// A memory store with a manual clock, so cleanup is testable.
+#[derive(Clone)]
+pub(crate) struct MemoryUnderTest {
+    pub(crate) store: MemoryStore,
+    pub(crate) clock: Arc<ManualClock>,
+}
+
+#[async_trait]
+impl inbox_api::InboxStore for MemoryUnderTest {
+    type Transaction = MemoryTransaction;
+
+    async fn begin(&self) -> Result<MemoryTransaction, InboxError> {
+        self.store.begin().await
+    }
+
+    async fn lookup(&self, key: &InboxKey) -> Result<Option<InboxRecord>, InboxError> {
+        self.store.lookup(key).await
+    }
+
+    async fn purge_processed_batch(
+        &self,
+        cutoff: DateTime<Utc>,
+        limit: u32,
+    ) -> Result<u64, InboxError> {
+        self.store.purge_processed_batch(cutoff, limit).await
+    }
+}
+
+pub(crate) struct MemoryHarness;
+
+#[allow(dead_code)] // used by memory.rs, not by every test file
+pub(crate) async fn memory_harness() -> MemoryHarness {
+    MemoryHarness
+}
+
+#[async_trait]
+impl Harness for MemoryHarness {
+    type Store = MemoryUnderTest;
+
+    fn name(&self) -> String {
+        "memory".to_owned()
+    }
+
+    async fn fresh_store(&self) -> MemoryUnderTest {
+        let clock = Arc::new(ManualClock::new(Utc::now()));
+        MemoryUnderTest {
+            store: MemoryStore::with_clock(clock.clone()),
+            clock,
+        }
+    }
+
+    async fn record_effect(
+        &self,
+        tx: &mut MemoryTransaction,
+        key: &InboxKey,
+    ) -> Result<(), InboxError> {
+        let unique = uuid::Uuid::new_v4();
+        tx.put(
+            format!(
+                "{EFFECT_PREFIX}{}/{}/{unique}",
+                key.message_id, key.consumer
+            ),
+            b"1".to_vec(),
+        );
+        Ok(())
+    }
+
+    async fn effects(&self, store: &MemoryUnderTest) -> BTreeMap<InboxKey, u64> {
+        let mut effects = BTreeMap::new();
+        for (name, _) in store.store.scan_prefix(EFFECT_PREFIX) {
+            let mut parts = name[EFFECT_PREFIX.len()..].splitn(3, '/');
+            let (Some(message), Some(consumer)) = (parts.next(), parts.next()) else {
+                panic!("malformed effect key {name}");
+            };
+            let key = InboxKey::new(
+                MessageId::parse(message).expect("effect keys hold message ids"),
+                ConsumerName::new(consumer).expect("effect keys hold consumer names"),
+            );
+            *effects.entry(key).or_default() += 1;
+        }
+        effects
+    }
+
+    async fn inbox_rows(&self, store: &MemoryUnderTest) -> Vec<InboxRecord> {
+        store.store.records()
+    }
+
+    async fn age_rows(&self, store: &MemoryUnderTest, age: Duration) {
+        store.clock.advance(age);
+    }
+
+    async fn store_now(&self, store: &MemoryUnderTest) -> DateTime<Utc> {
+        inbox_backend_memory::Clock::now(&*store.clock)
+    }
+}

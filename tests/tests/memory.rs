@@ -1,0 +1,5 @@
+//! The whole conformance suite against the memory backend.
+
+mod common;
+
+inbox_conformance::conformance_tests!(common::memory_harness);
