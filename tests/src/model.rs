@@ -207,10 +207,11 @@ async fn deliver<H: Harness>(
             yield_now().await;
             // Work on a Duplicate claim would be a consumer bug, not the
             // store's: only work on what was claimed Fresh.
-            if matches!(fault, Fault::CrashAfterWork(_)) && claim == Claim::Fresh {
-                if let Err(error) = work(h, &mut tx, key).await {
-                    return on_error(key, error);
-                }
+            if matches!(fault, Fault::CrashAfterWork(_))
+                && claim == Claim::Fresh
+                && let Err(error) = work(h, &mut tx, key).await
+            {
+                return on_error(key, error);
             }
             h.crash(store, tx, kind).await;
             Ok(Ack::Redeliver)
