@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Makes sure PostgreSQL (127.0.0.1:5432, user postgres, trust auth, database
+# `test`) and RabbitMQ (127.0.0.1:5672, guest/guest) are running.
+#
+# Idempotent and quiet when both are up. On a fresh Debian machine it installs
+# them with apt, sets trust auth, and starts them (no systemd needed). Fails
+# loudly, naming the service, when one cannot be brought up: tests must never
+# silently skip a missing service.
+set -euo pipefail
+
+log() { echo "services: $*" >&2; }
+die() { echo "services: ERROR: $*" >&2; exit 1; }
+
+as_root() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
+    die "need root (or sudo) to run: $*"; fi
+}
+
+apt_updated=0
+apt_install() {
+  command -v apt-get >/dev/null || die "$1 is missing and this is not a Debian-like system: install $* by hand"
+  if [ "$apt_updated" -eq 0 ]; then
+    log "apt-get update"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    apt_updated=1
+  fi
+  log "installing $*"
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+wait_until() { # seconds, description, command...
+  local seconds=$1 what=$2; shift 2
+  for _ in $(seq "$seconds"); do
+    if "$@" >/dev/null 2>&1; then return 0; fi
+    sleep 1
+  done
+  die "$what did not become ready within ${seconds}s"
+}
+
+pg_up() { pg_isready -q -h 127.0.0.1 -p 5432; }
+
+ensure_postgres() {
+  if command -v pg_isready >/dev/null && pg_up; then
+    :
+  else
+    if ! ls /etc/postgresql/*/main >/dev/null 2>&1; then
+      apt_install postgresql
+    fi
+    local version
+    version=$(ls /etc/postgresql | sort -V | tail -n1)
+    local hba="/etc/postgresql/$version/main/pg_hba.conf"
+    if ! as_root grep -q '^host all all 127.0.0.1/32 trust' "$hba"; then
+      log "setting trust auth for local connections in $hba"
+      as_root sed -i -E 's/^(local|host)(\s+all\s+all\s+.*)\s(peer|md5|scram-sha-256)$/\1\2 trust/' "$hba"
+      as_root sed -i -E 's/^(local\s+all\s+postgres\s+)(peer|md5|scram-sha-256)$/\1trust/' "$hba"
+      printf 'local all all trust\nhost all all 127.0.0.1/32 trust\nhost all all ::1/128 trust\n' | as_root tee -a "$hba" >/dev/null
+    fi
+    log "starting PostgreSQL $version"
+    as_root pg_ctlcluster --skip-systemctl-redirect "$version" main start \
+      || as_root pg_ctlcluster --skip-systemctl-redirect "$version" main restart \
+      || die "PostgreSQL $version would not start (see /var/log/postgresql/)"
+    wait_until 60 "PostgreSQL on 127.0.0.1:5432" pg_up
+  fi
+  if ! psql -h 127.0.0.1 -U postgres -d test -Atqc 'select 1' >/dev/null 2>&1; then
+    psql -h 127.0.0.1 -U postgres -d postgres -qc 'CREATE DATABASE test' >/dev/null \
+      || die "PostgreSQL is up but database 'test' is missing and could not be created (trust auth for user postgres?)"
+    log "created database test"
+  fi
+}
+
+# The AMQP port accepting a connection is the readiness that matters (`ping`
+# answers about a second before the port listens).
+rabbit_up() { (exec 3<>/dev/tcp/127.0.0.1/5672) 2>/dev/null; }
+
+ensure_rabbitmq() {
+  if rabbit_up; then
+    return 0
+  fi
+  command -v rabbitmq-server >/dev/null || apt_install rabbitmq-server
+  log "starting RabbitMQ"
+  as_root rabbitmq-server -detached || true
+  wait_until 90 "RabbitMQ on 127.0.0.1:5672" rabbit_up
+}
+
+ensure_postgres
+ensure_rabbitmq
