@@ -1,1 +1,84 @@
-//! In-process inbox store (being written).
+//! An in-process [`InboxStore`](inbox_api::InboxStore) with PostgreSQL's claim semantics.
+//!
+//! For tests and the application's offline mode: it keeps the same contract
+//! as the Postgres backends (`shared/DESIGN.md`), so code that is correct on
+//! it is correct there, and the shared conformance suite runs against it in
+//! milliseconds. It is a real transactional store, not a `HashSet` of seen
+//! ids:
+//!
+//! - **A claim is one atomic insert-or-nothing.** Absent key: this
+//!   transaction now holds it as a *pending* row and gets
+//!   [`Claim::Fresh`](inbox_api::Claim::Fresh). Committed key, or a key this
+//!   same transaction already holds (Postgres' `ON CONFLICT DO NOTHING`):
+//!   [`Claim::Duplicate`](inbox_api::Claim::Duplicate).
+//! - **A claim of a key held by another open transaction waits** for it,
+//!   asynchronously (no thread is blocked, nothing polls): the holder
+//!   commits, the waiter gets `Duplicate`; it rolls back or is dropped, the
+//!   waiter retries and gets `Fresh` unless another waiter got there first.
+//!   Never two `Fresh` for one key. A wait that would close a cycle (two
+//!   transactions each claiming the other's key) is refused as a deadlock,
+//!   [`InboxError::Conflict`](inbox_api::InboxError::Conflict) (Postgres'
+//!   40P01), and that transaction is aborted.
+//! - **Distinct keys never wait on each other.** Rows live in 64 shards
+//!   chosen by key hash, each behind its own short-lived mutex; the hot path
+//!   (begin, claim, write, mark, commit) takes no global lock and never
+//!   holds a lock across an `.await`.
+//! - **All or nothing.** Business writes ([`MemoryTransaction::put`],
+//!   [`MemoryTransaction::delete`]) are buffered in the transaction; commit
+//!   locks every shard it touches (in one global order, so commits cannot
+//!   deadlock), publishes the claims and the writes together, and only then
+//!   wakes waiters. Rollback, or dropping an unfinished transaction (a
+//!   panic, a cancelled future), releases its claims and discards its
+//!   writes synchronously: no trace is left.
+//! - **Timestamps** come from a [`Clock`]: `received_at` at claim,
+//!   `processed_at` at [`mark_processed`](inbox_api::InboxTransaction::mark_processed)
+//!   (only for a key this transaction claimed `Fresh`). A [`ManualClock`]
+//!   makes retention tests instant.
+//! - **Cleanup** deletes only committed, processed rows older than the
+//!   cutoff, at most `limit` per batch, through a per-shard index on
+//!   `processed_at`, one shard lock at a time.
+//!
+//! Where it differs from Postgres, knowingly: business keys carry no row
+//! locks, so two transactions writing the same business key do not wait for
+//! each other and the last commit wins. Effects should use unique keys (the
+//! message id in the key) — which is what makes them safe on Postgres too.
+//! Reads are read-committed. Nothing survives the process.
+//!
+//! # Example
+//! ```
+//! use inbox_api::{ConsumerName, Handled, Inbox, InboxError, InboxKey, MessageId};
+//! use inbox_backend_memory::MemoryStore;
+//! # use tokio_sync as tokio; // this crate's name for its tokio dependency
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), InboxError> {
+//! let store = MemoryStore::new();
+//! let inbox = Inbox::new(store.clone());
+//! let key = InboxKey::new(MessageId::new_v7(), ConsumerName::new("notification")?);
+//! let parcel = String::from("P-1"); // local data the work borrows
+//!
+//! // The broker delivers the message twice; the work runs once.
+//! for delivery in 0..2 {
+//!     let outcome = inbox
+//!         .handle(&key, async |tx| {
+//!             tx.put(format!("notified/{}", key.message_id), parcel.as_bytes());
+//!             Ok::<_, InboxError>(())
+//!         })
+//!         .await?;
+//!     assert_eq!(outcome.is_duplicate(), delivery == 1);
+//! }
+//! assert_eq!(store.scan_prefix("notified/").len(), 1);
+//! assert_eq!(store.inbox_len(), 1);
+//! # Ok(())
+//! # }
+//! ```
+#![deny(missing_docs)]
+
+mod clock;
+mod deadlock;
+mod store;
+mod transaction;
+
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use store::{MemoryStore, Snapshot};
+pub use transaction::MemoryTransaction;

@@ -1,0 +1,224 @@
+//! Claim-and-commit throughput of the memory store, as a Markdown table.
+//!
+//! `cargo bench -p inbox-backend-memory` runs each scenario for
+//! `INBOX_BENCH_SECONDS` (default 1.5) on a tokio multi-threaded runtime
+//! with 2 workers; `INBOX_BENCH_MESSAGES=N` runs exactly N messages per task
+//! instead. Each scenario gets a fresh store; every task uses its own keys,
+//! so tasks never wait on each other's claims.
+//!
+//! Run as a test (`cargo test --all-targets`, no `--bench` argument) it only
+//! does a short smoke run, so CI stays fast.
+
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use inbox_api::{
+    Claim, ConsumerName, Inbox, InboxError, InboxKey, InboxStore, InboxTransaction, MessageId,
+};
+use inbox_backend_memory::MemoryStore;
+use tokio_sync as tokio;
+use uuid::Uuid;
+
+/// What one message costs in each scenario.
+#[derive(Clone, Copy, Debug)]
+enum Scenario {
+    /// begin, claim (Fresh), one put, mark_processed, commit: by hand.
+    Raw,
+    /// The same through `Inbox::handle` (metrics and tracing calls included,
+    /// with no recorder or subscriber installed).
+    Handle,
+    /// A redelivery: begin, claim (Duplicate), rollback.
+    Duplicate,
+}
+
+impl Scenario {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Raw => "begin, claim Fresh, put, mark_processed, commit",
+            Self::Handle => "`Inbox::handle` (claim, put, mark, commit)",
+            Self::Duplicate => "redelivery: begin, claim Duplicate, rollback",
+        }
+    }
+}
+
+/// When a task stops.
+#[derive(Clone, Copy, Debug)]
+enum Budget {
+    Messages(u64),
+    Time(Duration),
+}
+
+/// Keys already committed, for the duplicate scenario to claim again.
+const DUPLICATE_POOL: u64 = 10_000;
+
+fn budget_from_env() -> Budget {
+    let benching = std::env::args().any(|arg| arg == "--bench");
+    if !benching {
+        return Budget::Messages(1_000);
+    }
+    if let Some(count) = std::env::var("INBOX_BENCH_MESSAGES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        return Budget::Messages(count);
+    }
+    let seconds = std::env::var("INBOX_BENCH_SECONDS")
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .unwrap_or(1.5);
+    Budget::Time(Duration::from_secs_f64(seconds))
+}
+
+fn key(task: u64, n: u64, consumer: &ConsumerName) -> InboxKey {
+    InboxKey::new(
+        MessageId::from(Uuid::from_u64_pair(task, n)),
+        consumer.clone(),
+    )
+}
+
+/// Commits the keys the duplicate scenario claims again.
+async fn seed_duplicates(store: &MemoryStore, task: u64) {
+    let consumer = ConsumerName::new("bench").expect("valid consumer name");
+    for n in 0..DUPLICATE_POOL {
+        let mut tx = store.begin().await.expect("begin");
+        let claim = tx.claim(&key(task, n, &consumer)).await.expect("claim");
+        assert_eq!(claim, Claim::Fresh);
+        tx.commit().await.expect("commit");
+    }
+}
+
+/// One task's loop; returns how many messages it handled.
+async fn worker(
+    scenario: Scenario,
+    inbox: Arc<Inbox<MemoryStore>>,
+    task: u64,
+    stop: Budget,
+) -> u64 {
+    let consumer = ConsumerName::new("bench").expect("valid consumer name");
+    let store = inbox.store();
+    let deadline = match stop {
+        Budget::Time(time) => Some(Instant::now() + time),
+        Budget::Messages(_) => None,
+    };
+    let mut n: u64 = 0;
+    loop {
+        match (stop, deadline) {
+            (Budget::Messages(count), _) if n >= count => break,
+            (_, Some(deadline)) if n.is_multiple_of(64) && Instant::now() >= deadline => break,
+            _ => {}
+        }
+        match scenario {
+            Scenario::Raw => {
+                let key = key(task, n, &consumer);
+                let mut tx = store.begin().await.expect("begin");
+                let claim = tx.claim(&key).await.expect("claim");
+                assert_eq!(claim, Claim::Fresh);
+                tx.put(format!("effect/{task}/{n}"), b"done".as_slice());
+                tx.mark_processed(&key).await.expect("mark");
+                tx.commit().await.expect("commit");
+            }
+            Scenario::Handle => {
+                let key = key(task, n, &consumer);
+                let outcome = inbox
+                    .handle(&key, async |tx| {
+                        tx.put(format!("effect/{task}/{n}"), b"done".as_slice());
+                        Ok::<_, InboxError>(())
+                    })
+                    .await
+                    .expect("handle");
+                assert!(!outcome.is_duplicate());
+            }
+            Scenario::Duplicate => {
+                let key = key(task, n % DUPLICATE_POOL, &consumer);
+                let mut tx = store.begin().await.expect("begin");
+                let claim = tx.claim(&key).await.expect("claim");
+                assert_eq!(claim, Claim::Duplicate);
+                tx.rollback().await.expect("rollback");
+            }
+        }
+        n += 1;
+    }
+    n
+}
+
+struct Row {
+    scenario: Scenario,
+    tasks: u64,
+    messages: u64,
+    elapsed: Duration,
+}
+
+fn run(runtime: &tokio::runtime::Runtime, scenario: Scenario, tasks: u64, stop: Budget) -> Row {
+    let inbox = Arc::new(Inbox::new(MemoryStore::new()));
+    // A std barrier, blocking each worker until all tasks and this thread
+    // arrive: the loops never suspend (an uncontended memory store is always
+    // ready), so a task woken by an async barrier can sit unstealable in a
+    // busy worker's LIFO slot and run only after the other task finished.
+    // Blocking here pins one task per worker and starts the clock once every
+    // setup (the duplicate scenario's committed keys) is done.
+    let barrier = Arc::new(Barrier::new(usize::try_from(tasks).expect("few tasks") + 1));
+    let handles: Vec<_> = (0..tasks)
+        .map(|task| {
+            let (inbox, barrier) = (inbox.clone(), barrier.clone());
+            runtime.spawn(async move {
+                if let Scenario::Duplicate = scenario {
+                    seed_duplicates(inbox.store(), task).await;
+                }
+                barrier.wait();
+                worker(scenario, inbox, task, stop).await
+            })
+        })
+        .collect();
+    barrier.wait();
+    let started = Instant::now();
+    let messages = runtime.block_on(async {
+        let mut messages = 0;
+        for handle in handles {
+            messages += handle.await.expect("bench task");
+        }
+        messages
+    });
+    Row {
+        scenario,
+        tasks,
+        messages,
+        elapsed: started.elapsed(),
+    }
+}
+
+fn main() {
+    let stop = budget_from_env();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .build()
+        .expect("tokio runtime");
+    let mut rows = Vec::new();
+    for scenario in [Scenario::Raw, Scenario::Handle, Scenario::Duplicate] {
+        // Never more tasks than workers: each blocks one at the barrier.
+        for tasks in [1, 2] {
+            rows.push(run(&runtime, scenario, tasks, stop));
+        }
+    }
+    println!();
+    println!(
+        "Memory store throughput ({stop:?} per task, 2 tokio workers, distinct keys per task)"
+    );
+    println!();
+    println!("| scenario | tasks | messages | seconds | messages/s |");
+    println!("|---|---:|---:|---:|---:|");
+    for row in &rows {
+        let seconds = row.elapsed.as_secs_f64();
+        // Precision loss is irrelevant for a rate printed without decimals.
+        #[allow(clippy::cast_precision_loss)]
+        let rate = row.messages as f64 / seconds;
+        println!(
+            "| {} | {} | {} | {:.3} | {:.0} |",
+            row.scenario.label(),
+            row.tasks,
+            row.messages,
+            seconds,
+            rate
+        );
+    }
+}

@@ -1,0 +1,209 @@
+//! The transaction: claims held as pending rows, writes buffered until commit.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use inbox_api::{Claim, InboxError, InboxKey, InboxTransaction};
+
+use crate::deadlock::{Aborted, TxId};
+use crate::store::{ClaimAttempt, Shared, Write};
+
+/// A key this transaction claimed `Fresh`, and so holds.
+#[derive(Debug)]
+pub(crate) struct OwnClaim {
+    pub(crate) key: InboxKey,
+    /// Cached so commit and release need not hash the key again.
+    pub(crate) shard: usize,
+    /// Set by `mark_processed`, written at commit.
+    pub(crate) processed_at: Option<DateTime<Utc>>,
+}
+
+/// An open transaction of a [`crate::MemoryStore`].
+///
+/// Claims take effect at once as pending rows (that is what makes a
+/// concurrent claim of the same key wait); business writes are buffered
+/// here. [`InboxTransaction::commit`] publishes both atomically.
+/// [`InboxTransaction::rollback`], or dropping the transaction unfinished
+/// (a panicking or cancelled handler), releases the claims and discards the
+/// writes synchronously, so no trace is left.
+///
+/// Reads are read-committed, like Postgres' default: [`MemoryTransaction::get`]
+/// sees this transaction's own writes, and otherwise the latest committed
+/// value.
+pub struct MemoryTransaction {
+    shared: Arc<Shared>,
+    id: TxId,
+    /// Usually one; searched linearly, newest first.
+    claims: Vec<OwnClaim>,
+    writes: HashMap<String, Write>,
+    /// Set when a claim was refused as a deadlock: Postgres aborts the whole
+    /// transaction then, and so do we (claims released, writes dropped);
+    /// only rollback or drop remain useful.
+    aborted: bool,
+}
+
+impl MemoryTransaction {
+    pub(crate) fn new(shared: Arc<Shared>) -> Self {
+        let id = shared.next_tx_id();
+        Self {
+            shared,
+            id,
+            claims: Vec::new(),
+            writes: HashMap::new(),
+            aborted: false,
+        }
+    }
+
+    /// Buffers a business write of `value` under `key`, published at commit
+    /// together with the claims. The last commit to write a key wins.
+    pub fn put(&mut self, key: impl Into<String>, value: impl Into<Vec<u8>>) {
+        self.writes.insert(key.into(), Some(value.into()));
+    }
+
+    /// Reads a business key: this transaction's own pending write or delete
+    /// first, otherwise the committed value.
+    pub fn get(&self, key: &str) -> Option<Vec<u8>> {
+        match self.writes.get(key) {
+            Some(write) => write.clone(),
+            None => self.shared.kv_get(key),
+        }
+    }
+
+    /// Buffers the deletion of a business key, applied at commit.
+    pub fn delete(&mut self, key: &str) {
+        self.writes.insert(key.to_owned(), None);
+    }
+
+    fn ensure_open(&self) -> Result<(), InboxError> {
+        if self.aborted {
+            Err(InboxError::Conflict {
+                source: Box::new(Aborted),
+            })
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Removes this transaction's pending claims (waking whoever waits for
+    /// them) and drops its writes. Synchronous, so `Drop` can call it.
+    ///
+    /// One shard at a time: unlike a commit, a release has nothing to make
+    /// visible atomically.
+    fn release(&mut self) {
+        self.writes.clear();
+        for claim in self.claims.drain(..) {
+            let waiters = self
+                .shared
+                .lock_inbox(claim.shard)
+                .release_claim(&claim.key, self.id);
+            if let Some(notify) = waiters {
+                notify.notify_waiters();
+            }
+        }
+    }
+}
+
+impl Drop for MemoryTransaction {
+    fn drop(&mut self) {
+        // After commit or rollback there is nothing left to release.
+        self.release();
+    }
+}
+
+impl fmt::Debug for MemoryTransaction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryTransaction")
+            .field("id", &self.id)
+            .field("claims", &self.claims)
+            .field("writes", &self.writes.len())
+            .field("aborted", &self.aborted)
+            .finish()
+    }
+}
+
+#[async_trait]
+impl InboxTransaction for MemoryTransaction {
+    /// Inserts a pending row for `key`, or finds out why it cannot.
+    ///
+    /// Waiting does not block a thread: the claim sleeps on the holder's
+    /// notification, taken under the shard lock, then takes the lock again
+    /// and retries, exactly like Postgres re-checking a conflicting tuple
+    /// after the inserting transaction ended.
+    async fn claim(&mut self, key: &InboxKey) -> Result<Claim, InboxError> {
+        self.ensure_open()?;
+        let shard = self.shared.inbox_shard_of(key);
+        loop {
+            let now = self.shared.clock.now();
+            // The guard is a temporary of this statement: no std lock is
+            // ever held across the `.await` below.
+            let attempt = self.shared.lock_inbox(shard).try_claim(key, self.id, now);
+            let (owner, released) = match attempt {
+                ClaimAttempt::Fresh => {
+                    self.claims.push(OwnClaim {
+                        key: key.clone(),
+                        shard,
+                        processed_at: None,
+                    });
+                    return Ok(Claim::Fresh);
+                }
+                ClaimAttempt::Duplicate => return Ok(Claim::Duplicate),
+                ClaimAttempt::Wait { owner, released } => (owner, released),
+            };
+            let waited = match self.shared.waits.wait_for(self.id, owner) {
+                Ok(edge) => {
+                    released.await;
+                    drop(edge);
+                    Ok(())
+                }
+                Err(deadlock) => Err(deadlock),
+            };
+            if let Err(deadlock) = waited {
+                tracing::debug!(%key, tx = self.id, holder = owner, "deadlock: aborting transaction");
+                self.release();
+                self.aborted = true;
+                return Err(InboxError::Conflict {
+                    source: Box::new(deadlock),
+                });
+            }
+        }
+    }
+
+    /// Records the processing time now (the store clock at this call), to
+    /// be written with the commit.
+    ///
+    /// Set at call time rather than at commit because that is when the work
+    /// was done, and because it keeps the timestamp deterministic under a
+    /// [`crate::ManualClock`].
+    async fn mark_processed(&mut self, key: &InboxKey) -> Result<(), InboxError> {
+        self.ensure_open()?;
+        let now = self.shared.clock.now();
+        match self.claims.iter_mut().rev().find(|claim| claim.key == *key) {
+            Some(claim) => {
+                claim.processed_at = Some(now);
+                Ok(())
+            }
+            None => Err(InboxError::InvalidArgument {
+                message: format!("cannot mark {key} processed: this transaction did not claim it"),
+            }),
+        }
+    }
+
+    async fn commit(mut self) -> Result<(), InboxError> {
+        if self.aborted {
+            // Postgres would answer ROLLBACK to this COMMIT; say so loudly.
+            return self.ensure_open();
+        }
+        let claims = std::mem::take(&mut self.claims);
+        let writes = std::mem::take(&mut self.writes);
+        self.shared.commit(self.id, claims, writes);
+        Ok(())
+    }
+
+    async fn rollback(mut self) -> Result<(), InboxError> {
+        self.release();
+        Ok(())
+    }
+}
