@@ -1,0 +1,453 @@
+//! The Inbox pattern on PostgreSQL through sqlx.
+//!
+//! [`SqlxStore`] keeps the inbox in the table `inbox_messages` of one schema
+//! and hands the consumer a [`SqlxTransaction`]: the claim of the message,
+//! the consumer's own writes (through [`SqlxTransaction::conn`]) and the
+//! processed mark share one PostgreSQL transaction, so they commit together
+//! or not at all. That shared fate is the whole point: an inbox kept in
+//! another transaction (or another database) than the business writes
+//! cannot tell a crash before the work from a crash after it.
+//!
+//! ```no_run
+//! use inbox_api::{ConsumerName, Handled, Inbox, InboxError, InboxKey, MessageId};
+//! use inbox_backend_sqlx::{SqlxStore, classify};
+//!
+//! # async fn on_delivery(header_id: &str, parcel: &str) -> Result<(), InboxError> {
+//! // One schema per application; the pool's connections find it through
+//! // search_path.
+//! let store = SqlxStore::connect("postgres://postgres@127.0.0.1:5432/app", "parcels").await?;
+//! store.migrate().await?;
+//! let inbox = Inbox::new(store);
+//!
+//! let key = InboxKey::new(MessageId::parse(header_id)?, ConsumerName::new("tracking")?);
+//! let outcome = inbox
+//!     .handle(&key, async |tx| {
+//!         // The business write joins the claim's transaction.
+//!         sqlx::query("INSERT INTO parcel_events (message_id, parcel) VALUES ($1, $2)")
+//!             .bind(key.message_id.as_uuid())
+//!             .bind(parcel)
+//!             .execute(tx.conn())
+//!             .await
+//!             .map_err(classify)?;
+//!         Ok::<_, InboxError>(())
+//!     })
+//!     .await?;
+//! // Acknowledge the delivery now, whether it was processed or a duplicate.
+//! let _ = matches!(outcome, Handled::Duplicate);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # How the contract is kept
+//!
+//! - **Claim**: `INSERT … ON CONFLICT DO NOTHING`, the first statement of
+//!   the transaction. A concurrent claim of the same key waits on the primary
+//!   key's unique index until the holder ends, then sees its committed row
+//!   (`Duplicate`) or inserts its own (`Fresh`). No check-then-insert, no
+//!   unique violation for a duplicate.
+//! - **Processed**: `processed_at = now()` in the same transaction.
+//! - **Cleanup**: one short `DELETE` per batch through the partial index on
+//!   `processed_at`, skipping rows another cleaner has locked.
+//! - **Errors**: [`classify`] maps SQLSTATEs and sqlx error kinds onto
+//!   retryable and permanent [`InboxError`]s.
+//! - **Schema**: the migrations in the workspace's `migrations/` (shared with
+//!   the diesel backend) are embedded at compile time; every query is checked
+//!   at run time, so building needs no database.
+#![deny(missing_docs)]
+
+mod error;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use inbox_api::{Claim, InboxError, InboxKey, InboxRecord, InboxStore, InboxTransaction};
+use sqlx::migrate::Migrator;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgConnection, PgPool, Postgres, Row};
+
+pub use error::classify;
+
+/// The workspace's migrations, embedded so that a deployed binary migrates
+/// without the source tree.
+static MIGRATOR: Migrator = sqlx::migrate!("../migrations");
+
+const CLAIM: &str =
+    "INSERT INTO inbox_messages (id, consumer_type) VALUES ($1, $2) ON CONFLICT DO NOTHING";
+
+const MARK_PROCESSED: &str =
+    "UPDATE inbox_messages SET processed_at = now() WHERE id = $1 AND consumer_type = $2";
+
+const LOOKUP: &str = "SELECT received_at, processed_at FROM inbox_messages \
+                      WHERE id = $1 AND consumer_type = $2";
+
+/// One batch of cleanup, in one statement and so in one short transaction.
+///
+/// The inner SELECT walks the partial index `inbox_messages_processed_at_idx`
+/// in `processed_at` order and stops after `$2` rows; `FOR UPDATE SKIP
+/// LOCKED` lets several instances clean at once without blocking or failing
+/// each other (MassTransit #3996), each taking rows the others have not.
+/// Deleting by `ctid` then goes straight to the locked tuples.
+pub const PURGE_BATCH: &str = "DELETE FROM inbox_messages WHERE ctid = ANY(ARRAY(\
+     SELECT ctid FROM inbox_messages WHERE processed_at < $1 \
+     ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED))";
+
+/// Checks that `schema` is a plain, unquoted PostgreSQL identifier:
+/// `[a-z_][a-z0-9_]{0,62}`, not starting with `pg_` (reserved by the
+/// server).
+///
+/// The name travels into the connections' `search_path` and, quoted, into
+/// `CREATE SCHEMA`; accepting nothing but this shape is what keeps it from
+/// ever carrying SQL.
+///
+/// # Errors
+/// [`InboxError::InvalidArgument`] (permanent) naming the rule broken.
+pub fn validate_schema_name(schema: &str) -> Result<(), InboxError> {
+    let bytes = schema.as_bytes();
+    let reason = match bytes.first() {
+        None => Some("is empty"),
+        Some(_) if bytes.len() > 63 => Some("is longer than 63 bytes"),
+        Some(first) if !(first.is_ascii_lowercase() || *first == b'_') => {
+            Some("must start with a lowercase ASCII letter or '_'")
+        }
+        Some(_)
+            if !bytes
+                .iter()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'_') =>
+        {
+            Some("may contain only lowercase ASCII letters, digits and '_'")
+        }
+        Some(_) if schema.starts_with("pg_") => Some("must not start with 'pg_' (reserved)"),
+        Some(_) => None,
+    };
+    match reason {
+        None => Ok(()),
+        Some(reason) => {
+            let shown: String = schema.chars().take(70).collect();
+            Err(InboxError::InvalidArgument {
+                message: format!("schema name {shown:?} {reason}"),
+            })
+        }
+    }
+}
+
+/// An [`InboxStore`] on a PostgreSQL schema, through a [`PgPool`].
+///
+/// Cheap to clone: clones share the pool.
+#[derive(Clone, Debug)]
+pub struct SqlxStore {
+    pool: PgPool,
+    schema: Arc<str>,
+}
+
+impl SqlxStore {
+    /// Connection options for `url` whose sessions use `schema`: they set
+    /// `search_path` to it at connect time, as a startup parameter.
+    ///
+    /// Setting it per connection, instead of naming the schema in every
+    /// statement, keeps the statements constant (so they are prepared once
+    /// per connection) and the migrations schema-agnostic, and no text ever
+    /// reaches SQL by string formatting. Tune the returned options (TLS,
+    /// `application_name`, …) and build a pool for [`SqlxStore::new`].
+    ///
+    /// # Errors
+    /// [`InboxError::InvalidArgument`] for a bad schema name; a bad URL as
+    /// [`classify`] maps it (permanent).
+    pub fn connect_options(url: &str, schema: &str) -> Result<PgConnectOptions, InboxError> {
+        validate_schema_name(schema)?;
+        let options: PgConnectOptions = url.parse().map_err(classify)?;
+        Ok(options.options([("search_path", schema)]))
+    }
+
+    /// Connects a pool with sqlx's default settings to `url`, its sessions
+    /// using `schema`. Does not create or migrate anything: call
+    /// [`SqlxStore::migrate`].
+    ///
+    /// # Errors
+    /// [`InboxError::InvalidArgument`] for a bad schema name; connection
+    /// failures as [`classify`] maps them (retryable).
+    pub async fn connect(url: &str, schema: &str) -> Result<Self, InboxError> {
+        let options = Self::connect_options(url, schema)?;
+        let pool = PgPoolOptions::new()
+            .connect_with(options)
+            .await
+            .map_err(classify)?;
+        Self::new(pool, schema)
+    }
+
+    /// Wraps a pool whose connections already use `schema`: build it from
+    /// [`SqlxStore::connect_options`]. [`SqlxStore::migrate`] checks it.
+    ///
+    /// # Errors
+    /// [`InboxError::InvalidArgument`] for a bad schema name.
+    pub fn new(pool: PgPool, schema: &str) -> Result<Self, InboxError> {
+        validate_schema_name(schema)?;
+        Ok(Self {
+            pool,
+            schema: Arc::from(schema),
+        })
+    }
+
+    /// The pool, for the application's own queries outside the inbox.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The schema holding the inbox table.
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// Creates the schema if needed and applies the workspace's migrations to
+    /// it (sqlx's migrator, its bookkeeping table `_sqlx_migrations` in the
+    /// same schema). Safe to run from several instances at once: the
+    /// migrator serialises them with an advisory lock, and every statement
+    /// is `IF NOT EXISTS`.
+    ///
+    /// # Errors
+    /// [`InboxError::InvalidArgument`] when the pool's connections do not
+    /// use the schema (the pool was not built from
+    /// [`SqlxStore::connect_options`]); [`InboxError::Schema`] when a
+    /// migration fails or the applied ones differ from the embedded ones;
+    /// connection failures as [`classify`] maps them.
+    pub async fn migrate(&self) -> Result<(), InboxError> {
+        let mut conn = self.pool.acquire().await.map_err(classify)?;
+        // The name is validated (a plain identifier), so quoting it is enough.
+        let create = format!("CREATE SCHEMA IF NOT EXISTS \"{}\"", self.schema);
+        if let Err(error) = sqlx::query(&create).execute(&mut *conn).await {
+            // Two instances creating the schema at once: one of them loses
+            // on the catalog's unique index although it said IF NOT EXISTS.
+            let raced = error
+                .as_database_error()
+                .and_then(|db| db.code())
+                .is_some_and(|code| code == "23505" || code == "42P06");
+            if !raced {
+                return Err(classify(error));
+            }
+        }
+        // search_path is resolved per statement, so a schema created after
+        // connecting counts now.
+        let current: Option<String> = sqlx::query_scalar("SELECT current_schema()::text")
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(classify)?;
+        if current.as_deref() != Some(&*self.schema) {
+            return Err(InboxError::InvalidArgument {
+                message: format!(
+                    "the pool's connections use schema {current:?}, not {:?}: \
+                     build the pool from SqlxStore::connect_options",
+                    self.schema
+                ),
+            });
+        }
+        // `run_direct` rather than `run`: `run`'s generic `Acquire` makes
+        // this future not `Send` (sqlx's own comment on `run_direct`).
+        if let Err(error) = MIGRATOR.run_direct(&mut *conn).await {
+            // A migrator that fails midway keeps its session-level advisory
+            // lock. Back in the pool, the connection would block every later
+            // migration of this database; closed, it releases the lock.
+            drop(conn.detach());
+            return Err(error::classify_migrate_error(error));
+        }
+        tracing::info!(schema = %self.schema, "inbox schema migrated");
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl InboxStore for SqlxStore {
+    type Transaction = SqlxTransaction;
+
+    async fn begin(&self) -> Result<SqlxTransaction, InboxError> {
+        let tx = self.pool.begin().await.map_err(classify)?;
+        Ok(SqlxTransaction {
+            tx,
+            claimed: HashSet::new(),
+        })
+    }
+
+    async fn lookup(&self, key: &InboxKey) -> Result<Option<InboxRecord>, InboxError> {
+        let row = sqlx::query(LOOKUP)
+            .bind(key.message_id.as_uuid())
+            .bind(key.consumer.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(classify)?;
+        row.map(|row| {
+            Ok(InboxRecord {
+                key: key.clone(),
+                received_at: row.try_get("received_at").map_err(classify)?,
+                processed_at: row.try_get("processed_at").map_err(classify)?,
+            })
+        })
+        .transpose()
+    }
+
+    async fn purge_processed_batch(
+        &self,
+        cutoff: DateTime<Utc>,
+        limit: u32,
+    ) -> Result<u64, InboxError> {
+        if limit == 0 {
+            return Err(InboxError::InvalidArgument {
+                message: "purge batch size must be at least 1".into(),
+            });
+        }
+        let deleted = sqlx::query(PURGE_BATCH)
+            .bind(cutoff)
+            .bind(i64::from(limit))
+            .execute(&self.pool)
+            .await
+            .map_err(classify)?
+            .rows_affected();
+        tracing::debug!(schema = %self.schema, %cutoff, limit, deleted, "inbox purge batch");
+        Ok(deleted)
+    }
+}
+
+/// An open inbox transaction: a [`sqlx::Transaction`] on one pooled
+/// connection.
+///
+/// Dropped without commit, it rolls back. sqlx can only *queue* that
+/// rollback (`Drop` cannot wait); the pool flushes it before it hands the
+/// connection out again, and a connection that cannot do so is closed, which
+/// the server also treats as a rollback. Either way no claim outlives its
+/// transaction, but another connection may briefly still see the claim held.
+#[derive(Debug)]
+pub struct SqlxTransaction {
+    tx: sqlx::Transaction<'static, Postgres>,
+    /// Keys this transaction claimed `Fresh`, so that marking any other key
+    /// is refused instead of touching a row someone else committed.
+    claimed: HashSet<InboxKey>,
+}
+
+impl SqlxTransaction {
+    /// The transaction's connection, for the consumer's business writes:
+    /// whatever runs here commits or rolls back together with the claim.
+    ///
+    /// Do not `COMMIT` or `ROLLBACK` through it; the inbox does that.
+    pub fn conn(&mut self) -> &mut PgConnection {
+        &mut self.tx
+    }
+}
+
+#[async_trait]
+impl InboxTransaction for SqlxTransaction {
+    async fn claim(&mut self, key: &InboxKey) -> Result<Claim, InboxError> {
+        let inserted = sqlx::query(CLAIM)
+            .bind(key.message_id.as_uuid())
+            .bind(key.consumer.as_str())
+            .execute(&mut *self.tx)
+            .await
+            .map_err(classify)?
+            .rows_affected();
+        if inserted == 1 {
+            self.claimed.insert(key.clone());
+            Ok(Claim::Fresh)
+        } else {
+            Ok(Claim::Duplicate)
+        }
+    }
+
+    async fn mark_processed(&mut self, key: &InboxKey) -> Result<(), InboxError> {
+        if !self.claimed.contains(key) {
+            return Err(not_claimed(key));
+        }
+        let updated = sqlx::query(MARK_PROCESSED)
+            .bind(key.message_id.as_uuid())
+            .bind(key.consumer.as_str())
+            .execute(&mut *self.tx)
+            .await
+            .map_err(classify)?
+            .rows_affected();
+        if updated == 0 {
+            // Only the consumer's own writes on `conn()` could have removed
+            // the row this transaction inserted.
+            return Err(not_claimed(key));
+        }
+        Ok(())
+    }
+
+    async fn commit(self) -> Result<(), InboxError> {
+        self.tx.commit().await.map_err(classify)
+    }
+
+    async fn rollback(self) -> Result<(), InboxError> {
+        self.tx.rollback().await.map_err(classify)
+    }
+}
+
+fn not_claimed(key: &InboxKey) -> InboxError {
+    InboxError::InvalidArgument {
+        message: format!("mark_processed({key}): the key was not claimed by this transaction"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send<T: Send>(_: &T) {}
+
+    #[test]
+    fn futures_are_send() {
+        // Consumers spawn these; a non-Send future would be a compile error
+        // far from here otherwise. Checked by type only, never run.
+        fn check(store: &SqlxStore, tx: &mut SqlxTransaction, key: &InboxKey) {
+            assert_send(&store.migrate());
+            assert_send(&SqlxStore::connect("postgres://u@localhost/db", "inbox"));
+            assert_send(&store.begin());
+            assert_send(&store.lookup(key));
+            assert_send(&tx.claim(key));
+            assert_send(&tx.mark_processed(key));
+        }
+        let _ = check;
+    }
+
+    #[test]
+    fn schema_names() {
+        for good in [
+            "inbox",
+            "_x",
+            "a1_b2",
+            "inbox_test_1764680000_abcdef12",
+            &"a".repeat(63),
+        ] {
+            validate_schema_name(good).unwrap_or_else(|e| panic!("{good:?}: {e}"));
+        }
+        for bad in [
+            "",
+            "1abc",
+            "Inbox",
+            "in-box",
+            "a b",
+            "x\"; DROP SCHEMA public; --",
+            "a\0",
+            "é",
+            "pg_temp",
+            &"a".repeat(64),
+        ] {
+            let err = validate_schema_name(bad).expect_err(bad);
+            assert!(matches!(err, InboxError::InvalidArgument { .. }), "{bad:?}");
+            assert!(!err.is_retryable());
+        }
+    }
+
+    #[test]
+    fn connect_options_validate_the_schema_and_set_search_path() {
+        let bad = SqlxStore::connect_options("postgres://u@h/db", "Robert'); DROP TABLE x;--");
+        assert!(matches!(bad, Err(InboxError::InvalidArgument { .. })));
+
+        let options =
+            SqlxStore::connect_options("postgres://u@h/db", "inbox_a").expect("valid options");
+        assert_eq!(options.get_options(), Some("-c search_path=inbox_a"));
+    }
+
+    #[test]
+    fn a_bad_url_is_permanent() {
+        let err =
+            SqlxStore::connect_options("postgres://u@h:notaport/db", "inbox").expect_err("bad url");
+        assert!(!err.is_retryable(), "{err:?}");
+    }
+}

@@ -1,0 +1,186 @@
+//! What every test file of this crate needs: the database, a fresh schema
+//! per store, and a way to kill a transaction's connection from outside.
+//!
+//! Each store lives in its own schema `inbox_test_<unixsecs>_<random>`, so
+//! concurrent test runs (other engineers, CI) never see each other's rows.
+//! Schemas whose embedded time is older than an hour are swept when a test
+//! connects; younger ones may belong to a run still going and are left
+//! alone.
+#![allow(
+    dead_code,
+    unreachable_pub,
+    reason = "each test file uses a different part"
+)]
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use inbox_api::InboxError;
+use inbox_backend_sqlx::{SqlxStore, SqlxTransaction, classify};
+use sqlx::postgres::{PgPool, PgPoolOptions};
+
+/// Used when `DATABASE_URL` is not set.
+pub const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+
+/// Schemas made by tests start with this.
+pub const TEST_PREFIX: &str = "inbox_test_";
+
+/// How old a test schema must be before a later run may drop it.
+pub const SWEEP_AFTER: Duration = Duration::from_secs(3600);
+
+/// `DATABASE_URL`, or the local test database.
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())
+}
+
+/// The URL without its password, for messages that end up in CI logs.
+pub fn redacted(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    match rest.split_once('@') {
+        Some((userinfo, host)) if userinfo.contains(':') => {
+            let user = userinfo.split(':').next().unwrap_or_default();
+            format!("{scheme}://{user}:***@{host}")
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// A small pool for the tests' own statements (creating and dropping
+/// schemas, killing backends). Panics, never skips, when the database is not
+/// there: a test that quietly passes without its database proves nothing.
+pub async fn admin_pool() -> PgPool {
+    let url = database_url();
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(&url)
+        .await;
+    match pool {
+        Ok(pool) => pool,
+        Err(error) => panic!(
+            "PostgreSQL not reachable at {}: {error}; start it with \
+             `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` \
+             (or point DATABASE_URL at a server)",
+            redacted(&url)
+        ),
+    }
+}
+
+/// Seconds since the epoch, as embedded in schema names.
+pub fn unix_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default()
+}
+
+/// A schema name nobody else uses: `<prefix><unixsecs>_<random>`.
+pub fn unique_schema(prefix: &str) -> String {
+    let random = uuid::Uuid::new_v4().simple().to_string();
+    format!("{prefix}{}_{}", unix_secs(), &random[..8])
+}
+
+/// The creation time embedded in a schema name made by [`unique_schema`].
+pub fn embedded_secs(schema: &str, prefix: &str) -> Option<u64> {
+    let rest = schema.strip_prefix(prefix)?;
+    let (secs, random) = rest.split_once('_')?;
+    if random.is_empty() {
+        return None;
+    }
+    secs.parse().ok()
+}
+
+/// Drops the schemas starting with `prefix` whose embedded time is older
+/// than [`SWEEP_AFTER`]. Failures are logged, never fatal: another run may
+/// be sweeping the same schema right now.
+pub async fn sweep_old_schemas(admin: &PgPool, prefix: &str) {
+    let pattern = format!("{}%", prefix.replace('_', "\\_"));
+    let names: Vec<String> =
+        match sqlx::query_scalar("SELECT nspname::text FROM pg_namespace WHERE nspname LIKE $1")
+            .bind(&pattern)
+            .fetch_all(admin)
+            .await
+        {
+            Ok(names) => names,
+            Err(error) => {
+                tracing::warn!(%error, "listing old test schemas failed");
+                return;
+            }
+        };
+    let limit = unix_secs().saturating_sub(SWEEP_AFTER.as_secs());
+    for name in names {
+        let old = embedded_secs(&name, prefix).is_some_and(|secs| secs < limit);
+        if !old || inbox_backend_sqlx::validate_schema_name(&name).is_err() {
+            continue;
+        }
+        // Validated above: a plain identifier, safe to quote.
+        let drop = format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE");
+        if let Err(error) = sqlx::query(&drop).execute(admin).await {
+            tracing::warn!(schema = %name, %error, "dropping an old test schema failed");
+        }
+    }
+}
+
+/// A migrated store in a new schema of its own, with `max` connections.
+/// Its connections carry the schema as `application_name`, so tests can
+/// find them in `pg_stat_activity`.
+pub async fn fresh_store(max: u32) -> SqlxStore {
+    let schema = unique_schema(TEST_PREFIX);
+    let options = SqlxStore::connect_options(&database_url(), &schema)
+        .expect("valid test schema name")
+        .application_name(&schema);
+    let pool = PgPoolOptions::new()
+        .max_connections(max)
+        .min_connections(0)
+        .acquire_timeout(Duration::from_secs(15))
+        .idle_timeout(Duration::from_secs(30))
+        .connect_with(options)
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "PostgreSQL not reachable at {}: {e}",
+                redacted(&database_url())
+            )
+        });
+    let store = SqlxStore::new(pool, &schema).expect("valid test schema name");
+    store.migrate().await.expect("migrate a fresh schema");
+    store
+}
+
+/// The server process behind `tx`'s connection.
+pub async fn backend_pid(tx: &mut SqlxTransaction) -> Result<i32, InboxError> {
+    sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(tx.conn())
+        .await
+        .map_err(classify)
+}
+
+/// Kills server process `pid` from another connection of `pool`, and waits
+/// (up to 5 s, PostgreSQL 14+) until it is gone, so its transaction is
+/// rolled back and its locks released when this returns.
+pub async fn terminate(pool: &PgPool, pid: i32) -> bool {
+    sqlx::query_scalar("SELECT pg_terminate_backend($1, 5000)")
+        .bind(pid)
+        .fetch_one(pool)
+        .await
+        .expect("pg_terminate_backend")
+}
+
+/// Kills `tx`'s connection from outside, then drops `tx`: a process crash
+/// as the database sees it.
+pub async fn kill(store: &SqlxStore, mut tx: SqlxTransaction) {
+    let pid = backend_pid(&mut tx).await.expect("backend pid");
+    assert!(terminate(store.pool(), pid).await, "backend {pid} killed");
+    drop(tx);
+}
+
+/// Committed rows of `table` in `store`'s schema, counted on a fresh
+/// connection.
+pub async fn count(store: &SqlxStore, table: &str) -> i64 {
+    // Only called with literal table names from the tests.
+    sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
+        .fetch_one(store.pool())
+        .await
+        .expect("count rows")
+}
