@@ -1,0 +1,84 @@
+//! The Inbox pattern on PostgreSQL through [diesel-async] and a [deadpool]
+//! pool: exactly-once *effects* for at-least-once consumers.
+//!
+//! [`DieselStore`] implements [`inbox_api::InboxStore`]. Its transaction,
+//! [`DieselTransaction`], holds one pooled [`AsyncPgConnection`] with an open
+//! transaction whose first write is the claim (`INSERT … ON CONFLICT DO
+//! NOTHING` into `inbox_messages`); the consumer's business writes go
+//! through [`DieselTransaction::conn`] on that same connection, so they
+//! commit together with the claim or not at all.
+//!
+//! - The schema is the workspace's `migrations/*.sql`, embedded at build
+//!   time and applied by [`DieselStore::migrate`]; [`schema`] is diesel's
+//!   view of it. Each store lives in one PostgreSQL schema, chosen by
+//!   `search_path` ([`SchemaName`]).
+//! - A transaction dropped without commit closes its connection instead of
+//!   returning it to the pool (see [`DieselTransaction`] for why).
+//! - [`classify`] turns diesel errors into [`inbox_api::InboxError`]s that
+//!   say retry or dead-letter, the same table as the sqlx backend.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use diesel::prelude::*;
+//! use diesel_async::RunQueryDsl;
+//! use inbox_api::{ConsumerName, Handled, Inbox, InboxError, InboxKey, MessageId};
+//! use inbox_backend_diesel::{DieselStore, classify};
+//!
+//! diesel::table! {
+//!     // A business table of the consumer, in the same schema.
+//!     parcel_events (id) {
+//!         id -> Int8,
+//!         parcel -> Text,
+//!         message_id -> Uuid,
+//!     }
+//! }
+//!
+//! # async fn run() -> Result<(), InboxError> {
+//! let store = DieselStore::connect("postgres://postgres@127.0.0.1/app", "inbox", 8).await?;
+//! store.migrate().await?;
+//! let inbox = Inbox::new(store);
+//!
+//! // From the delivery's headers; the producer reuses the id on retries.
+//! let key = InboxKey::new(
+//!     MessageId::parse("0192f0a4-6c1e-7d2a-9b1c-3f4e5d6c7b8a")?,
+//!     ConsumerName::new("parcel-tracking")?,
+//! );
+//! let parcel = String::from("P-1");
+//! let outcome = inbox
+//!     .handle(&key, async |tx| {
+//!         // Inside the claim's transaction: commits with it, or not at all.
+//!         diesel::insert_into(parcel_events::table)
+//!             .values((
+//!                 parcel_events::parcel.eq(&parcel),
+//!                 parcel_events::message_id.eq(key.message_id.as_uuid()),
+//!             ))
+//!             .execute(tx.conn())
+//!             .await
+//!             .map_err(classify)?;
+//!         Ok::<_, InboxError>(())
+//!     })
+//!     .await?;
+//! match outcome {
+//!     Handled::Processed(()) => { /* ack */ }
+//!     Handled::Duplicate => { /* already done: ack and drop */ }
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! [diesel-async]: diesel_async
+#![deny(missing_docs)]
+
+mod error;
+mod migrate;
+pub mod schema;
+mod schema_name;
+mod store;
+mod transaction;
+
+pub use diesel_async::AsyncPgConnection;
+pub use error::{classify, classify_connection, classify_pool};
+pub use schema_name::SchemaName;
+pub use store::{DieselPool, DieselStore, DieselStoreBuilder, PooledConnection};
+pub use transaction::DieselTransaction;

@@ -1,0 +1,377 @@
+//! The store: a deadpool pool of `AsyncPgConnection`s bound to one schema.
+
+use std::fmt;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use deadpool::Runtime;
+use deadpool::managed::{Object, Timeouts};
+use diesel::prelude::*;
+use diesel::sql_types::{BigInt, Timestamptz};
+use diesel_async::pooled_connection::deadpool::Pool;
+use diesel_async::pooled_connection::{
+    AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod,
+};
+use diesel_async::{
+    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
+    TransactionManager,
+};
+use inbox_api::{ConsumerName, InboxError, InboxKey, InboxRecord, InboxStore, MessageId};
+
+use crate::error::{classify, classify_pool};
+use crate::schema::inbox_messages;
+use crate::transaction::{Pooled, refine};
+use crate::{DieselTransaction, SchemaName};
+
+/// The pool type the store runs on.
+pub type DieselPool = Pool<AsyncPgConnection>;
+
+/// A connection checked out of a [`DieselPool`].
+pub type PooledConnection = Object<AsyncDieselConnectionManager<AsyncPgConnection>>;
+
+/// An [`InboxStore`] on PostgreSQL through diesel-async.
+///
+/// Cloning is cheap and shares the pool. Every connection of the pool has
+/// `search_path` set to the store's schema when it is opened, so the
+/// unqualified names of the migrations and of [`crate::schema`] resolve
+/// there, and nowhere else: a missing table is an error, not a silent
+/// fallback to `public`. The consumer's business tables are resolved the
+/// same way; qualify them (`public.parcels`) if they live elsewhere.
+#[derive(Clone)]
+pub struct DieselStore {
+    pool: DieselPool,
+    schema: SchemaName,
+}
+
+impl fmt::Debug for DieselStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let status = self.pool.status();
+        f.debug_struct("DieselStore")
+            .field("schema", &self.schema)
+            .field("pool_max_size", &status.max_size)
+            .field("pool_size", &status.size)
+            .field("pool_available", &status.available)
+            .finish()
+    }
+}
+
+/// Settings of a [`DieselStore`]; start from [`DieselStore::builder`].
+#[must_use]
+pub struct DieselStoreBuilder {
+    url: String,
+    schema: SchemaName,
+    pool_size: usize,
+    wait_timeout: Duration,
+    connect_timeout: Duration,
+    verify_on_checkout: bool,
+}
+
+impl fmt::Debug for DieselStoreBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The URL may carry a password.
+        f.debug_struct("DieselStoreBuilder")
+            .field("schema", &self.schema)
+            .field("pool_size", &self.pool_size)
+            .field("wait_timeout", &self.wait_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("verify_on_checkout", &self.verify_on_checkout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DieselStoreBuilder {
+    /// How many connections the pool holds at most (default 10). Every open
+    /// inbox transaction holds one for its whole duration.
+    pub fn pool_size(mut self, size: usize) -> Self {
+        self.pool_size = size;
+        self
+    }
+
+    /// How long [`InboxStore::begin`] waits for a free connection before
+    /// failing with the retryable [`InboxError::PoolTimeout`] (default 5 s).
+    pub fn wait_timeout(mut self, timeout: Duration) -> Self {
+        self.wait_timeout = timeout;
+        self
+    }
+
+    /// How long opening one connection may take (default 5 s).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Whether a pooled connection is pinged (`SELECT 1`) before each use
+    /// (default `false`).
+    ///
+    /// Off by default because it costs a round trip per transaction: a
+    /// connection the server closed is noticed without it (the driver's
+    /// background task sees the socket close and the pool drops it), and the
+    /// rare one that died unnoticed fails `BEGIN`, which [`InboxStore::begin`]
+    /// retries on another connection.
+    pub fn verify_on_checkout(mut self, verify: bool) -> Self {
+        self.verify_on_checkout = verify;
+        self
+    }
+
+    /// Builds the store without connecting (connections open on demand).
+    ///
+    /// # Errors
+    /// [`InboxError::InvalidArgument`] for a zero pool size.
+    pub fn build(self) -> Result<DieselStore, InboxError> {
+        if self.pool_size == 0 {
+            return Err(InboxError::InvalidArgument {
+                message: "pool size must be at least 1".into(),
+            });
+        }
+        let mut config = ManagerConfig::<AsyncPgConnection>::default();
+        config.recycling_method = if self.verify_on_checkout {
+            RecyclingMethod::Verified
+        } else {
+            RecyclingMethod::Fast
+        };
+        let set_search_path = format!("SET search_path TO {}", self.schema.quoted());
+        config.custom_setup = Box::new(move |url| {
+            let set_search_path = set_search_path.clone();
+            Box::pin(async move {
+                let mut conn = AsyncPgConnection::establish(url).await?;
+                conn.batch_execute(&set_search_path)
+                    .await
+                    .map_err(diesel::ConnectionError::CouldntSetupConfiguration)?;
+                Ok(conn)
+            })
+        });
+        let manager = AsyncDieselConnectionManager::new_with_config(self.url, config);
+        let pool = Pool::builder(manager)
+            .max_size(self.pool_size)
+            .timeouts(Timeouts {
+                wait: Some(self.wait_timeout),
+                create: Some(self.connect_timeout),
+                recycle: Some(self.connect_timeout),
+            })
+            .runtime(Runtime::Tokio1)
+            .build()
+            .map_err(|e| InboxError::InvalidArgument {
+                message: format!("cannot build the connection pool: {e}"),
+            })?;
+        Ok(DieselStore {
+            pool,
+            schema: self.schema,
+        })
+    }
+
+    /// Builds the store and opens one connection, so that a wrong URL fails
+    /// here rather than on the first message.
+    ///
+    /// # Errors
+    /// As [`DieselStoreBuilder::build`]; [`InboxError::Connection`] or
+    /// [`InboxError::PoolTimeout`] when the database cannot be reached.
+    pub async fn connect(self) -> Result<DieselStore, InboxError> {
+        let store = self.build()?;
+        let mut conn = store.pool.get().await.map_err(classify_pool)?;
+        warn_unless_english_messages(&mut conn).await;
+        Ok(store)
+    }
+}
+
+/// Error classification reads PostgreSQL's message text where diesel drops
+/// the SQLSTATE (see [`crate::classify`]); say so once if that cannot work.
+async fn warn_unless_english_messages(conn: &mut AsyncPgConnection) {
+    let setting = diesel::select(diesel::dsl::sql::<diesel::sql_types::Text>(
+        "current_setting('lc_messages')",
+    ))
+    .get_result::<String>(conn)
+    .await;
+    match setting {
+        Ok(locale)
+            if locale.is_empty()
+                || locale.starts_with('C')
+                || locale.starts_with("POSIX")
+                || locale.starts_with("en") => {}
+        Ok(locale) => tracing::warn!(lc_messages = %locale,
+            "server messages are not in English: deadlocks, lock timeouts and missing tables \
+             will be classified as permanent store errors instead of retryable conflicts / schema errors"),
+        Err(error) => tracing::debug!(error = %error, "cannot read lc_messages"),
+    }
+}
+
+impl DieselStore {
+    /// Starts configuring a store on the database at `url`, keeping its
+    /// tables in `schema`.
+    ///
+    /// # Errors
+    /// [`InboxError::InvalidArgument`] when `schema` is not a plain
+    /// identifier (see [`SchemaName`]).
+    pub fn builder(url: impl Into<String>, schema: &str) -> Result<DieselStoreBuilder, InboxError> {
+        Ok(DieselStoreBuilder {
+            url: url.into(),
+            schema: SchemaName::new(schema)?,
+            pool_size: 10,
+            wait_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(5),
+            verify_on_checkout: false,
+        })
+    }
+
+    /// A store on `url` in `schema` with at most `pool_size` connections,
+    /// checked by opening one connection.
+    ///
+    /// # Errors
+    /// As [`DieselStore::builder`] and [`DieselStoreBuilder::connect`].
+    pub async fn connect(url: &str, schema: &str, pool_size: usize) -> Result<Self, InboxError> {
+        Self::builder(url, schema)?
+            .pool_size(pool_size)
+            .connect()
+            .await
+    }
+
+    /// The pool, for the application's own queries outside the inbox.
+    pub fn pool(&self) -> &DieselPool {
+        &self.pool
+    }
+
+    /// The schema the store's connections use.
+    pub fn schema(&self) -> &SchemaName {
+        &self.schema
+    }
+
+    /// Creates the schema if needed and applies the workspace's pending
+    /// migrations (the same `migrations/*.sql` the sqlx backend runs), in one
+    /// transaction, serialised against other instances migrating at once.
+    /// Returns the versions applied (empty when up to date).
+    ///
+    /// # Errors
+    /// [`InboxError::Schema`] when an applied migration's file changed;
+    /// store errors otherwise.
+    pub async fn migrate(&self) -> Result<Vec<i64>, InboxError> {
+        let conn = self.pool.get().await.map_err(classify_pool)?;
+        // A connection of its own, closed afterwards: an interrupted
+        // migration then cannot leave a pooled connection mid-transaction.
+        let mut conn = Object::take(conn);
+        crate::migrate::run(&mut conn, &self.schema).await
+    }
+
+    /// Checks out a connection and runs `BEGIN`, retrying on another
+    /// connection when a pooled one turns out to be dead (BEGIN has no
+    /// effect, so retrying it is always safe).
+    async fn begin_on_fresh_connection(&self) -> Result<Pooled, InboxError> {
+        const ATTEMPTS: usize = 3;
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let mut conn = self.pool.get().await.map_err(classify_pool)?;
+            match AnsiTransactionManager::begin_transaction(&mut *conn).await {
+                Ok(()) => return Ok(conn),
+                Err(error) => {
+                    let error = classify(error);
+                    drop(Object::take(conn));
+                    if attempt >= ATTEMPTS || error.kind() != "connection" {
+                        return Err(error);
+                    }
+                    tracing::debug!(error = %error, attempt, "BEGIN on a dead pooled connection; retrying");
+                }
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl InboxStore for DieselStore {
+    type Transaction = DieselTransaction;
+
+    async fn begin(&self) -> Result<DieselTransaction, InboxError> {
+        Ok(DieselTransaction::new(
+            self.begin_on_fresh_connection().await?,
+        ))
+    }
+
+    async fn lookup(&self, key: &InboxKey) -> Result<Option<InboxRecord>, InboxError> {
+        // A read: safe to repeat once on another connection when the pooled
+        // one turns out to be dead.
+        let mut retried = false;
+        loop {
+            let mut conn = self.pool.get().await.map_err(classify_pool)?;
+            let row = inbox_messages::table
+                .find((key.message_id.as_uuid(), key.consumer.as_str()))
+                .select((
+                    inbox_messages::id,
+                    inbox_messages::consumer_type,
+                    inbox_messages::received_at,
+                    inbox_messages::processed_at,
+                ))
+                .first::<(uuid::Uuid, String, DateTime<Utc>, Option<DateTime<Utc>>)>(&mut *conn)
+                .await
+                .optional();
+            match row {
+                Ok(row) => return row.map(record).transpose(),
+                Err(error) => {
+                    let error = refine(&mut conn, error).await;
+                    if retried || error.kind() != "connection" {
+                        return Err(error);
+                    }
+                    drop(Object::take(conn));
+                    retried = true;
+                }
+            }
+        }
+    }
+
+    /// One statement, its own transaction: a subselect picks at most
+    /// `limit` processed rows older than `cutoff` in `processed_at` order
+    /// through the partial index, locking them `FOR UPDATE SKIP LOCKED` so
+    /// that concurrent cleaners take disjoint batches instead of waiting on
+    /// (or deadlocking with) each other, and the DELETE removes them by
+    /// primary key.
+    async fn purge_processed_batch(
+        &self,
+        cutoff: DateTime<Utc>,
+        limit: u32,
+    ) -> Result<u64, InboxError> {
+        if limit == 0 {
+            return Err(InboxError::InvalidArgument {
+                message: "purge batch size must be at least 1".into(),
+            });
+        }
+        let mut conn = self.pool.get().await.map_err(classify_pool)?;
+        let deleted = diesel::sql_query(PURGE_SQL)
+            .bind::<Timestamptz, _>(cutoff)
+            .bind::<BigInt, _>(i64::from(limit))
+            .execute(&mut *conn)
+            .await;
+        match deleted {
+            Ok(n) => {
+                tracing::debug!(deleted = n, %cutoff, limit, "purged processed inbox rows");
+                Ok(u64::try_from(n).unwrap_or(u64::MAX))
+            }
+            Err(error) => Err(refine(&mut conn, error).await),
+        }
+    }
+}
+
+/// See [`DieselStore::purge_processed_batch`].
+pub(crate) const PURGE_SQL: &str = "DELETE FROM inbox_messages \
+     WHERE (id, consumer_type) IN ( \
+         SELECT id, consumer_type FROM inbox_messages \
+         WHERE processed_at < $1 \
+         ORDER BY processed_at \
+         LIMIT $2 \
+         FOR UPDATE SKIP LOCKED)";
+
+fn record(
+    (id, consumer, received_at, processed_at): (
+        uuid::Uuid,
+        String,
+        DateTime<Utc>,
+        Option<DateTime<Utc>>,
+    ),
+) -> Result<InboxRecord, InboxError> {
+    let consumer = ConsumerName::new(consumer).map_err(|e| InboxError::Store {
+        retryable: false,
+        source: Box::new(e),
+    })?;
+    Ok(InboxRecord {
+        key: InboxKey::new(MessageId::from_uuid(id), consumer),
+        received_at,
+        processed_at,
+    })
+}

@@ -1,0 +1,246 @@
+//! One open transaction on one pooled connection.
+
+use async_trait::async_trait;
+use deadpool::managed::Object;
+use diesel::prelude::*;
+use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
+use inbox_api::{Claim, InboxError, InboxKey, InboxTransaction};
+
+use crate::error::{classify, is_unrecognised};
+use crate::schema::inbox_messages;
+
+pub(crate) use crate::store::PooledConnection as Pooled;
+
+/// An open PostgreSQL transaction holding one pooled connection.
+///
+/// The consumer's business writes go through [`DieselTransaction::conn`], on
+/// the same connection and inside the same transaction as the claim, so they
+/// commit or vanish together with it.
+///
+/// # Dropped without commit
+///
+/// Drop cannot run async code, so it cannot send `ROLLBACK`. Handing the
+/// connection back to the pool as it is would be wrong twice over:
+/// diesel-async's deadpool manager only inspects a connection when it is
+/// checked out again (its `recycle` then discards one whose transaction
+/// manager is still inside a transaction), so until some later checkout
+/// happens to pick it, the connection sits idle *in* the transaction and
+/// keeps the claim's row lock. A redelivery of the same message on another
+/// connection would wait on that lock indefinitely. So Drop detaches the
+/// connection from the pool ([`deadpool::managed::Object::take`]) and closes
+/// it: PostgreSQL rolls back a transaction whose client went away and
+/// releases its locks at once, and the pool opens a new connection in the
+/// freed slot on demand. The same happens when commit or rollback fails,
+/// since the connection's state is unknown then.
+pub struct DieselTransaction {
+    /// `Some` for the whole life of the value; `None` only inside
+    /// commit/rollback/drop, after the connection was handed back or closed.
+    conn: Option<Pooled>,
+    /// Keys this transaction claimed `Fresh`: the only ones it may mark.
+    claimed: Vec<InboxKey>,
+}
+
+impl std::fmt::Debug for DieselTransaction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DieselTransaction")
+            .field("open", &self.conn.is_some())
+            .field("claimed", &self.claimed)
+            .finish()
+    }
+}
+
+impl DieselTransaction {
+    /// Wraps a connection on which `BEGIN` succeeded.
+    pub(crate) fn new(conn: Pooled) -> Self {
+        Self {
+            conn: Some(conn),
+            claimed: Vec::new(),
+        }
+    }
+
+    /// The connection, inside the open transaction, for the consumer's
+    /// business writes.
+    ///
+    /// Use diesel-async's `RunQueryDsl` with it. A nested
+    /// `conn.transaction(..)` becomes a savepoint of this transaction. Do not
+    /// commit or roll back the outer transaction through it: use
+    /// [`InboxTransaction::commit`] / [`InboxTransaction::rollback`], which
+    /// also decide what happens to the connection.
+    pub fn conn(&mut self) -> &mut AsyncPgConnection {
+        match self.conn.as_mut() {
+            Some(conn) => conn,
+            // commit/rollback consume `self`, so no caller can observe it.
+            None => unreachable!("DieselTransaction used after it ended"),
+        }
+    }
+
+    /// How deep the transaction manager thinks it is (1 = only ours).
+    fn depth(&mut self) -> Option<u32> {
+        AnsiTransactionManager::transaction_manager_status_mut(self.conn())
+            .transaction_depth()
+            .ok()
+            .flatten()
+            .map(std::num::NonZeroU32::get)
+    }
+
+    /// Hands the connection back to the pool once its transaction ended;
+    /// closes it if the transaction manager disagrees.
+    fn release(&mut self) {
+        if self.depth().is_some() {
+            self.discard();
+        } else {
+            drop(self.conn.take());
+        }
+    }
+
+    /// Closes the connection instead of pooling it (see the type's docs).
+    fn discard(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            drop(Object::take(conn));
+        }
+    }
+
+    /// Classifies an error of one of our own statements; when the error is
+    /// not recognised, a probe tells a dead connection (retryable) from a
+    /// real failure.
+    async fn refine(&mut self, error: diesel::result::Error) -> InboxError {
+        refine(self.conn(), error).await
+    }
+}
+
+/// See [`DieselTransaction::refine`].
+pub(crate) async fn refine(
+    conn: &mut AsyncPgConnection,
+    error: diesel::result::Error,
+) -> InboxError {
+    let classified = classify(error);
+    if !is_unrecognised(&classified) {
+        return classified;
+    }
+    match diesel::sql_query("SELECT 1")
+        .execute(conn)
+        .await
+        .map_err(classify)
+    {
+        Err(InboxError::Connection { .. }) => InboxError::Connection {
+            source: Box::new(classified),
+        },
+        _ => classified,
+    }
+}
+
+impl Drop for DieselTransaction {
+    fn drop(&mut self) {
+        if self.conn.is_some() {
+            tracing::debug!(
+                claimed = self.claimed.len(),
+                "inbox transaction dropped without commit: closing its connection"
+            );
+            self.discard();
+        }
+    }
+}
+
+#[async_trait]
+impl InboxTransaction for DieselTransaction {
+    /// `INSERT … ON CONFLICT DO NOTHING`: one statement, atomic. One row
+    /// inserted → `Fresh` (and the row lock makes concurrent claims of the
+    /// key wait for this transaction); none → a committed row (or this
+    /// transaction's own) exists → `Duplicate`. A unique violation can never
+    /// surface, so a duplicate is never an error.
+    async fn claim(&mut self, key: &InboxKey) -> Result<Claim, InboxError> {
+        let inserted = diesel::insert_into(inbox_messages::table)
+            .values((
+                inbox_messages::id.eq(key.message_id.as_uuid()),
+                inbox_messages::consumer_type.eq(key.consumer.as_str()),
+            ))
+            .on_conflict_do_nothing()
+            .execute(self.conn())
+            .await;
+        match inserted {
+            Ok(1) => {
+                self.claimed.push(key.clone());
+                Ok(Claim::Fresh)
+            }
+            Ok(0) => Ok(Claim::Duplicate),
+            Ok(n) => Err(InboxError::Store {
+                retryable: false,
+                source: format!("claim inserted {n} rows for one key").into(),
+            }),
+            Err(error) => Err(self.refine(error).await),
+        }
+    }
+
+    async fn mark_processed(&mut self, key: &InboxKey) -> Result<(), InboxError> {
+        if !self.claimed.contains(key) {
+            // Updating a row this transaction did not claim would touch
+            // another delivery's committed row, or nothing.
+            return Err(InboxError::InvalidArgument {
+                message: format!("mark_processed: {key} was not claimed by this transaction"),
+            });
+        }
+        let updated = diesel::update(
+            inbox_messages::table.find((key.message_id.as_uuid(), key.consumer.as_str())),
+        )
+        .set(inbox_messages::processed_at.eq(diesel::dsl::now))
+        .execute(self.conn())
+        .await;
+        match updated {
+            Ok(1) => Ok(()),
+            // The consumer's own writes deleted the claim.
+            Ok(_) => Err(InboxError::InvalidArgument {
+                message: format!("mark_processed: no inbox row for {key} in this transaction"),
+            }),
+            Err(error) => Err(self.refine(error).await),
+        }
+    }
+
+    async fn commit(mut self) -> Result<(), InboxError> {
+        if self.depth() != Some(1) {
+            // COMMIT would only release the consumer's savepoint and leave
+            // the claim's transaction open.
+            self.discard();
+            return Err(InboxError::Store {
+                retryable: false,
+                source: "commit with an unbalanced nested transaction: the consumer's \
+                         work began a savepoint by hand and did not end it"
+                    .into(),
+            });
+        }
+        // If this future is dropped mid-COMMIT, `self` drops with it and the
+        // connection is closed: the outcome is then unknown, as it is for
+        // any lost COMMIT, and redelivery resolves it.
+        match AnsiTransactionManager::commit_transaction(self.conn()).await {
+            Ok(()) => {
+                self.release();
+                Ok(())
+            }
+            Err(error) => {
+                let error = classify(error);
+                tracing::debug!(error = %error, "commit failed: closing the connection");
+                self.discard();
+                Err(error)
+            }
+        }
+    }
+
+    async fn rollback(mut self) -> Result<(), InboxError> {
+        if self.depth() != Some(1) {
+            // Rolling back one savepoint would leave the transaction open;
+            // closing the connection rolls all of it back.
+            self.discard();
+            return Ok(());
+        }
+        match AnsiTransactionManager::rollback_transaction(self.conn()).await {
+            Ok(()) => {
+                self.release();
+                Ok(())
+            }
+            Err(error) => {
+                // The server rolls back when the connection closes.
+                self.discard();
+                Err(classify(error))
+            }
+        }
+    }
+}

@@ -1,0 +1,275 @@
+//! What every test file of this crate needs: the database, a fresh schema
+//! per store, and a way to kill a transaction's connection from outside.
+//!
+//! Each store lives in its own schema `inbox_test_<unixsecs>_<random>`, so
+//! concurrent test runs (other engineers, CI, the sqlx backend's tests) never
+//! see each other's rows. Schemas whose embedded time is older than an hour
+//! are swept when a harness is created; younger ones may belong to a run
+//! still going and are left alone.
+#![allow(
+    dead_code,
+    unreachable_pub,
+    reason = "each test file uses a different part"
+)]
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use diesel::sql_types::{BigInt, Bool, Integer, Text};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use inbox_api::InboxError;
+use inbox_backend_diesel::{DieselStore, DieselTransaction, SchemaName, classify};
+
+/// Used when `DATABASE_URL` is not set.
+pub const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+
+/// Schemas made by tests start with this (shared with the sqlx backend).
+pub const TEST_PREFIX: &str = "inbox_test_";
+
+/// How old a test schema must be before a later run may drop it.
+pub const SWEEP_AFTER: Duration = Duration::from_secs(3600);
+
+/// `DATABASE_URL`, or the local test database.
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())
+}
+
+/// The URL without its password, for messages that end up in CI logs.
+pub fn redacted(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    match rest.split_once('@') {
+        Some((userinfo, host)) if userinfo.contains(':') => {
+            let user = userinfo.split(':').next().unwrap_or_default();
+            format!("{scheme}://{user}:***@{host}")
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// `url` with `application_name` set, so a test can find a store's
+/// connections in `pg_stat_activity`.
+pub fn url_with_application_name(url: &str, name: &str) -> String {
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}application_name={name}")
+}
+
+/// A connection of the test's own (creating and dropping schemas, killing
+/// backends, reading state outside any store). Panics, never skips, when the
+/// database is not there: a test that quietly passes without its database
+/// proves nothing.
+pub async fn admin() -> AsyncPgConnection {
+    let url = database_url();
+    match tokio::time::timeout(Duration::from_secs(10), AsyncPgConnection::establish(&url)).await {
+        Ok(Ok(conn)) => conn,
+        Ok(Err(error)) => panic!(
+            "PostgreSQL not reachable at {}: {error}; start it with \
+             `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` \
+             (or point DATABASE_URL at a server)",
+            redacted(&url)
+        ),
+        Err(_) => panic!(
+            "PostgreSQL at {} did not answer within 10 s",
+            redacted(&url)
+        ),
+    }
+}
+
+/// An admin connection whose `search_path` is `schema`.
+pub async fn admin_in(schema: &SchemaName) -> AsyncPgConnection {
+    let mut conn = admin().await;
+    diesel_async::SimpleAsyncConnection::batch_execute(
+        &mut conn,
+        &format!("SET search_path TO \"{schema}\""),
+    )
+    .await
+    .expect("set search_path");
+    conn
+}
+
+/// Seconds since the epoch, as embedded in schema names.
+pub fn unix_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default()
+}
+
+/// A schema name nobody else uses: `inbox_test_<unixsecs>_<random>`.
+pub fn unique_schema() -> String {
+    let random = uuid::Uuid::new_v4().simple().to_string();
+    format!("{TEST_PREFIX}{}_{}", unix_secs(), &random[..8])
+}
+
+/// The creation time embedded in a schema name made by [`unique_schema`].
+pub fn embedded_secs(schema: &str) -> Option<u64> {
+    let rest = schema.strip_prefix(TEST_PREFIX)?;
+    let (secs, random) = rest.split_once('_')?;
+    if random.is_empty() {
+        return None;
+    }
+    secs.parse().ok()
+}
+
+#[derive(diesel::QueryableByName)]
+struct Name {
+    #[diesel(sql_type = Text)]
+    nspname: String,
+}
+
+/// Drops the test schemas whose embedded time is older than
+/// [`SWEEP_AFTER`]. Failures are logged, never fatal: another run may be
+/// sweeping the same schema right now.
+pub async fn sweep_old_schemas(admin: &mut AsyncPgConnection) {
+    let names: Vec<Name> = match diesel::sql_query(
+        "SELECT nspname::text AS nspname FROM pg_namespace WHERE nspname LIKE $1",
+    )
+    .bind::<Text, _>(format!("{}%", TEST_PREFIX.replace('_', "\\_")))
+    .load(admin)
+    .await
+    {
+        Ok(names) => names,
+        Err(error) => {
+            tracing::warn!(%error, "listing old test schemas failed");
+            return;
+        }
+    };
+    let limit = unix_secs().saturating_sub(SWEEP_AFTER.as_secs());
+    for Name { nspname } in names {
+        let old = embedded_secs(&nspname).is_some_and(|secs| secs < limit);
+        // Validated: a plain identifier, safe to quote.
+        let Ok(name) = SchemaName::new(&nspname) else {
+            continue;
+        };
+        if !old {
+            continue;
+        }
+        let drop = format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE");
+        if let Err(error) = diesel::sql_query(drop).execute(admin).await {
+            tracing::warn!(schema = %name, %error, "dropping an old test schema failed");
+        }
+    }
+}
+
+/// A store in a new schema of its own, with `pool` connections, not yet
+/// migrated. Its connections carry the schema as `application_name`.
+pub async fn unmigrated_store(pool: usize, wait: Duration) -> DieselStore {
+    let schema = unique_schema();
+    let url = url_with_application_name(&database_url(), &schema);
+    DieselStore::builder(url, &schema)
+        .expect("valid test schema name")
+        .pool_size(pool)
+        .wait_timeout(wait)
+        .connect()
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "PostgreSQL not reachable at {}: {e} ({:?})",
+                redacted(&database_url()),
+                std::error::Error::source(&e).map(ToString::to_string)
+            )
+        })
+}
+
+/// A migrated store in a new schema of its own, with `pool` connections and
+/// the suite's effects table (no unique constraint: tests count doubles).
+pub async fn fresh_store(pool: usize) -> DieselStore {
+    let store = unmigrated_store(pool, Duration::from_secs(15)).await;
+    store.migrate().await.expect("migrate a fresh schema");
+    let mut conn = store.pool().get().await.expect("a pooled connection");
+    diesel::sql_query(EFFECTS_TABLE)
+        .execute(&mut *conn)
+        .await
+        .expect("create conformance_effects");
+    store
+}
+
+/// The suite's business table: one row per committed effect.
+pub const EFFECTS_TABLE: &str = "CREATE TABLE IF NOT EXISTS conformance_effects (
+    message_id uuid NOT NULL,
+    consumer   text NOT NULL,
+    effect_id  uuid NOT NULL DEFAULT gen_random_uuid()
+)";
+
+/// One business write inside `tx`.
+pub async fn record_effect(
+    tx: &mut DieselTransaction,
+    key: &inbox_api::InboxKey,
+) -> Result<(), InboxError> {
+    diesel::sql_query("INSERT INTO conformance_effects (message_id, consumer) VALUES ($1, $2)")
+        .bind::<diesel::sql_types::Uuid, _>(key.message_id.as_uuid())
+        .bind::<Text, _>(key.consumer.as_str())
+        .execute(tx.conn())
+        .await
+        .map_err(classify)?;
+    Ok(())
+}
+
+/// The server process behind `tx`'s connection.
+pub async fn backend_pid(tx: &mut DieselTransaction) -> Result<i32, InboxError> {
+    diesel::select(diesel::dsl::sql::<Integer>("pg_backend_pid()"))
+        .get_result(tx.conn())
+        .await
+        .map_err(classify)
+}
+
+/// Kills server process `pid` from another connection, and waits (up to
+/// 5 s) until it is gone, so its transaction is rolled back and its locks
+/// released when this returns.
+pub async fn terminate(pid: i32) -> bool {
+    terminate_via(&mut admin().await, pid).await
+}
+
+/// As [`terminate`], from a connection the caller has (a pooled one).
+pub async fn terminate_via(conn: &mut AsyncPgConnection, pid: i32) -> bool {
+    diesel::select(
+        diesel::dsl::sql::<Bool>("pg_terminate_backend(")
+            .bind::<Integer, _>(pid)
+            .sql(", 5000)"),
+    )
+    .get_result(conn)
+    .await
+    .expect("pg_terminate_backend")
+}
+
+/// Kills `tx`'s connection from outside, then drops `tx`: a process crash
+/// as the database sees it.
+pub async fn kill(store: &DieselStore, mut tx: DieselTransaction) {
+    let pid = backend_pid(&mut tx).await.expect("backend pid");
+    let mut killer = live_conn(store).await;
+    assert!(
+        terminate_via(&mut killer, pid).await,
+        "backend {pid} killed"
+    );
+    drop(tx);
+}
+
+/// Committed rows of `table` in `schema`, counted on a connection outside
+/// the store's pool.
+pub async fn count(schema: &SchemaName, table: &str) -> i64 {
+    let mut conn = admin_in(schema).await;
+    // Only called with literal table names from the tests.
+    diesel::select(diesel::dsl::sql::<BigInt>(&format!(
+        "(SELECT count(*) FROM {table})"
+    )))
+    .get_result(&mut conn)
+    .await
+    .expect("count rows")
+}
+
+/// A pooled connection of `store` that answers. The suite kills server
+/// processes by pid, and a COMMIT racing the kill may win and hand its
+/// connection back to the pool just before the process dies; the pool then
+/// holds a dead connection until its driver notices. The store's own
+/// `begin` retries past such a connection; the harness's direct queries do
+/// it here.
+pub async fn live_conn(store: &DieselStore) -> inbox_backend_diesel::PooledConnection {
+    for _ in 0..5 {
+        let mut conn = store.pool().get().await.expect("a pooled connection");
+        match diesel::sql_query("SELECT 1").execute(&mut *conn).await {
+            Ok(_) => return conn,
+            Err(_) => drop(deadpool::managed::Object::take(conn)),
+        }
+    }
+    panic!("no live connection in the pool after 5 attempts");
+}

@@ -1,0 +1,188 @@
+//! The shared conformance suite, run against the real PostgreSQL.
+//!
+//! Every store the suite asks for gets its own fresh schema; crashes of kind
+//! `KillConnection` are real: the transaction's server process is terminated
+//! from another connection with `pg_terminate_backend`.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{BigInt, Bool, Double, Integer, Text, Timestamptz};
+use diesel_async::RunQueryDsl;
+use inbox_api::{
+    ConsumerName, InboxError, InboxKey, InboxRecord, InboxTransaction as _, MessageId,
+};
+use inbox_backend_diesel::{DieselStore, DieselTransaction};
+use inbox_conformance::{CrashKind, Harness};
+
+/// The suite's view of the diesel backend.
+struct DieselHarness;
+
+/// Builds the harness: checks that the database is there (failing loudly if
+/// not) and sweeps the test schemas of runs older than an hour.
+async fn harness() -> DieselHarness {
+    let mut admin = common::admin().await;
+    common::sweep_old_schemas(&mut admin).await;
+    DieselHarness
+}
+
+inbox_conformance::conformance_tests!(harness);
+
+fn key_of(id: uuid::Uuid, consumer: String) -> InboxKey {
+    InboxKey::new(
+        MessageId::from_uuid(id),
+        ConsumerName::new(consumer).expect("stored consumer names are valid"),
+    )
+}
+
+#[derive(diesel::QueryableByName)]
+struct EffectCount {
+    #[diesel(sql_type = diesel::sql_types::Uuid)]
+    message_id: uuid::Uuid,
+    #[diesel(sql_type = Text)]
+    consumer: String,
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+#[derive(diesel::QueryableByName)]
+struct Row {
+    #[diesel(sql_type = diesel::sql_types::Uuid)]
+    id: uuid::Uuid,
+    #[diesel(sql_type = Text)]
+    consumer_type: String,
+    #[diesel(sql_type = Timestamptz)]
+    received_at: DateTime<Utc>,
+    #[diesel(sql_type = diesel::sql_types::Nullable<Timestamptz>)]
+    processed_at: Option<DateTime<Utc>>,
+}
+
+#[async_trait]
+impl Harness for DieselHarness {
+    type Store = DieselStore;
+
+    fn name(&self) -> String {
+        "diesel-async (PostgreSQL)".into()
+    }
+
+    async fn fresh_store(&self) -> DieselStore {
+        common::fresh_store(10).await
+    }
+
+    async fn record_effect(
+        &self,
+        tx: &mut DieselTransaction,
+        key: &InboxKey,
+    ) -> Result<(), InboxError> {
+        common::record_effect(tx, key).await
+    }
+
+    async fn effects(&self, store: &DieselStore) -> BTreeMap<InboxKey, u64> {
+        let mut conn = common::live_conn(store).await;
+        let rows: Vec<EffectCount> = diesel::sql_query(
+            "SELECT message_id, consumer, count(*) AS n FROM conformance_effects GROUP BY 1, 2",
+        )
+        .load(&mut *conn)
+        .await
+        .expect("read effects");
+        rows.into_iter()
+            .map(|row| {
+                (
+                    key_of(row.message_id, row.consumer),
+                    u64::try_from(row.n).expect("a count is never negative"),
+                )
+            })
+            .collect()
+    }
+
+    async fn inbox_rows(&self, store: &DieselStore) -> Vec<InboxRecord> {
+        let mut conn = common::live_conn(store).await;
+        let rows: Vec<Row> = diesel::sql_query(
+            "SELECT id, consumer_type::text AS consumer_type, received_at, processed_at \
+             FROM inbox_messages ORDER BY 1, 2",
+        )
+        .load(&mut *conn)
+        .await
+        .expect("read inbox rows");
+        rows.into_iter()
+            .map(|row| InboxRecord {
+                key: key_of(row.id, row.consumer_type),
+                received_at: row.received_at,
+                processed_at: row.processed_at,
+            })
+            .collect()
+    }
+
+    async fn crash(&self, store: &DieselStore, tx: DieselTransaction, kind: CrashKind) {
+        match kind {
+            CrashKind::Drop => drop(tx),
+            CrashKind::KillConnection => common::kill(store, tx).await,
+        }
+    }
+
+    async fn commit_lost(
+        &self,
+        store: &DieselStore,
+        mut tx: DieselTransaction,
+        commit_happens: bool,
+    ) -> Option<bool> {
+        let pid = match common::backend_pid(&mut tx).await {
+            Ok(pid) => pid,
+            // The connection is already gone, and the transaction with it.
+            Err(_) => return Some(false),
+        };
+        let mut killer = common::live_conn(store).await;
+        if !commit_happens {
+            // Killed before COMMIT is sent: the transaction dies with its
+            // process, and COMMIT meets a closed connection.
+            common::terminate_via(&mut killer, pid).await;
+            return match tx.commit().await {
+                Ok(()) => Some(true),
+                Err(_) => Some(false),
+            };
+        }
+        // COMMIT and the kill race: the server may commit and die before the
+        // answer leaves, which is the lost commit a consumer cannot tell from
+        // a failed one. An Ok means it committed; an error means nobody
+        // knows, and redelivery has to find out.
+        let kill = diesel::select(
+            diesel::dsl::sql::<Bool>("pg_terminate_backend(")
+                .bind::<Integer, _>(pid)
+                .sql(", 5000)"),
+        )
+        .get_result::<bool>(&mut *killer);
+        let (committed, _) = tokio::join!(tx.commit(), kill);
+        committed.ok().map(|()| true)
+    }
+
+    async fn age_rows(&self, store: &DieselStore, age: Duration) {
+        let mut conn = common::live_conn(store).await;
+        diesel::sql_query(
+            "UPDATE inbox_messages SET \
+             received_at = received_at - make_interval(secs => $1), \
+             processed_at = processed_at - make_interval(secs => $1)",
+        )
+        .bind::<Double, _>(age.as_secs_f64())
+        .execute(&mut *conn)
+        .await
+        .expect("age rows");
+    }
+
+    async fn store_now(&self, store: &DieselStore) -> DateTime<Utc> {
+        let mut conn = common::live_conn(store).await;
+        diesel::select(diesel::dsl::sql::<Timestamptz>("now()"))
+            .get_result(&mut *conn)
+            .await
+            .expect("read the database clock")
+    }
+
+    fn blocking_probe(&self) -> Duration {
+        // A claim that is not blocked answers in well under a millisecond
+        // on localhost; a loaded two-core machine needs the margin.
+        Duration::from_millis(300)
+    }
+}
