@@ -4,12 +4,15 @@
 //!
 //! | SQLSTATE | meaning | [`InboxError`] |
 //! |---|---|---|
-//! | 40001, 40P01, class 40 | serialization failure, deadlock, other rollbacks | `Conflict` (retry) |
+//! | 40001, 40P01, other class 40 | serialization failure, deadlock, other rollbacks | `Conflict` (retry) |
 //! | 55P03 | lock not available (`NOWAIT`, `lock_timeout`) | `Conflict` (retry) |
-//! | class 08, 57P01–57P03, 57P05, 25P03 | connection lost, terminated, server shutting down | `Connection` (retry) |
-//! | 57014, class 53, 25006 | statement timeout, out of resources, read-only (failover) | `Store { retryable: true }` |
-//! | 42P01, 3F000, 42703, 42883 | undefined table / schema / column / function | `Schema` (dead-letter) |
+//! | class 08, 57P01–57P03, 57P05, 25P03, 40003 | connection lost, terminated, server shutting down, commit outcome unknown | `Connection` (retry) |
+//! | 57014, 25006, class 53, class 58 | statement timeout, read-only (failover), out of resources, system error | `Store { retryable: true }` |
+//! | 42P01, 3F000, 42703, 42883, 42704 | undefined table / schema / column / function / object; undecodable column | `Schema` (dead-letter) |
 //! | anything else | constraint violations, syntax, data errors | `Store { retryable: false }` |
+//! | no SQLSTATE: connection closed, I/O | | `Connection` (retry) |
+//! | pool: waited too long for a slot | | `PoolTimeout` (retry) |
+//! | pool: could not open a connection | | `Connection` (retry) |
 //!
 //! # Where the SQLSTATE comes from
 //!
@@ -71,6 +74,11 @@ pub fn classify(error: DieselError) -> InboxError {
                 source: boxed(error),
             },
         },
+        // A column that does not decode into the Rust type: the table is
+        // not what this code expects (sqlx maps its decode errors the same).
+        DieselError::DeserializationError(_) => InboxError::Schema {
+            source: boxed(error),
+        },
         // The transaction manager lost track (a cancelled BEGIN/COMMIT): the
         // connection is discarded, and redelivery on a fresh one works.
         DieselError::BrokenTransactionManager => InboxError::Connection {
@@ -92,7 +100,6 @@ pub fn classify(error: DieselError) -> InboxError {
         | DieselError::NotFound
         | DieselError::InvalidCString(_)
         | DieselError::QueryBuilderError(_)
-        | DieselError::DeserializationError(_)
         | DieselError::SerializationError(_)
         | DieselError::IntegerConversion(_) => InboxError::Store {
             retryable: false,
@@ -126,6 +133,11 @@ fn classify_ref(error: &DieselError) -> bool {
 pub fn classify_pool(error: PoolError) -> InboxError {
     use deadpool::managed::PoolError as P;
     match error {
+        // Opening a connection took too long: the database is unreachable
+        // or overloaded, not the pool full.
+        P::Timeout(deadpool::managed::TimeoutType::Create) => InboxError::Connection {
+            source: boxed(error),
+        },
         P::Timeout(_) => InboxError::PoolTimeout {
             source: Some(boxed(error)),
         },
@@ -167,23 +179,40 @@ pub fn classify_connection(error: ConnectionError) -> InboxError {
     }
 }
 
-/// Classifies by SQLSTATE, the same table as the sqlx backend.
+/// Classifies by SQLSTATE: the same table, line for line, as the sqlx
+/// backend's `class_of_sqlstate` (`backend-sqlx/src/error.rs`).
 fn classify_sqlstate(code: &str, source: BoxError) -> InboxError {
-    let class = code.get(..2).unwrap_or("");
     match code {
+        // serialization_failure, deadlock_detected, lock_not_available.
         "40001" | "40P01" | "55P03" => InboxError::Conflict { source },
+        // statement_completion_unknown: the outcome is unknown, like a lost
+        // connection's, and redelivery resolves it.
+        "40003" => InboxError::Connection { source },
+        // Other transaction rollbacks are forced by concurrency too.
+        c if c.starts_with("40") => InboxError::Conflict { source },
+        // admin_shutdown (pg_terminate_backend), crash_shutdown,
+        // cannot_connect_now, idle_session_timeout,
+        // idle_in_transaction_session_timeout: the server closed the
+        // connection.
         "57P01" | "57P02" | "57P03" | "57P05" | "25P03" => InboxError::Connection { source },
-        "42P01" | "3F000" | "42703" | "42883" => InboxError::Schema { source },
+        c if c.starts_with("08") => InboxError::Connection { source },
+        // query_canceled (statement_timeout), read_only_sql_transaction (a
+        // standby during failover): a later attempt may pass.
         "57014" | "25006" => InboxError::Store {
             retryable: true,
             source,
         },
-        _ if class == "40" => InboxError::Conflict { source },
-        _ if class == "08" => InboxError::Connection { source },
-        _ if class == "53" => InboxError::Store {
+        // undefined table, schema, column, function, object: nobody
+        // migrated this schema.
+        "42P01" | "3F000" | "42703" | "42883" | "42704" => InboxError::Schema { source },
+        // insufficient_resources, system errors: they pass.
+        c if c.starts_with("53") || c.starts_with("58") => InboxError::Store {
             retryable: true,
             source,
         },
+        // Data exceptions, integrity violations, and anything unforeseen: a
+        // person should look at it in the dead-letter queue rather than
+        // watch it loop.
         _ => InboxError::Store {
             retryable: false,
             source,
@@ -274,6 +303,9 @@ pub(crate) fn sqlstate_from_message(message: &str) -> Option<&'static str> {
         }
         if message.starts_with("function ") {
             return Some("42883");
+        }
+        if message.starts_with("type \"") {
+            return Some("42704");
         }
     }
     None
@@ -473,6 +505,8 @@ mod tests {
         use deadpool::managed::{PoolError as P, TimeoutType};
         let c = classify_pool(P::Timeout(TimeoutType::Wait));
         assert!(matches!(c, InboxError::PoolTimeout { .. }), "{c:?}");
+        let c = classify_pool(P::Timeout(TimeoutType::Create));
+        assert!(matches!(c, InboxError::Connection { .. }), "{c:?}");
         let c = classify_pool(P::Backend(
             diesel_async::pooled_connection::PoolError::ConnectionError(
                 ConnectionError::BadConnection("connection refused".into()),

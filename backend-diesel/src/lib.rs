@@ -80,5 +80,7 @@ mod transaction;
 pub use diesel_async::AsyncPgConnection;
 pub use error::{classify, classify_connection, classify_pool};
 pub use schema_name::SchemaName;
+#[doc(hidden)]
+pub use store::PURGE_SQL;
 pub use store::{DieselPool, DieselStore, DieselStoreBuilder, PooledConnection};
 pub use transaction::DieselTransaction;

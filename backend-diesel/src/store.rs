@@ -348,8 +348,10 @@ impl InboxStore for DieselStore {
     }
 }
 
-/// See [`DieselStore::purge_processed_batch`].
-pub(crate) const PURGE_SQL: &str = "DELETE FROM inbox_messages \
+/// The cleanup statement of [`DieselStore::purge_processed_batch`]
+/// (`$1` cutoff, `$2` limit), public for the tests that check its plan.
+#[doc(hidden)]
+pub const PURGE_SQL: &str = "DELETE FROM inbox_messages \
      WHERE (id, consumer_type) IN ( \
          SELECT id, consumer_type FROM inbox_messages \
          WHERE processed_at < $1 \

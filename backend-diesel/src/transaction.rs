@@ -30,8 +30,9 @@ pub(crate) use crate::store::PooledConnection as Pooled;
 /// connection from the pool ([`deadpool::managed::Object::take`]) and closes
 /// it: PostgreSQL rolls back a transaction whose client went away and
 /// releases its locks at once, and the pool opens a new connection in the
-/// freed slot on demand. The same happens when commit or rollback fails,
-/// since the connection's state is unknown then.
+/// freed slot on demand. A cancel request is sent too, in case a statement
+/// was still running (see `Drop`). The connection is also closed when
+/// commit or rollback fails, since its state is unknown then.
 pub struct DieselTransaction {
     /// `Some` for the whole life of the value; `None` only inside
     /// commit/rollback/drop, after the connection was handed back or closed.
@@ -131,12 +132,28 @@ pub(crate) async fn refine(
 
 impl Drop for DieselTransaction {
     fn drop(&mut self) {
-        if self.conn.is_some() {
-            tracing::debug!(
-                claimed = self.claimed.len(),
-                "inbox transaction dropped without commit: closing its connection"
-            );
-            self.discard();
+        let Some(conn) = self.conn.take() else {
+            return;
+        };
+        tracing::debug!(
+            claimed = self.claimed.len(),
+            "inbox transaction dropped without commit: closing its connection"
+        );
+        // Dropped while the server may still be executing a statement (a
+        // timeout around `Inbox::handle` fired during a slow query or a lock
+        // wait): closing the socket alone is not enough, because PostgreSQL
+        // only notices a vanished client when it next talks to it, and until
+        // then the statement runs on and the claim's lock stays held. A
+        // cancel request stops the statement at once; to a session that is
+        // idle the server ignores it. It needs a task, hence a runtime.
+        let cancel = conn.cancel_token();
+        drop(Object::take(conn));
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                if let Err(error) = cancel.cancel_query(tokio_postgres::NoTls).await {
+                    tracing::debug!(%error, "cancel request for a dropped transaction failed");
+                }
+            });
         }
     }
 }

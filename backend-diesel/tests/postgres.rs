@@ -1,0 +1,1037 @@
+//! The diesel backend's own tests against the real PostgreSQL: what the
+//! shared suite cannot see from the outside (the pool after crashes, real
+//! driver errors, migrations, the cleanup query's plan), and the races of the
+//! suite repeated many times.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use diesel::sql_types::{BigInt, Integer, Text};
+use diesel_async::{AnsiTransactionManager, AsyncConnection, RunQueryDsl, TransactionManager};
+use inbox_api::{
+    Claim, ConsumerName, Handled, Inbox, InboxError, InboxKey, InboxStore, InboxTransaction,
+    MessageId,
+};
+use inbox_backend_diesel::{DieselStore, DieselTransaction, classify};
+
+fn key(consumer: &str) -> InboxKey {
+    InboxKey::new(
+        MessageId::new_v7(),
+        ConsumerName::new(consumer).expect("valid consumer name"),
+    )
+}
+
+/// Committed effects of `key`, counted outside the store's pool.
+async fn effects_of(store: &DieselStore, key: &InboxKey) -> i64 {
+    #[derive(diesel::QueryableByName)]
+    struct N {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    let mut conn = common::admin_in(store.schema()).await;
+    let row: N = diesel::sql_query(
+        "SELECT count(*) AS n FROM conformance_effects WHERE message_id = $1 AND consumer = $2",
+    )
+    .bind::<diesel::sql_types::Uuid, _>(key.message_id.as_uuid())
+    .bind::<Text, _>(key.consumer.as_str())
+    .get_result(&mut conn)
+    .await
+    .expect("count effects");
+    row.n
+}
+
+/// One delivery through the middleware: the work records one effect.
+async fn deliver(inbox: &Inbox<DieselStore>, key: &InboxKey) -> Result<Handled<()>, InboxError> {
+    inbox
+        .handle(key, async |tx: &mut DieselTransaction| {
+            common::record_effect(tx, key).await
+        })
+        .await
+}
+
+/// Redelivers `key` like an at-least-once broker until it is acknowledged.
+async fn redeliver_until_acked(inbox: &Inbox<DieselStore>, key: &InboxKey) -> Handled<()> {
+    for _ in 0..100 {
+        match deliver(inbox, key).await {
+            Ok(handled) => return handled,
+            Err(error) if error.is_retryable() => {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err(error) => panic!("{key}: permanent error on redelivery: {error:?}"),
+        }
+    }
+    panic!("{key}: never acknowledged after 100 deliveries");
+}
+
+/// Asserts the invariant for `key`: one effect, one processed row.
+async fn assert_exactly_once(store: &DieselStore, key: &InboxKey) {
+    assert_eq!(effects_of(store, key).await, 1, "{key}: effects");
+    let row = store.lookup(key).await.expect("lookup");
+    assert!(
+        row.as_ref().is_some_and(|r| r.processed_at.is_some()),
+        "{key}: inbox row {row:?}"
+    );
+}
+
+/// Whether `fut` is still pending after `wait`: it is blocked.
+async fn still_pending<F: std::future::Future>(
+    fut: &mut std::pin::Pin<&mut F>,
+    wait: Duration,
+) -> bool {
+    tokio::time::timeout(wait, fut.as_mut()).await.is_err()
+}
+
+// ---------------------------------------------------------------------------
+// The pool after crashes
+// ---------------------------------------------------------------------------
+
+/// Why `DieselTransaction`'s Drop closes its connection: diesel-async's
+/// deadpool manager keeps a connection returned mid-transaction as it is
+/// until the next checkout recycles it, so the server session stays idle in
+/// transaction and keeps the claim's row lock.
+#[tokio::test]
+async fn a_plain_pooled_connection_dropped_mid_transaction_keeps_its_locks() {
+    let store = common::fresh_store(2).await;
+    let k = key("raw");
+    let mut conn = store.pool().get().await.expect("conn");
+    AnsiTransactionManager::begin_transaction(&mut *conn)
+        .await
+        .expect("begin");
+    diesel::sql_query("INSERT INTO inbox_messages (id, consumer_type) VALUES ($1, $2)")
+        .bind::<diesel::sql_types::Uuid, _>(k.message_id.as_uuid())
+        .bind::<Text, _>(k.consumer.as_str())
+        .execute(&mut *conn)
+        .await
+        .expect("claim by hand");
+    drop(conn); // back into the pool, transaction open
+
+    let mut admin = common::admin_in(store.schema()).await;
+    let states: Vec<String> = diesel::select(diesel::dsl::sql::<diesel::sql_types::Array<Text>>(
+        &format!(
+            "ARRAY(SELECT state FROM pg_stat_activity WHERE application_name = '{}')",
+            store.schema()
+        ),
+    ))
+    .get_result(&mut admin)
+    .await
+    .expect("pg_stat_activity");
+    assert!(
+        states.iter().any(|s| s == "idle in transaction"),
+        "expected the pooled session idle in transaction, got {states:?}"
+    );
+    // A claim of the same key from elsewhere waits on that lock, for as long
+    // as nobody checks the connection out of the pool again.
+    let mut other = common::admin_in(store.schema()).await;
+    let claim = diesel::sql_query(
+        "INSERT INTO inbox_messages (id, consumer_type) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+    )
+    .bind::<diesel::sql_types::Uuid, _>(k.message_id.as_uuid())
+    .bind::<Text, _>(k.consumer.as_str())
+    .execute(&mut other);
+    tokio::pin!(claim);
+    assert!(
+        still_pending(&mut claim, Duration::from_millis(500)).await,
+        "the claim should wait on the pooled connection's open transaction"
+    );
+    // The next checkout recycles it: the manager sees the open transaction
+    // and discards the connection, which releases the lock.
+    let next = store.pool().get().await.expect("checkout");
+    let inserted = tokio::time::timeout(Duration::from_secs(5), claim)
+        .await
+        .expect("released by the checkout")
+        .expect("claim");
+    assert_eq!(
+        inserted, 1,
+        "the pooled transaction's claim was rolled back"
+    );
+    drop(next);
+}
+
+/// The critical property: crash many transactions in every way (drop, kill
+/// from outside, cancel in the middle of a statement), then check that every
+/// connection of the pool works, is outside any transaction (its autocommit
+/// writes are visible from another connection at once), that no crashed
+/// write leaked, and that every crashed key is processed exactly once on
+/// redelivery.
+#[tokio::test]
+async fn crashed_transactions_never_return_to_the_pool_open() {
+    const POOL: usize = 4;
+    const CRASHES: usize = 48;
+    let store = common::fresh_store(POOL).await;
+    let mut admin = common::admin_in(store.schema()).await;
+    diesel::sql_query("CREATE TABLE pool_probe (round int NOT NULL, pid int NOT NULL)")
+        .execute(&mut admin)
+        .await
+        .expect("create pool_probe");
+
+    let keys: Vec<InboxKey> = (0..CRASHES).map(|_| key("crash")).collect();
+    for batch in keys.chunks(POOL).enumerate() {
+        let (b, batch) = batch;
+        let crashes = batch.iter().enumerate().map(|(i, k)| {
+            let store = store.clone();
+            async move {
+                let mut tx = store.begin().await.expect("begin");
+                assert_eq!(tx.claim(k).await.expect("claim"), Claim::Fresh);
+                common::record_effect(&mut tx, k).await.expect("effect");
+                match (b * POOL + i) % 3 {
+                    0 => drop(tx),
+                    1 => {
+                        let pid = common::backend_pid(&mut tx).await.expect("pid");
+                        assert!(common::terminate(pid).await);
+                        drop(tx);
+                    }
+                    _ => {
+                        // Cancelled while the server runs a statement.
+                        let slow = diesel::sql_query("SELECT pg_sleep(2)").execute(tx.conn());
+                        let cancelled = tokio::time::timeout(Duration::from_millis(50), slow).await;
+                        assert!(cancelled.is_err(), "pg_sleep(2) finished within 50 ms?");
+                        drop(tx);
+                    }
+                }
+            }
+        });
+        futures::future::join_all(crashes).await;
+    }
+
+    for k in &keys {
+        assert_eq!(effects_of(&store, k).await, 0, "{k}: crashed write leaked");
+        assert!(
+            store.lookup(k).await.expect("lookup").is_none(),
+            "{k}: claim leaked"
+        );
+    }
+
+    // Every slot at once, several rounds: each connection's autocommit write
+    // must be visible from outside immediately.
+    for round in 0..3 {
+        let mut held = Vec::new();
+        for _ in 0..POOL {
+            held.push(store.pool().get().await.expect("a pooled connection"));
+        }
+        let mut pids = Vec::new();
+        for conn in &mut held {
+            let pid: i32 = diesel::select(diesel::dsl::sql::<Integer>("pg_backend_pid()"))
+                .get_result(&mut **conn)
+                .await
+                .expect("a pooled connection that works");
+            diesel::sql_query("INSERT INTO pool_probe (round, pid) VALUES ($1, $2)")
+                .bind::<Integer, _>(round)
+                .bind::<Integer, _>(pid)
+                .execute(&mut **conn)
+                .await
+                .expect("autocommit write");
+            pids.push(pid);
+        }
+        let visible: i64 = diesel::select(diesel::dsl::sql::<BigInt>(&format!(
+            "(SELECT count(DISTINCT pid) FROM pool_probe WHERE round = {round})"
+        )))
+        .get_result(&mut admin)
+        .await
+        .expect("count probes");
+        assert_eq!(
+            visible,
+            i64::try_from(POOL).expect("small"),
+            "round {round}: a pooled connection's write is not visible outside (inside a transaction?), pids {pids:?}"
+        );
+    }
+
+    // No session of this store is left inside a transaction.
+    let open: i64 = diesel::select(diesel::dsl::sql::<BigInt>(&format!(
+        "(SELECT count(*) FROM pg_stat_activity WHERE application_name = '{}' \
+          AND state LIKE 'idle in transaction%')",
+        store.schema()
+    )))
+    .get_result(&mut admin)
+    .await
+    .expect("pg_stat_activity");
+    assert_eq!(open, 0, "sessions idle in transaction");
+
+    // Redelivery of every crashed key: exactly once, and never blocked by a
+    // crashed transaction's lock.
+    let inbox = Inbox::new(store.clone());
+    let started = Instant::now();
+    for k in &keys {
+        assert!(matches!(
+            redeliver_until_acked(&inbox, k).await,
+            Handled::Processed(())
+        ));
+        assert_exactly_once(&store, k).await;
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "redelivery took {:?}: something held the claims",
+        started.elapsed()
+    );
+}
+
+/// A transaction dropped while the server still executes its statement (a
+/// timeout around `Inbox::handle`) must release its claim promptly, not
+/// when the statement would have finished.
+#[tokio::test]
+async fn cancelled_mid_statement_releases_the_claim_promptly() {
+    let store = common::fresh_store(4).await;
+    let k = key("cancel");
+    let mut tx = store.begin().await.expect("begin");
+    assert_eq!(tx.claim(&k).await.expect("claim"), Claim::Fresh);
+    let slow = diesel::sql_query("SELECT pg_sleep(5)").execute(tx.conn());
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), slow)
+            .await
+            .is_err()
+    );
+    drop(tx);
+
+    let started = Instant::now();
+    let mut again = store.begin().await.expect("begin");
+    let claim = tokio::time::timeout(Duration::from_secs(3), again.claim(&k)).await;
+    assert!(
+        matches!(claim, Ok(Ok(Claim::Fresh))),
+        "redelivery claim after {:?}: {claim:?}",
+        started.elapsed()
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Concurrent claims
+// ---------------------------------------------------------------------------
+
+/// Two connections claim one key at the same instant, fifty times: exactly
+/// one `Fresh` each time, and the other sees `Duplicate` once it commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_claims_of_one_key_give_exactly_one_fresh() {
+    let store = common::fresh_store(4).await;
+    for round in 0..50 {
+        let k = key("race");
+        let (mut a, mut b) = (
+            store.begin().await.expect("begin a"),
+            store.begin().await.expect("begin b"),
+        );
+        let attempt = async |tx: &mut DieselTransaction| -> Claim {
+            let claim = tx.claim(&k).await.expect("claim");
+            if claim == Claim::Fresh {
+                common::record_effect(tx, &k).await.expect("effect");
+                tx.mark_processed(&k).await.expect("mark");
+            }
+            claim
+        };
+        let barrier = tokio::sync::Barrier::new(2);
+        let (ca, cb) = tokio::join!(
+            async {
+                barrier.wait().await;
+                let c = attempt(&mut a).await;
+                // Hold the claim a moment so that the other one waits.
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                a.commit().await.expect("commit a");
+                c
+            },
+            async {
+                barrier.wait().await;
+                let c = attempt(&mut b).await;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                b.commit().await.expect("commit b");
+                c
+            }
+        );
+        let fresh = [ca, cb].iter().filter(|c| **c == Claim::Fresh).count();
+        assert_eq!(fresh, 1, "round {round}: {ca:?} / {cb:?}");
+        assert_exactly_once(&store, &k).await;
+    }
+}
+
+#[tokio::test]
+async fn a_blocked_claim_is_duplicate_after_commit_and_fresh_after_rollback() {
+    let store = common::fresh_store(4).await;
+    for commit in [true, false] {
+        let k = key("blocked");
+        let mut a = store.begin().await.expect("begin a");
+        assert_eq!(a.claim(&k).await.expect("claim a"), Claim::Fresh);
+        let mut b = store.begin().await.expect("begin b");
+        let seen = {
+            let claim_b = b.claim(&k);
+            tokio::pin!(claim_b);
+            assert!(
+                still_pending(&mut claim_b, Duration::from_millis(300)).await,
+                "b's claim must wait for a"
+            );
+            if commit {
+                a.commit().await.expect("commit a");
+            } else {
+                a.rollback().await.expect("rollback a");
+            }
+            tokio::time::timeout(Duration::from_secs(5), claim_b)
+                .await
+                .expect("b unblocked")
+                .expect("claim b")
+        };
+        let expected = if commit {
+            Claim::Duplicate
+        } else {
+            Claim::Fresh
+        };
+        assert_eq!(
+            seen,
+            expected,
+            "after a {}",
+            if commit { "commit" } else { "rollback" }
+        );
+        b.rollback().await.expect("rollback b");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Killed connections at each crash point
+// ---------------------------------------------------------------------------
+
+#[tokio::test]
+async fn a_terminated_backend_at_each_crash_point_is_processed_once_on_redelivery() {
+    let store = common::fresh_store(4).await;
+    let inbox = Inbox::new(store.clone());
+
+    // After the claim, and after the work.
+    for with_work in [false, true] {
+        let k = key("kill");
+        let mut tx = store.begin().await.expect("begin");
+        assert_eq!(tx.claim(&k).await.expect("claim"), Claim::Fresh);
+        if with_work {
+            common::record_effect(&mut tx, &k).await.expect("effect");
+        }
+        let pid = common::backend_pid(&mut tx).await.expect("pid");
+        assert!(common::terminate(pid).await);
+        // Whatever the dead transaction tries next is a retryable
+        // connection error.
+        let error = common::record_effect(&mut tx, &k)
+            .await
+            .expect_err("the connection is gone");
+        assert!(
+            matches!(error, InboxError::Connection { .. }),
+            "after kill: {error:?}"
+        );
+        let error = tx.commit().await.expect_err("commit on a dead connection");
+        assert!(error.is_retryable(), "commit after kill: {error:?}");
+
+        assert_eq!(effects_of(&store, &k).await, 0);
+        assert!(matches!(
+            redeliver_until_acked(&inbox, &k).await,
+            Handled::Processed(())
+        ));
+        assert_exactly_once(&store, &k).await;
+    }
+
+    // Around COMMIT: the kill races the COMMIT; whichever wins, redelivery
+    // ends with exactly one effect.
+    let mut outcomes = [0usize; 2];
+    for round in 0..30u32 {
+        let k = key("commit-race");
+        let mut tx = store.begin().await.expect("begin");
+        assert_eq!(tx.claim(&k).await.expect("claim"), Claim::Fresh);
+        common::record_effect(&mut tx, &k).await.expect("effect");
+        tx.mark_processed(&k).await.expect("mark");
+        let pid = common::backend_pid(&mut tx).await.expect("pid");
+        let mut killer = common::admin().await;
+        // Stagger the two across each other's round trips: the kill first
+        // in odd rounds, the COMMIT first in even ones.
+        let step = Duration::from_micros(150 * u64::from(round % 5));
+        let (commit_delay, kill_delay) = if round % 2 == 0 {
+            (Duration::ZERO, step)
+        } else {
+            (step * 3, Duration::ZERO)
+        };
+        let kill = async {
+            tokio::time::sleep(kill_delay).await;
+            common::terminate_via(&mut killer, pid).await
+        };
+        let commit = async {
+            tokio::time::sleep(commit_delay).await;
+            tx.commit().await
+        };
+        let (committed, _) = tokio::join!(commit, kill);
+        if let Err(error) = &committed {
+            assert!(
+                error.is_retryable(),
+                "a lost COMMIT must be retryable: {error:?}"
+            );
+        }
+        outcomes[usize::from(committed.is_ok())] += 1;
+        let handled = redeliver_until_acked(&inbox, &k).await;
+        if committed.is_ok() {
+            assert!(
+                handled.is_duplicate(),
+                "{k}: committed, yet redelivery ran the work"
+            );
+        }
+        assert_exactly_once(&store, &k).await;
+    }
+    eprintln!(
+        "commit races: {} lost, {} committed",
+        outcomes[0], outcomes[1]
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Pool exhaustion
+// ---------------------------------------------------------------------------
+
+/// More concurrent handlers than pool slots, with crashes of every kind:
+/// every handler eventually gets a connection (or a retryable pool timeout),
+/// and every key ends with exactly one effect and a processed row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_exhaustion_with_crashes_keeps_the_invariant() {
+    const POOL: usize = 4;
+    const TASKS: usize = 32;
+    const KEYS_PER_TASK: usize = 4;
+    let store = common::unmigrated_store(POOL, Duration::from_millis(200)).await;
+    store.migrate().await.expect("migrate");
+    {
+        let mut conn = store.pool().get().await.expect("conn");
+        diesel::sql_query(common::EFFECTS_TABLE)
+            .execute(&mut *conn)
+            .await
+            .expect("effects table");
+    }
+    let inbox = Arc::new(Inbox::new(store.clone()));
+    // Every task handles its own keys and, concurrently with all the
+    // others, a few shared hot keys.
+    let hot: Arc<Vec<InboxKey>> = Arc::new((0..4).map(|_| key("hot")).collect());
+    let pool_timeouts = Arc::new(AtomicUsize::new(0));
+    let crashes = Arc::new(AtomicUsize::new(0));
+
+    let mut tasks = Vec::new();
+    let mut all_keys: Vec<InboxKey> = hot.to_vec();
+    for t in 0..TASKS {
+        let own: Vec<InboxKey> = (0..KEYS_PER_TASK).map(|_| key("own")).collect();
+        all_keys.extend(own.iter().cloned());
+        let (inbox, hot) = (Arc::clone(&inbox), Arc::clone(&hot));
+        let (pool_timeouts, crashes) = (Arc::clone(&pool_timeouts), Arc::clone(&crashes));
+        tasks.push(tokio::spawn(async move {
+            let mut deliveries = own;
+            deliveries.push(hot[t % hot.len()].clone());
+            let mut attempt = t;
+            while let Some(k) = deliveries.pop() {
+                attempt += 1;
+                let outcome = match attempt % 5 {
+                    // Crash: the middleware's future is dropped mid-work.
+                    0 => {
+                        let work = inbox.handle(&k, async |tx: &mut DieselTransaction| {
+                            common::record_effect(tx, &k).await?;
+                            tokio::time::sleep(Duration::from_secs(5)).await;
+                            Ok::<_, InboxError>(())
+                        });
+                        match tokio::time::timeout(Duration::from_millis(20), work).await {
+                            Err(_) => {
+                                crashes.fetch_add(1, Ordering::Relaxed);
+                                Err(None)
+                            }
+                            Ok(result) => result.map_err(Some),
+                        }
+                    }
+                    // Crash: the server kills the connection under the work.
+                    1 => inbox
+                        .handle(&k, async |tx: &mut DieselTransaction| {
+                            common::record_effect(tx, &k).await?;
+                            diesel::sql_query("SELECT pg_terminate_backend(pg_backend_pid())")
+                                .execute(tx.conn())
+                                .await
+                                .map_err(classify)?;
+                            Ok::<_, InboxError>(())
+                        })
+                        .await
+                        .inspect_err(|_| {
+                            crashes.fetch_add(1, Ordering::Relaxed);
+                        })
+                        .map_err(Some),
+                    _ => deliver(&inbox, &k).await.map_err(Some),
+                };
+                match outcome {
+                    Ok(_) => {}
+                    Err(None) => deliveries.insert(0, k),
+                    Err(Some(error)) => {
+                        assert!(error.is_retryable(), "{k}: permanent error {error:?}");
+                        if matches!(error, InboxError::PoolTimeout { .. }) {
+                            pool_timeouts.fetch_add(1, Ordering::Relaxed);
+                        }
+                        deliveries.insert(0, k);
+                    }
+                }
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("handler task");
+    }
+    eprintln!(
+        "pool exhaustion: {} crashes, {} pool timeouts retried",
+        AtomicUsize::load(&crashes, Ordering::Relaxed),
+        AtomicUsize::load(&pool_timeouts, Ordering::Relaxed)
+    );
+    assert!(AtomicUsize::load(&crashes, Ordering::Relaxed) > 0);
+    for k in &all_keys {
+        assert_exactly_once(&store, k).await;
+    }
+    let rows = common::count(store.schema(), "inbox_messages").await;
+    assert_eq!(
+        rows,
+        i64::try_from(all_keys.len()).expect("small"),
+        "no stray rows"
+    );
+    let status = store.pool().status();
+    assert!(status.size <= POOL, "{status:?}");
+    // And the pool still serves a full set of working connections.
+    let mut held = Vec::new();
+    for _ in 0..POOL {
+        let mut conn = store.pool().get().await.expect("conn after the storm");
+        diesel::sql_query("SELECT 1")
+            .execute(&mut *conn)
+            .await
+            .expect("a live connection");
+        held.push(conn);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Errors from the real server
+// ---------------------------------------------------------------------------
+
+#[tokio::test]
+async fn a_deadlock_is_a_retryable_conflict() {
+    let store = common::fresh_store(4).await;
+    let (k1, k2) = (key("dl"), key("dl"));
+    let mut a = store.begin().await.expect("begin a");
+    let mut b = store.begin().await.expect("begin b");
+    assert_eq!(a.claim(&k1).await.expect("a k1"), Claim::Fresh);
+    assert_eq!(b.claim(&k2).await.expect("b k2"), Claim::Fresh);
+    let (ra, rb) = tokio::join!(a.claim(&k2), b.claim(&k1));
+    let errors: Vec<InboxError> = [ra, rb].into_iter().filter_map(Result::err).collect();
+    assert_eq!(errors.len(), 1, "exactly one deadlock victim");
+    assert!(
+        matches!(errors[0], InboxError::Conflict { .. }),
+        "{:?}",
+        errors[0]
+    );
+    assert!(errors[0].is_retryable());
+}
+
+#[tokio::test]
+async fn a_lock_timeout_is_a_retryable_conflict() {
+    let store = common::fresh_store(4).await;
+    let k = key("lt");
+    let mut a = store.begin().await.expect("begin a");
+    assert_eq!(a.claim(&k).await.expect("a"), Claim::Fresh);
+    let mut b = store.begin().await.expect("begin b");
+    diesel::sql_query("SET LOCAL lock_timeout = '100ms'")
+        .execute(b.conn())
+        .await
+        .expect("set lock_timeout");
+    let error = b.claim(&k).await.expect_err("lock timeout");
+    assert!(matches!(error, InboxError::Conflict { .. }), "{error:?}");
+}
+
+#[tokio::test]
+async fn a_serialization_failure_is_a_retryable_conflict() {
+    let store = common::fresh_store(4).await;
+    let mut tx = store.begin().await.expect("begin");
+    let error = diesel::sql_query(
+        "DO $$ BEGIN RAISE EXCEPTION 'could not serialize access' USING ERRCODE = '40001'; END $$",
+    )
+    .execute(tx.conn())
+    .await
+    .map_err(classify)
+    .expect_err("raised");
+    assert!(matches!(error, InboxError::Conflict { .. }), "{error:?}");
+}
+
+/// The documented limit of diesel-async 0.9: it keeps the SQLSTATE only for
+/// the codes it has a `DatabaseErrorKind` for. A deadlock raised with a
+/// message PostgreSQL never uses cannot be recognised, and falls to the
+/// permanent default; if this starts failing, diesel exposes the code and
+/// the message table can go.
+#[tokio::test]
+async fn sqlstate_without_a_diesel_kind_is_only_known_by_its_message() {
+    let store = common::fresh_store(4).await;
+    let mut tx = store.begin().await.expect("begin");
+    let error = diesel::sql_query(
+        "DO $$ BEGIN RAISE EXCEPTION 'custom text' USING ERRCODE = '40P01'; END $$",
+    )
+    .execute(tx.conn())
+    .await
+    .map_err(classify)
+    .expect_err("raised");
+    assert!(
+        matches!(
+            error,
+            InboxError::Store {
+                retryable: false,
+                ..
+            }
+        ),
+        "{error:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_missing_table_is_a_permanent_schema_error() {
+    let store = common::unmigrated_store(2, Duration::from_secs(5)).await;
+    let k = key("schema");
+    let mut tx = store.begin().await.expect("begin");
+    let error = tx.claim(&k).await.expect_err("no table");
+    assert!(
+        matches!(error, InboxError::Schema { .. }),
+        "claim: {error:?}"
+    );
+    assert!(!error.is_retryable());
+    drop(tx);
+    let error = store.lookup(&k).await.expect_err("no table");
+    assert!(
+        matches!(error, InboxError::Schema { .. }),
+        "lookup: {error:?}"
+    );
+    let error = store
+        .purge_processed_batch(chrono::Utc::now(), 10)
+        .await
+        .expect_err("no table");
+    assert!(
+        matches!(error, InboxError::Schema { .. }),
+        "purge: {error:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_full_pool_is_a_retryable_pool_timeout() {
+    let store = common::unmigrated_store(1, Duration::from_millis(100)).await;
+    store.migrate().await.expect("migrate");
+    let held = store.begin().await.expect("begin");
+    let started = Instant::now();
+    let error = store.begin().await.expect_err("pool is full");
+    assert!(matches!(error, InboxError::PoolTimeout { .. }), "{error:?}");
+    assert!(error.is_retryable());
+    assert!(started.elapsed() < Duration::from_secs(2));
+    held.rollback().await.expect("rollback");
+    store
+        .begin()
+        .await
+        .expect("a slot again")
+        .rollback()
+        .await
+        .expect("rollback");
+}
+
+#[tokio::test]
+async fn an_unreachable_database_is_a_retryable_connection_error() {
+    let error = DieselStore::builder("postgres://postgres@127.0.0.1:1/test", "inbox")
+        .expect("valid schema")
+        .connect_timeout(Duration::from_secs(2))
+        .connect()
+        .await
+        .expect_err("nothing listens on port 1");
+    assert!(matches!(error, InboxError::Connection { .. }), "{error:?}");
+    assert!(error.is_retryable());
+}
+
+#[tokio::test]
+async fn a_bad_schema_name_is_refused_before_any_sql() {
+    for bad in ["Inbox", "x; DROP SCHEMA public", "\"quoted\"", ""] {
+        let error = DieselStore::builder(common::database_url(), bad).expect_err(bad);
+        assert!(
+            matches!(error, InboxError::InvalidArgument { .. }),
+            "{error:?}"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Transactions the consumer nests
+// ---------------------------------------------------------------------------
+
+/// A `conn.transaction(..)` inside the work is a savepoint: its failure
+/// rolls back only its own writes, and the claim and the other writes
+/// commit.
+#[tokio::test]
+async fn a_nested_transaction_in_the_work_is_a_savepoint() {
+    let store = common::fresh_store(2).await;
+    let inbox = Inbox::new(store.clone());
+    let k = key("nested");
+    let handled = inbox
+        .handle(&k, async |tx: &mut DieselTransaction| {
+            common::record_effect(tx, &k).await?;
+            let inner = tx
+                .conn()
+                .transaction(async |conn| {
+                    diesel::sql_query(
+                        "INSERT INTO conformance_effects (message_id, consumer) VALUES ($1, 'inner')",
+                    )
+                    .bind::<diesel::sql_types::Uuid, _>(k.message_id.as_uuid())
+                    .execute(conn)
+                    .await?;
+                    Err::<(), _>(diesel::result::Error::RollbackTransaction)
+                })
+                .await;
+            assert!(inner.is_err());
+            Ok::<_, InboxError>(())
+        })
+        .await
+        .expect("handled");
+    assert!(matches!(handled, Handled::Processed(())));
+    assert_exactly_once(&store, &k).await;
+    let inner = common::count(
+        store.schema(),
+        "conformance_effects WHERE consumer = 'inner'",
+    )
+    .await;
+    assert_eq!(inner, 0, "the savepoint's write was rolled back");
+}
+
+/// A savepoint the work opened by hand and left open would make COMMIT
+/// release only the savepoint; the store refuses and discards the
+/// connection instead of pooling an open transaction.
+#[tokio::test]
+async fn an_unbalanced_savepoint_is_refused_at_commit() {
+    let store = common::fresh_store(1).await;
+    let k = key("unbalanced");
+    let mut tx = store.begin().await.expect("begin");
+    assert_eq!(tx.claim(&k).await.expect("claim"), Claim::Fresh);
+    AnsiTransactionManager::begin_transaction(tx.conn())
+        .await
+        .expect("savepoint");
+    let error = tx.commit().await.expect_err("unbalanced");
+    assert!(!error.is_retryable(), "{error:?}");
+    assert!(store.lookup(&k).await.expect("lookup").is_none());
+    // The pool's only slot is usable and not inside a transaction.
+    let mut conn = store.pool().get().await.expect("conn");
+    diesel::sql_query("CREATE TABLE after_unbalanced (x int)")
+        .execute(&mut *conn)
+        .await
+        .expect("autocommit DDL");
+    drop(conn);
+    assert_eq!(common::count(store.schema(), "after_unbalanced").await, 0);
+}
+
+// ---------------------------------------------------------------------------
+// Migrations and schema.rs
+// ---------------------------------------------------------------------------
+
+#[tokio::test]
+async fn migrate_is_idempotent_and_safe_to_run_concurrently() {
+    let first = common::unmigrated_store(2, Duration::from_secs(5)).await;
+    let url = common::url_with_application_name(&common::database_url(), first.schema().as_str());
+    let second = DieselStore::connect(&url, first.schema().as_str(), 2)
+        .await
+        .expect("second store");
+    let (a, b) = tokio::join!(first.migrate(), second.migrate());
+    let (a, b) = (a.expect("migrate a"), b.expect("migrate b"));
+    assert!(
+        a.is_empty() != b.is_empty(),
+        "exactly one runner applies: {a:?} / {b:?}"
+    );
+    assert!(first.migrate().await.expect("again").is_empty());
+}
+
+#[tokio::test]
+async fn an_edited_migration_is_refused() {
+    let store = common::fresh_store(2).await;
+    let mut admin = common::admin_in(store.schema()).await;
+    diesel::sql_query("UPDATE inbox_diesel_migrations SET checksum = checksum + 1")
+        .execute(&mut admin)
+        .await
+        .expect("tamper");
+    let error = store.migrate().await.expect_err("checksum mismatch");
+    assert!(matches!(error, InboxError::Schema { .. }), "{error:?}");
+}
+
+/// `schema.rs` is written by hand; this compares it with the catalog of a
+/// freshly migrated schema, so a migration that changes the table without it
+/// fails here.
+#[tokio::test]
+async fn schema_rs_matches_the_migrated_table() {
+    #[derive(diesel::QueryableByName, Debug, PartialEq)]
+    struct Column {
+        #[diesel(sql_type = Text)]
+        name: String,
+        #[diesel(sql_type = Text)]
+        ty: String,
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        nullable: bool,
+    }
+    let store = common::fresh_store(1).await;
+    let mut admin = common::admin_in(store.schema()).await;
+    let columns: Vec<Column> = diesel::sql_query(
+        "SELECT a.attname::text AS name, format_type(a.atttypid, a.atttypmod) AS ty, \
+                NOT a.attnotnull AS nullable \
+         FROM pg_attribute a \
+         WHERE a.attrelid = 'inbox_messages'::regclass AND a.attnum > 0 AND NOT a.attisdropped \
+         ORDER BY a.attnum",
+    )
+    .load(&mut admin)
+    .await
+    .expect("catalog");
+    let expected = [
+        ("id", "uuid", false),
+        ("consumer_type", "character varying(500)", false),
+        ("received_at", "timestamp with time zone", false),
+        ("processed_at", "timestamp with time zone", true),
+    ];
+    let expected: Vec<Column> = expected
+        .iter()
+        .map(|(n, t, null)| Column {
+            name: (*n).into(),
+            ty: (*t).into(),
+            nullable: *null,
+        })
+        .collect();
+    assert_eq!(columns, expected, "update src/schema.rs with the migration");
+
+    let pk: Vec<String> = diesel::select(diesel::dsl::sql::<diesel::sql_types::Array<Text>>(
+        "ARRAY(SELECT a.attname::text FROM pg_index i \
+           JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) \
+           WHERE i.indrelid = 'inbox_messages'::regclass AND i.indisprimary \
+           ORDER BY array_position(i.indkey, a.attnum))",
+    ))
+    .get_result(&mut admin)
+    .await
+    .expect("primary key");
+    assert_eq!(pk, ["id", "consumer_type"], "table! primary key");
+
+    // And the DSL's full-row select runs against it.
+    use diesel::QueryDsl;
+    use inbox_backend_diesel::schema::inbox_messages::dsl::*;
+    type Row = (
+        uuid::Uuid,
+        String,
+        chrono::DateTime<chrono::Utc>,
+        Option<chrono::DateTime<chrono::Utc>>,
+    );
+    let rows: Vec<Row> = inbox_messages
+        .select((id, consumer_type, received_at, processed_at))
+        .load(&mut admin)
+        .await
+        .expect("DSL select");
+    assert!(rows.is_empty());
+}
+
+// ---------------------------------------------------------------------------
+// Cleanup
+// ---------------------------------------------------------------------------
+
+/// Inserts `n` rows processed `age_days` ago (and as many unprocessed).
+async fn seed(store: &DieselStore, n: i64, age_days: i32) {
+    let mut admin = common::admin_in(store.schema()).await;
+    diesel::sql_query(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at) \
+         SELECT gen_random_uuid(), 'seed', now() - make_interval(days => $2), \
+                now() - make_interval(days => $2) FROM generate_series(1, $1)",
+    )
+    .bind::<BigInt, _>(n)
+    .bind::<Integer, _>(age_days)
+    .execute(&mut admin)
+    .await
+    .expect("seed processed");
+    diesel::sql_query(
+        "INSERT INTO inbox_messages (id, consumer_type) \
+         SELECT gen_random_uuid(), 'in-flight' FROM generate_series(1, $1)",
+    )
+    .bind::<BigInt, _>(n)
+    .execute(&mut admin)
+    .await
+    .expect("seed unprocessed");
+}
+
+#[tokio::test]
+async fn purge_goes_through_the_partial_index() {
+    let store = common::fresh_store(1).await;
+    seed(&store, 20_000, 1).await;
+    seed(&store, 200, 30).await;
+    let mut admin = common::admin_in(store.schema()).await;
+    diesel::sql_query("ANALYZE inbox_messages")
+        .execute(&mut admin)
+        .await
+        .expect("analyze");
+    #[derive(diesel::QueryableByName)]
+    struct Plan {
+        #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
+        line: String,
+    }
+    let plan: Vec<Plan> = diesel::sql_query(format!(
+        "EXPLAIN {}",
+        inbox_backend_diesel::PURGE_SQL
+            .replace("$1", "now() - interval '7 days'")
+            .replace("$2", "1000")
+    ))
+    .load(&mut admin)
+    .await
+    .expect("explain");
+    let plan: Vec<String> = plan.into_iter().map(|p| p.line).collect();
+    assert!(
+        plan.iter()
+            .any(|l| l.contains("inbox_messages_processed_at_idx")),
+        "purge does not use the partial index:\n{}",
+        plan.join("\n")
+    );
+    let cutoff = chrono::Utc::now() - chrono::Duration::days(7);
+    assert_eq!(
+        store
+            .purge_processed_before(cutoff, 64)
+            .await
+            .expect("purge"),
+        200
+    );
+    // 20,000 recent + 20,200 in flight stay.
+    assert_eq!(
+        common::count(store.schema(), "inbox_messages").await,
+        40_200
+    );
+}
+
+/// Two cleaners at once, and one while a transaction holds some of the old
+/// rows: nobody waits, nobody fails, and together they delete every row.
+#[tokio::test]
+async fn concurrent_cleaners_skip_each_others_rows() {
+    let store = common::fresh_store(4).await;
+    seed(&store, 100, 30).await;
+    let cutoff = chrono::Utc::now() - chrono::Duration::days(7);
+
+    // A transaction locks 30 of the old rows.
+    let mut holder = store.begin().await.expect("begin");
+    diesel::sql_query(
+        "SELECT 1 FROM inbox_messages WHERE consumer_type = 'seed' \
+         ORDER BY processed_at, id LIMIT 30 FOR UPDATE",
+    )
+    .execute(holder.conn())
+    .await
+    .expect("lock 30 rows");
+
+    let started = Instant::now();
+    let (a, b) = tokio::join!(
+        store.purge_processed_batch(cutoff, 50),
+        store.purge_processed_batch(cutoff, 50)
+    );
+    let (a, b) = (a.expect("cleaner a"), b.expect("cleaner b"));
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "a cleaner waited"
+    );
+    assert!(a <= 50 && b <= 50);
+    // Whatever the two skipped of each other is left for a later batch.
+    let rest = store
+        .purge_processed_before(cutoff, 50)
+        .await
+        .expect("rest");
+    assert_eq!(
+        a + b + rest,
+        70,
+        "every unlocked old row, once: {a} + {b} + {rest}"
+    );
+    holder.rollback().await.expect("release");
+    assert_eq!(
+        store
+            .purge_processed_before(cutoff, 50)
+            .await
+            .expect("the locked 30"),
+        30
+    );
+    assert_eq!(
+        common::count(store.schema(), "inbox_messages").await,
+        100,
+        "in-flight rows kept"
+    );
+}
