@@ -2,24 +2,42 @@
 //!
 //! Every store the suite asks for gets its own fresh schema; crashes of kind
 //! `KillConnection` are real: the transaction's server process is terminated
-//! from another connection with `pg_terminate_backend`.
+//! from another connection with `pg_terminate_backend`. A lost commit is
+//! real too: the store's connections go through a TCP relay that swallows
+//! the server's answer to COMMIT and then cuts the connection.
 
 mod common;
 
-use std::collections::BTreeMap;
-use std::time::Duration;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use common::relay::Relay;
 use inbox_api::{
     ConsumerName, InboxError, InboxKey, InboxRecord, InboxTransaction as _, MessageId,
 };
-use inbox_backend_sqlx::{SqlxStore, SqlxTransaction, classify};
+use inbox_backend_sqlx::{SqlxStore, SqlxTransaction};
 use inbox_conformance::{CrashKind, Harness};
 use sqlx::Row as _;
 
 /// The suite's view of the sqlx backend.
-struct SqlxHarness;
+struct SqlxHarness {
+    /// The relay in front of each store, by schema.
+    relays: Mutex<HashMap<String, Arc<Relay>>>,
+}
+
+impl SqlxHarness {
+    fn relay_of(&self, store: &SqlxStore) -> Arc<Relay> {
+        self.relays
+            .lock()
+            .expect("relays")
+            .get(store.schema())
+            .cloned()
+            .expect("every store of this harness has a relay")
+    }
+}
 
 /// Builds the harness: checks that the database is there (failing loudly if
 /// not) and sweeps the test schemas of runs older than an hour.
@@ -27,16 +45,12 @@ async fn harness() -> SqlxHarness {
     let admin = common::admin_pool().await;
     common::sweep_old_schemas(&admin, common::TEST_PREFIX).await;
     admin.close().await;
-    SqlxHarness
+    SqlxHarness {
+        relays: Mutex::default(),
+    }
 }
 
 inbox_conformance::conformance_tests!(harness);
-
-const EFFECTS_TABLE: &str = "CREATE TABLE conformance_effects (
-    message_id uuid NOT NULL,
-    consumer   text NOT NULL,
-    effect_id  uuid NOT NULL DEFAULT gen_random_uuid()
-)";
 
 fn key_of(id: sqlx::types::Uuid, consumer: String) -> InboxKey {
     InboxKey::new(
@@ -54,12 +68,13 @@ impl Harness for SqlxHarness {
     }
 
     async fn fresh_store(&self) -> SqlxStore {
-        let store = common::fresh_store(10).await;
-        // No unique constraint: the suite counts doubles.
-        sqlx::query(EFFECTS_TABLE)
-            .execute(store.pool())
-            .await
-            .expect("create conformance_effects");
+        let relay = Relay::start(common::server_addr().await).await;
+        let store = common::fresh_store_via(10, Some(relay.port())).await;
+        common::create_effects_table(&store).await;
+        self.relays
+            .lock()
+            .expect("relays")
+            .insert(store.schema().to_owned(), Arc::new(relay));
         store
     }
 
@@ -68,13 +83,7 @@ impl Harness for SqlxHarness {
         tx: &mut SqlxTransaction,
         key: &InboxKey,
     ) -> Result<(), InboxError> {
-        sqlx::query("INSERT INTO conformance_effects (message_id, consumer) VALUES ($1, $2)")
-            .bind(key.message_id.as_uuid())
-            .bind(key.consumer.as_str())
-            .execute(tx.conn())
-            .await
-            .map_err(classify)?;
-        Ok(())
+        common::record_effect(tx, key).await
     }
 
     async fn effects(&self, store: &SqlxStore) -> BTreeMap<InboxKey, u64> {
@@ -124,37 +133,46 @@ impl Harness for SqlxHarness {
         mut tx: SqlxTransaction,
         commit_happens: bool,
     ) -> Option<bool> {
-        let pid = match common::backend_pid(&mut tx).await {
-            Ok(pid) => pid,
+        let ids = async {
+            let pid = common::backend_pid(&mut tx).await?;
+            let port = common::client_port(&mut tx).await?;
+            let xid = common::xact_id(&mut tx).await?;
+            Ok::<_, InboxError>((pid, port, xid))
+        };
+        let Ok((pid, port, xid)) = ids.await else {
             // The connection is already gone, and the transaction with it.
-            Err(_) => return Some(false),
+            return Some(false);
         };
         if !commit_happens {
             // Killed before COMMIT is sent: the transaction dies with its
             // process, and COMMIT meets a closed connection.
             common::terminate(store.pool(), pid).await;
-            return match tx.commit().await {
-                Ok(()) => Some(true),
-                Err(_) => Some(false),
-            };
+            let committed = tx.commit().await.is_ok();
+            return Some(committed);
         }
-        // COMMIT and the kill race: the server may commit and die before the
-        // answer leaves, which is the lost commit a consumer cannot tell
-        // from a failed one. An Ok means it committed; an error means
-        // nobody knows, and redelivery has to find out.
-        let mut killer = store
-            .pool()
-            .acquire()
-            .await
-            .expect("a connection to kill from");
-        let kill = async {
-            sqlx::query_scalar::<_, bool>("SELECT pg_terminate_backend($1, 5000)")
-                .bind(pid)
-                .fetch_one(&mut *killer)
-                .await
-        };
-        let (committed, _) = tokio::join!(tx.commit(), kill);
-        committed.ok().map(|()| true)
+        // COMMIT runs and commits, but its answer is swallowed by the relay;
+        // once the server session is idle again the connection is cut. The
+        // consumer sees a broken connection and cannot tell what happened.
+        let relay = self.relay_of(store);
+        relay.swallow_answers(port);
+        let commit = tokio::spawn(tx.commit());
+        let started = Instant::now();
+        loop {
+            let status = common::xact_status(store, &xid).await;
+            if status.as_deref() != Some("in progress") {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "COMMIT of {xid} did not finish"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        relay.cut(port);
+        let answered = commit.await.expect("commit task");
+        assert!(answered.is_err(), "the COMMIT's answer was swallowed");
+        let status = common::xact_status(store, &xid).await;
+        Some(status.as_deref() == Some("committed"))
     }
 
     async fn age_rows(&self, store: &SqlxStore, age: Duration) {
@@ -180,5 +198,32 @@ impl Harness for SqlxHarness {
         // A claim that is not blocked answers in well under a millisecond
         // on localhost; a loaded two-core machine needs the margin.
         Duration::from_millis(300)
+    }
+}
+
+/// The harness' lost commit is what it claims to be: with
+/// `commit_happens` the row is durable although the consumer saw an error,
+/// without it nothing is; the redelivery finds out either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn harness_commit_lost_is_real() {
+    use inbox_api::{Claim, InboxStore as _};
+
+    let h = harness().await;
+    let store = h.fresh_store().await;
+    for commit_happens in [true, false] {
+        let key = InboxKey::new(
+            MessageId::new_v7(),
+            ConsumerName::new("lost").expect("valid consumer"),
+        );
+        let mut tx = store.begin().await.expect("begin");
+        assert_eq!(tx.claim(&key).await.expect("claim"), Claim::Fresh);
+        h.record_effect(&mut tx, &key).await.expect("work");
+        tx.mark_processed(&key).await.expect("mark");
+        let outcome = h.commit_lost(&store, tx, commit_happens).await;
+        assert_eq!(outcome, Some(commit_happens));
+        let durable = store.lookup(&key).await.expect("lookup").is_some();
+        assert_eq!(durable, commit_happens);
+        let effects = h.effects(&store).await.get(&key).copied().unwrap_or(0);
+        assert_eq!(effects, u64::from(commit_happens));
     }
 }

@@ -12,11 +12,13 @@
     reason = "each test file uses a different part"
 )]
 
+pub mod relay;
+
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use inbox_api::InboxError;
 use inbox_backend_sqlx::{SqlxStore, SqlxTransaction, classify};
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
 /// Used when `DATABASE_URL` is not set.
 pub const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
@@ -126,10 +128,19 @@ pub async fn sweep_old_schemas(admin: &PgPool, prefix: &str) {
 /// Its connections carry the schema as `application_name`, so tests can
 /// find them in `pg_stat_activity`.
 pub async fn fresh_store(max: u32) -> SqlxStore {
+    fresh_store_via(max, None).await
+}
+
+/// As [`fresh_store`], the connections going through the relay listening on
+/// `relay_port` when there is one.
+pub async fn fresh_store_via(max: u32, relay_port: Option<u16>) -> SqlxStore {
     let schema = unique_schema(TEST_PREFIX);
-    let options = SqlxStore::connect_options(&database_url(), &schema)
+    let mut options = SqlxStore::connect_options(&database_url(), &schema)
         .expect("valid test schema name")
         .application_name(&schema);
+    if let Some(port) = relay_port {
+        options = options.host("127.0.0.1").port(port);
+    }
     let pool = PgPoolOptions::new()
         .max_connections(max)
         .min_connections(0)
@@ -146,6 +157,48 @@ pub async fn fresh_store(max: u32) -> SqlxStore {
     let store = SqlxStore::new(pool, &schema).expect("valid test schema name");
     store.migrate().await.expect("migrate a fresh schema");
     store
+}
+
+/// The server's TCP address, from `DATABASE_URL`.
+pub async fn server_addr() -> std::net::SocketAddr {
+    let options: PgConnectOptions = database_url().parse().expect("database url");
+    tokio::net::lookup_host((options.get_host(), options.get_port()))
+        .await
+        .expect("resolve the database host")
+        .next()
+        .expect("an address for the database host")
+}
+
+/// The port of the client end of `tx`'s connection, as the server sees it
+/// (the relay's port towards the server, when relayed).
+pub async fn client_port(tx: &mut SqlxTransaction) -> Result<u16, InboxError> {
+    let port: Option<i32> = sqlx::query_scalar("SELECT inet_client_port()")
+        .fetch_one(tx.conn())
+        .await
+        .map_err(classify)?;
+    port.and_then(|p| u16::try_from(p).ok())
+        .ok_or_else(|| InboxError::InvalidArgument {
+            message: "not a TCP connection".into(),
+        })
+}
+
+/// The transaction id of `tx`, assigned now if it has none yet, as text
+/// (for `pg_xact_status`).
+pub async fn xact_id(tx: &mut SqlxTransaction) -> Result<String, InboxError> {
+    sqlx::query_scalar("SELECT pg_current_xact_id()::text")
+        .fetch_one(tx.conn())
+        .await
+        .map_err(classify)
+}
+
+/// `committed`, `aborted` or `in progress`: what the server knows of a
+/// transaction id, from another connection.
+pub async fn xact_status(store: &SqlxStore, xid: &str) -> Option<String> {
+    sqlx::query_scalar("SELECT pg_xact_status($1::xid8)")
+        .bind(xid)
+        .fetch_one(store.pool())
+        .await
+        .expect("pg_xact_status")
 }
 
 /// The server process behind `tx`'s connection.
@@ -183,4 +236,46 @@ pub async fn count(store: &SqlxStore, table: &str) -> i64 {
         .fetch_one(store.pool())
         .await
         .expect("count rows")
+}
+
+/// A business table for the tests' effects. No unique constraint on
+/// purpose: a double effect must show up as two rows.
+pub const EFFECTS_TABLE: &str = "CREATE TABLE conformance_effects (
+    message_id uuid NOT NULL,
+    consumer   text NOT NULL,
+    effect_id  uuid NOT NULL DEFAULT gen_random_uuid()
+)";
+
+/// Creates [`EFFECTS_TABLE`] in `store`'s schema.
+pub async fn create_effects_table(store: &SqlxStore) {
+    sqlx::query(EFFECTS_TABLE)
+        .execute(store.pool())
+        .await
+        .expect("create conformance_effects");
+}
+
+/// One effect row for `key`, written in `tx`: the consumer's business write.
+pub async fn record_effect(
+    tx: &mut SqlxTransaction,
+    key: &inbox_api::InboxKey,
+) -> Result<(), InboxError> {
+    sqlx::query("INSERT INTO conformance_effects (message_id, consumer) VALUES ($1, $2)")
+        .bind(key.message_id.as_uuid())
+        .bind(key.consumer.as_str())
+        .execute(tx.conn())
+        .await
+        .map_err(classify)?;
+    Ok(())
+}
+
+/// Committed effects of `key`, read on a fresh connection.
+pub async fn effects_of(store: &SqlxStore, key: &inbox_api::InboxKey) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM conformance_effects WHERE message_id = $1 AND consumer = $2",
+    )
+    .bind(key.message_id.as_uuid())
+    .bind(key.consumer.as_str())
+    .fetch_one(store.pool())
+    .await
+    .expect("count effects")
 }
