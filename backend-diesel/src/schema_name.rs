@@ -9,7 +9,7 @@ use inbox_api::InboxError;
 /// `SET search_path` takes no bind parameters, so the name ends up in SQL
 /// text. Rather than quote arbitrary user text, only plain lower-case
 /// identifiers are accepted (`[a-z_][a-z0-9_]{0,62}`: what PostgreSQL folds
-/// an unquoted name to, within its 63-byte limit); the name is still
+/// an unquoted name to, within its 63-byte limit; not `pg_…`); the name is still
 /// double-quoted when used, so a keyword such as `user` works too.
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct SchemaName(String);
@@ -26,12 +26,14 @@ impl SchemaName {
             .next()
             .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
         let rest_ok = chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-        if first_ok && rest_ok && name.len() <= 63 {
+        // `pg_` names are reserved for system schemas: CREATE SCHEMA refuses
+        // them, so refuse them here, as the sqlx backend does.
+        if first_ok && rest_ok && name.len() <= 63 && !name.starts_with("pg_") {
             Ok(Self(name.to_owned()))
         } else {
             Err(InboxError::InvalidArgument {
                 message: format!(
-                    "schema name {:?} is not a plain identifier ([a-z_][a-z0-9_]{{0,62}})",
+                    "schema name {:?} is not a plain identifier ([a-z_][a-z0-9_]{{0,62}}, not pg_…)",
                     name.chars().take(80).collect::<String>()
                 ),
             })
@@ -97,6 +99,8 @@ mod tests {
             "a\"; DROP TABLE x; --",
             "ä",
             "a.b",
+            "pg_catalog",
+            "pg_x",
             &"a".repeat(64),
         ] {
             let err = SchemaName::new(bad).unwrap_err();

@@ -265,7 +265,7 @@ impl DieselStore {
                 Err(error) => {
                     let error = classify(error);
                     drop(Object::take(conn));
-                    if attempt >= ATTEMPTS || error.kind() != "connection" {
+                    if attempt >= ATTEMPTS || !matches!(error, InboxError::Connection { .. }) {
                         return Err(error);
                     }
                     tracing::debug!(error = %error, attempt, "BEGIN on a dead pooled connection; retrying");
@@ -306,7 +306,7 @@ impl InboxStore for DieselStore {
                 Ok(row) => return row.map(record).transpose(),
                 Err(error) => {
                     let error = refine(&mut conn, error).await;
-                    if retried || error.kind() != "connection" {
+                    if retried || !matches!(error, InboxError::Connection { .. }) {
                         return Err(error);
                     }
                     drop(Object::take(conn));
