@@ -55,6 +55,18 @@ use inbox_api::{BoxError, InboxError};
 /// }
 /// ```
 pub fn classify(error: DieselError) -> InboxError {
+    // A failed COMMIT whose cleanup ROLLBACK failed too: the COMMIT's error
+    // is the one that decided the outcome.
+    let error = match error {
+        DieselError::RollbackErrorOnCommit {
+            commit_error,
+            rollback_error,
+        } => {
+            tracing::debug!(%rollback_error, "rollback after a failed commit failed too");
+            return classify(*commit_error);
+        }
+        other => other,
+    };
     match &error {
         DieselError::DatabaseError(kind, info) => match sqlstate_of(*kind, &**info) {
             Some(code) => classify_sqlstate(code, boxed(error)),
@@ -84,14 +96,6 @@ pub fn classify(error: DieselError) -> InboxError {
         DieselError::BrokenTransactionManager => InboxError::Connection {
             source: boxed(error),
         },
-        DieselError::RollbackErrorOnCommit { commit_error, .. } => {
-            // The commit's error is the one that decided the outcome.
-            let retryable = classify_ref(commit_error);
-            InboxError::Store {
-                retryable,
-                source: boxed(error),
-            }
-        }
         // Misuse of the transaction (committing twice, nesting by hand):
         // a programming error, which redelivery repeats.
         DieselError::AlreadyInTransaction
@@ -110,21 +114,6 @@ pub fn classify(error: DieselError) -> InboxError {
             retryable: false,
             source: boxed(error),
         },
-    }
-}
-
-/// Whether `error` would classify as retryable, without consuming it.
-fn classify_ref(error: &DieselError) -> bool {
-    match error {
-        DieselError::DatabaseError(kind, info) => match sqlstate_of(*kind, &**info) {
-            Some(code) => classify_sqlstate(code, "probe".into()).is_retryable(),
-            None => matches!(
-                kind,
-                DatabaseErrorKind::UnableToSendCommand | DatabaseErrorKind::ClosedConnection
-            ),
-        },
-        DieselError::BrokenTransactionManager => true,
-        _ => false,
     }
 }
 
@@ -497,7 +486,8 @@ mod tests {
             rollback_error: Box::new(db(DatabaseErrorKind::UnableToSendCommand, "closed")),
             commit_error: Box::new(db(DatabaseErrorKind::SerializationFailure, "40001")),
         };
-        assert!(classify(e).is_retryable());
+        let c = classify(e);
+        assert!(matches!(c, InboxError::Conflict { .. }), "{c:?}");
     }
 
     #[test]
