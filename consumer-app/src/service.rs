@@ -279,15 +279,18 @@ impl<S: ParcelStore> Supervisor<S> {
         tracing::info!(exchange = %self.config.topology.exchange(), "consuming");
 
         while let Some(ended) = loops.join_next().await {
-            match ended {
-                Ok(Ok(())) => {}
-                Ok(Err(error)) => return Err(error),
-                Err(panic) => {
-                    return Err(AppError::Unavailable(format!(
-                        "consumer loop failed: {panic}"
-                    )));
-                }
-            }
+            let error = match ended {
+                Ok(Ok(())) => continue,
+                Ok(Err(error)) => error,
+                Err(panic) => AppError::Unavailable(format!("consumer loop failed: {panic}")),
+            };
+            // Do not abort the other queue's loop: that would drop its
+            // in-flight deliveries mid-way, possibly between the commit and
+            // the after-commit call. Closing the connection (the caller
+            // does) ends it; its in-flight work finishes, and its unacked
+            // deliveries come back as duplicates.
+            loops.detach_all();
+            return Err(error);
         }
         Ok(())
     }

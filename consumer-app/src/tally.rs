@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use inbox_api::InboxKey;
+use tokio::sync::watch;
 
 use crate::AppError;
 use crate::consumers::Role;
@@ -97,12 +98,22 @@ pub fn bump(counter: &AtomicU64) {
 }
 
 /// Fault injection, for the demo and the tests: off unless configured.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Faults {
     crash_once: Mutex<HashSet<InboxKey>>,
     /// Time the work spends inside the transaction, after its writes and
     /// before the commit (to make "killed mid-work" reproducible).
     pub work_delay: Duration,
+    /// While true, work waits inside its transaction before the commit.
+    hold: watch::Sender<bool>,
+    /// Attempts currently waiting on the hold.
+    held: AtomicU64,
+}
+
+impl Default for Faults {
+    fn default() -> Self {
+        Self::with_work_delay(Duration::ZERO)
+    }
 }
 
 impl Faults {
@@ -111,6 +122,8 @@ impl Faults {
         Self {
             crash_once: Mutex::new(HashSet::new()),
             work_delay,
+            hold: watch::Sender::new(false),
+            held: AtomicU64::new(0),
         }
     }
 
@@ -123,6 +136,22 @@ impl Faults {
             .insert(key);
     }
 
+    /// From now on, work stops inside its transaction, after its writes,
+    /// until [`Faults::release`]: "mid-work", deterministically.
+    pub fn hold(&self) {
+        self.hold.send_replace(true);
+    }
+
+    /// Lets held work go on to its commit.
+    pub fn release(&self) {
+        self.hold.send_replace(false);
+    }
+
+    /// How many attempts wait on the hold right now.
+    pub fn held(&self) -> u64 {
+        self.held.load(Ordering::SeqCst)
+    }
+
     /// Called inside the transaction after the work's writes.
     ///
     /// # Errors
@@ -131,6 +160,12 @@ impl Faults {
     pub async fn before_commit(&self, key: &InboxKey) -> Result<(), AppError> {
         if !self.work_delay.is_zero() {
             tokio::time::sleep(self.work_delay).await;
+        }
+        if *self.hold.borrow() {
+            self.held.fetch_add(1, Ordering::SeqCst);
+            let mut hold = self.hold.subscribe();
+            let _ = hold.wait_for(|held| !*held).await;
+            self.held.fetch_sub(1, Ordering::SeqCst);
         }
         let crash = self
             .crash_once

@@ -1,0 +1,799 @@
+//! End-to-end tests against a real RabbitMQ (127.0.0.1:5672, guest/guest)
+//! and a real PostgreSQL (`DATABASE_URL`, default
+//! postgres://postgres@127.0.0.1:5432/test).
+//!
+//! Every scenario runs once per compiled store (`cargo test -p consumer-app
+//! --all-features` runs all three), each test with its own exchange/queue
+//! prefix and its own database schema. An unreachable service fails the test
+//! with a message saying so: nothing is skipped silently. `bash
+//! .ci/services.sh` starts both.
+
+use std::collections::BTreeSet;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use consumer_app::amqp::{Outgoing, connect};
+use consumer_app::consumers::Role;
+use consumer_app::downstream::{StubCarrier, StubNotifier};
+use consumer_app::event::{BadInputReason, EVENT_TYPE};
+use consumer_app::publish::{Plan, publish};
+use consumer_app::service::{Downstreams, ServiceConfig, ServiceHandle, spawn};
+use consumer_app::store::{ParcelStore, Stats};
+use consumer_app::tally::{Faults, get};
+use consumer_app::topology::Topology;
+use consumer_app::worker::{WorkerConfig, header_text};
+use inbox_api::{ConsumerName, InboxKey};
+use lapin::options::BasicGetOptions;
+
+const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+fn unique() -> String {
+    uuid::Uuid::new_v4().simple().to_string()[..10].to_owned()
+}
+
+/// Names for one test: a queue prefix and a schema.
+struct Names {
+    prefix: String,
+    schema: String,
+    connection: String,
+}
+
+fn names(test: &str) -> Names {
+    let id = unique();
+    Names {
+        prefix: format!("test-{test}-{id}."),
+        schema: format!("app_test_{id}"),
+        connection: format!("parcel-inbox test {test} {id}"),
+    }
+}
+
+async fn require_rabbitmq() {
+    if let Err(error) = connect(AMQP_URL, "parcel-inbox test probe").await {
+        panic!(
+            "RabbitMQ is not reachable at 127.0.0.1:5672 ({}); start it with `bash .ci/services.sh`",
+            consumer_app::error::chain(&error)
+        );
+    }
+}
+
+fn worker_config() -> WorkerConfig {
+    WorkerConfig {
+        prefetch: 16,
+        concurrency: 4,
+        handle_timeout: Duration::from_secs(10),
+        retry_attempts: 3,
+        retry_base_delay: Duration::from_millis(20),
+        max_deliveries: 5,
+        max_body_bytes: 1024,
+    }
+}
+
+struct Running {
+    service: ServiceHandle,
+    carrier: Arc<StubCarrier>,
+    notifier: Arc<StubNotifier>,
+}
+
+async fn start<S: ParcelStore>(store: &S, names: &Names, faults: Faults) -> Running {
+    start_with(store, names, Arc::new(faults)).await
+}
+
+async fn start_with<S: ParcelStore>(store: &S, names: &Names, faults: Arc<Faults>) -> Running {
+    if std::env::var_os("RUST_LOG").is_some() {
+        consumer_app::telemetry::init_logging();
+    }
+    let carrier = Arc::new(StubCarrier::default());
+    let notifier = Arc::new(StubNotifier::default());
+    let service = spawn(
+        store.clone(),
+        ServiceConfig {
+            amqp_url: AMQP_URL.to_owned(),
+            topology: Topology::new(&names.prefix),
+            worker: worker_config(),
+            connection_name: names.connection.clone(),
+            cleanup: None,
+            gauge_interval: None,
+        },
+        Downstreams {
+            carrier: carrier.clone(),
+            notifier: notifier.clone(),
+        },
+        faults,
+    )
+    .expect("service starts");
+    service
+        .wait_consuming(1, Duration::from_secs(20))
+        .await
+        .expect("service consuming");
+    Running {
+        service,
+        carrier,
+        notifier,
+    }
+}
+
+/// Polls `done` every 25 ms until it holds or `timeout` passes.
+async fn eventually(what: &str, timeout: Duration, mut done: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !done().await {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+async fn cleanup<S: ParcelStore>(store: &S, names: &Names) {
+    let connection = connect(AMQP_URL, "parcel-inbox test cleanup")
+        .await
+        .expect("connect");
+    let channel = connection.create_channel().await.expect("channel");
+    Topology::new(&names.prefix)
+        .delete(&channel)
+        .await
+        .expect("delete topology");
+    let _ = connection.close(200, "bye".into()).await;
+    store.drop_schema().await.expect("drop schema");
+}
+
+fn assert_exactly_once(stats: &Stats, n: u64) {
+    for (table, counts) in [
+        ("notifications", stats.notifications),
+        ("carrier_assignments", stats.carrier_assignments),
+    ] {
+        assert_eq!(counts.rows, n, "{table}: one row per message\n{stats}");
+        assert_eq!(counts.distinct_messages, n, "{table}\n{stats}");
+        assert_eq!(counts.distinct_parcels, n, "{table}\n{stats}");
+        assert_eq!(counts.double_effects(), 0, "{table}\n{stats}");
+    }
+    for role in Role::ALL {
+        assert_eq!(
+            stats.inbox_per_consumer.get(role.consumer_name()).copied(),
+            Some(n),
+            "inbox rows of {}\n{stats}",
+            role.consumer_name()
+        );
+    }
+}
+
+// ---------------------------------------------------------------- scenarios
+
+/// Copies reusing message ids: each consumer's effect exactly once, and both
+/// consumers act on every message independently.
+async fn duplicates_are_discarded_per_consumer<S: ParcelStore>(store: S, names: Names) {
+    require_rabbitmq().await;
+    let run = start(&store, &names, Faults::default()).await;
+    let plan = Plan::new(60, 0.5, 7, &format!("P{}", names.schema)).expect("plan");
+    assert_eq!(plan.copies, 30);
+    let topology = Topology::new(&names.prefix);
+    publish(AMQP_URL, &topology, &plan.messages, false)
+        .await
+        .expect("publish");
+    let tally = Arc::clone(&run.service.tally);
+    eventually(
+        "90 deliveries per consumer",
+        Duration::from_secs(30),
+        async || Role::ALL.iter().all(|r| tally.role(*r).finished() >= 90),
+    )
+    .await;
+    run.service.shutdown();
+    run.service.join().await.expect("clean shutdown");
+
+    for role in Role::ALL {
+        let t = tally.role(role);
+        assert_eq!(get(&t.processed), 60, "{role:?}");
+        assert_eq!(get(&t.duplicates), 30, "{role:?}: every copy discarded");
+        assert_eq!(t.dead_lettered_total(), 0, "{role:?}");
+    }
+    let stats = store.stats().await.expect("stats");
+    assert_exactly_once(&stats, 60);
+    assert_eq!(run.carrier.ledger.distinct_keys(), 60);
+    assert_eq!(run.carrier.ledger.calls(), 60, "no booking call repeated");
+    assert!(
+        run.carrier
+            .ledger
+            .parcels_booked_more_than_once()
+            .is_empty()
+    );
+    assert_eq!(run.notifier.ledger.calls(), 60);
+    // Both consumers hold their own row for the same message.
+    for id in plan.ids.iter().take(5) {
+        for role in Role::ALL {
+            let key = InboxKey::new(*id, ConsumerName::new(role.consumer_name()).expect("name"));
+            let record = store.lookup(&key).await.expect("lookup");
+            assert!(
+                record.is_some_and(|r| r.processed_at.is_some()),
+                "{key} processed"
+            );
+        }
+    }
+    cleanup(&store, &names).await;
+}
+
+/// Each class of bad input lands in each queue's dead-letter queue with its
+/// reason, and the consumers keep running.
+async fn bad_input_is_dead_lettered_with_reason<S: ParcelStore>(store: S, names: Names) {
+    require_rabbitmq().await;
+    let run = start(&store, &names, Faults::default()).await;
+    let topology = Topology::new(&names.prefix);
+    let good = br#"{"parcel_id":"P-1","tracking_number":"TN1","destination":"Lyon"}"#.to_vec();
+    let id = || Some(uuid::Uuid::now_v7().to_string());
+    let event = || Some(EVENT_TYPE.to_owned());
+    let mut oversized = br#"{"parcel_id":"P-2","tracking_number":"TN2","destination":""#.to_vec();
+    oversized.extend(std::iter::repeat_n(b'x', 2000));
+    oversized.extend(br#""}"#);
+    let bad = [
+        (
+            BadInputReason::MissingMessageId,
+            Outgoing {
+                message_id: None,
+                kind: event(),
+                body: good.clone(),
+            },
+        ),
+        (
+            BadInputReason::InvalidMessageId,
+            Outgoing {
+                message_id: Some("order-42".into()),
+                kind: event(),
+                body: good.clone(),
+            },
+        ),
+        (
+            BadInputReason::InvalidJson,
+            Outgoing {
+                message_id: id(),
+                kind: event(),
+                body: b"{\"parcel_id\": ".to_vec(),
+            },
+        ),
+        (
+            BadInputReason::InvalidEvent,
+            Outgoing {
+                message_id: id(),
+                kind: event(),
+                body: br#"{"parcel":"P-1"}"#.to_vec(),
+            },
+        ),
+        (
+            BadInputReason::UnknownType,
+            Outgoing {
+                message_id: id(),
+                kind: Some("parcel.deleted".into()),
+                body: good.clone(),
+            },
+        ),
+        (
+            BadInputReason::Oversized,
+            Outgoing {
+                message_id: id(),
+                kind: event(),
+                body: oversized,
+            },
+        ),
+    ];
+    let mut messages: Vec<Outgoing> = bad.iter().map(|(_, m)| m.clone()).collect();
+    // A good message after the bad ones: the consumers are still running.
+    messages.push(Outgoing {
+        message_id: id(),
+        kind: event(),
+        body: good.clone(),
+    });
+    publish(AMQP_URL, &topology, &messages, false)
+        .await
+        .expect("publish");
+
+    let tally = Arc::clone(&run.service.tally);
+    eventually(
+        "6 dead-lettered and 1 processed per consumer",
+        Duration::from_secs(20),
+        async || {
+            Role::ALL.iter().all(|r| {
+                let t = tally.role(*r);
+                t.dead_lettered_total() >= 6 && get(&t.processed) >= 1
+            })
+        },
+    )
+    .await;
+
+    let expected: BTreeSet<String> = BadInputReason::ALL
+        .iter()
+        .map(|r| r.as_str().to_owned())
+        .collect();
+    let connection = connect(AMQP_URL, "parcel-inbox test dlq reader")
+        .await
+        .expect("connect");
+    let channel = connection.create_channel().await.expect("channel");
+    for role in Role::ALL {
+        let counted: BTreeSet<String> = tally.role(role).dead_lettered().into_keys().collect();
+        assert_eq!(counted, expected, "{role:?}: one dead-letter per class");
+        let dlq = topology.dead_letter_queue(role);
+        let mut reasons = BTreeSet::new();
+        for _ in 0..6 {
+            let message = channel
+                .basic_get(dlq.as_str().into(), BasicGetOptions { no_ack: true })
+                .await
+                .expect("basic.get")
+                .unwrap_or_else(|| panic!("{dlq}: fewer than 6 dead letters (got {reasons:?})"));
+            let headers = message
+                .delivery
+                .properties
+                .headers()
+                .clone()
+                .unwrap_or_default();
+            let reason = header_text(&headers, "x-dead-letter-reason").expect("reason header");
+            let detail = header_text(&headers, "x-dead-letter-detail").expect("detail header");
+            assert!(!detail.is_empty());
+            assert_eq!(
+                header_text(&headers, "x-dead-letter-consumer").as_deref(),
+                Some(role.consumer_name())
+            );
+            reasons.insert(reason);
+        }
+        assert_eq!(
+            reasons, expected,
+            "{dlq}: every bad-input class with its reason"
+        );
+        assert_eq!(
+            topology
+                .ready_messages(&channel, &topology.queue(role))
+                .await
+                .expect("depth"),
+            0,
+            "nothing left in the work queue"
+        );
+    }
+    let _ = connection.close(200, "bye".into()).await;
+    run.service.shutdown();
+    run.service.join().await.expect("clean shutdown");
+    let stats = store.stats().await.expect("stats");
+    assert_exactly_once(&stats, 1);
+    cleanup(&store, &names).await;
+}
+
+/// The broker closes the consumer's connection mid-work (as `rabbitmqctl
+/// close_connection` does): in-flight deliveries come back, the service
+/// reconnects, and every effect still happens exactly once.
+async fn closed_connection_redelivers_exactly_once<S: ParcelStore>(store: S, names: Names) {
+    const N: u64 = 60;
+    require_rabbitmq().await;
+    let faults = Arc::new(Faults::default());
+    let run = start_with(&store, &names, Arc::clone(&faults)).await;
+    let pid = connection_pid(&names.connection).await;
+    let plan = Plan::new(N as usize, 0.0, 3, &format!("P{}", names.schema)).expect("plan");
+    let topology = Topology::new(&names.prefix);
+    publish(AMQP_URL, &topology, &plan.messages, false)
+        .await
+        .expect("publish");
+    let tally = Arc::clone(&run.service.tally);
+    eventually("some work done", Duration::from_secs(20), async || {
+        Role::ALL
+            .iter()
+            .all(|r| get(&tally.role(*r).processed) >= 4)
+    })
+    .await;
+    // Mid-work, deterministically: every worker stops inside its open
+    // transaction (its rows written, not committed) while the connection
+    // is closed under it.
+    faults.hold();
+    let concurrency = worker_config().concurrency as u64;
+    eventually(
+        "all workers held mid-transaction",
+        Duration::from_secs(20),
+        async || faults.held() >= 2 * concurrency,
+    )
+    .await;
+    close_connection(&pid).await;
+    faults.release();
+    run.service
+        .wait_consuming(2, Duration::from_secs(30))
+        .await
+        .expect("the service reconnected");
+    let waiting = Instant::now();
+    eventually(
+        "every effect in the database",
+        Duration::from_secs(40),
+        async || {
+            let stats = store.stats().await.expect("stats");
+            let done = stats.notifications.rows >= N && stats.carrier_assignments.rows >= N;
+            if !done && waiting.elapsed() > Duration::from_secs(15) {
+                let c = connect(AMQP_URL, "parcel-inbox test depth")
+                    .await
+                    .expect("connect");
+                let ch = c.create_channel().await.expect("channel");
+                let mut depths = Vec::new();
+                for role in Role::ALL {
+                    depths.push(
+                        topology
+                            .ready_messages(&ch, &topology.queue(role))
+                            .await
+                            .expect("depth"),
+                    );
+                }
+                let _ = c.close(200, "bye".into()).await;
+                eprintln!("still waiting: ready {depths:?}\n{stats}{tally:?}");
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+            done
+        },
+    )
+    .await;
+    // Let stragglers (redeliveries of work that committed) arrive.
+    let depth_zero = async || {
+        let c = connect(AMQP_URL, "parcel-inbox test depth")
+            .await
+            .expect("connect");
+        let ch = c.create_channel().await.expect("channel");
+        let mut total = 0;
+        for role in Role::ALL {
+            total += topology
+                .ready_messages(&ch, &topology.queue(role))
+                .await
+                .expect("depth");
+        }
+        let _ = c.close(200, "bye".into()).await;
+        total == 0
+    };
+    eventually("queues empty", Duration::from_secs(20), depth_zero).await;
+    run.service.shutdown();
+    run.service.join().await.expect("clean shutdown");
+
+    let redelivered: u64 = Role::ALL
+        .iter()
+        .map(|r| get(&tally.role(*r).redelivered_processed) + get(&tally.role(*r).duplicates))
+        .sum();
+    assert!(
+        redelivered >= 1,
+        "closing the connection mid-work caused redeliveries: {:?}",
+        tally
+    );
+    for role in Role::ALL {
+        assert_eq!(
+            get(&tally.role(role).processed),
+            N,
+            "{role:?}: processed once each"
+        );
+    }
+    let stats = store.stats().await.expect("stats");
+    assert_exactly_once(&stats, N);
+    assert!(
+        run.carrier
+            .ledger
+            .parcels_booked_more_than_once()
+            .is_empty()
+    );
+    cleanup(&store, &names).await;
+}
+
+/// The broker's id of the AMQP connection called `name`.
+async fn connection_pid(name: &str) -> String {
+    let listed = tokio::process::Command::new("rabbitmqctl")
+        .args([
+            "list_connections",
+            "--quiet",
+            "--no-table-headers",
+            "pid",
+            "client_properties",
+        ])
+        .output()
+        .await
+        .expect("rabbitmqctl runs (the broker is local)");
+    assert!(
+        listed.status.success(),
+        "rabbitmqctl list_connections: {listed:?}"
+    );
+    let text = String::from_utf8_lossy(&listed.stdout);
+    // client_properties is an Erlang term holding {"connection_name","…"}.
+    let needle = format!("{{\"connection_name\",\"{name}\"}}");
+    text.lines()
+        .find_map(|line| {
+            let (pid, properties) = line.split_once('\t')?;
+            properties.contains(&needle).then(|| pid.trim().to_owned())
+        })
+        .unwrap_or_else(|| panic!("no connection named {name:?} in:\n{text}"))
+}
+
+/// Has the broker close a connection, as an operator would.
+async fn close_connection(pid: &str) {
+    let closed = tokio::process::Command::new("rabbitmqctl")
+        .args([
+            "close_connection",
+            pid,
+            "test: closing the consumer's connection mid-work",
+        ])
+        .output()
+        .await
+        .expect("rabbitmqctl runs");
+    assert!(
+        closed.status.success(),
+        "rabbitmqctl close_connection: {closed:?}"
+    );
+}
+
+/// Graceful shutdown mid-stream: in-flight deliveries finish and are acked,
+/// the rest stays in the queue; a second instance processes exactly the rest
+/// and sees no duplicate (nothing committed was left unacked).
+async fn graceful_shutdown_loses_nothing<S: ParcelStore>(store: S, names: Names) {
+    require_rabbitmq().await;
+    let first = start(
+        &store,
+        &names,
+        Faults::with_work_delay(Duration::from_millis(100)),
+    )
+    .await;
+    let plan = Plan::new(60, 0.0, 5, &format!("P{}", names.schema)).expect("plan");
+    let topology = Topology::new(&names.prefix);
+    publish(AMQP_URL, &topology, &plan.messages, false)
+        .await
+        .expect("publish");
+    let tally = Arc::clone(&first.service.tally);
+    eventually("some work done", Duration::from_secs(20), async || {
+        Role::ALL
+            .iter()
+            .all(|r| get(&tally.role(*r).processed) >= 4)
+    })
+    .await;
+    first.service.shutdown();
+    tokio::time::timeout(Duration::from_secs(20), first.service.join())
+        .await
+        .expect("shutdown finishes in-flight work promptly")
+        .expect("clean shutdown");
+    let done_first: Vec<u64> = Role::ALL
+        .iter()
+        .map(|r| get(&tally.role(*r).processed))
+        .collect();
+    assert!(
+        done_first.iter().all(|n| *n < 60),
+        "shut down mid-stream: {done_first:?}"
+    );
+    let stats = store.stats().await.expect("stats");
+    assert_eq!(stats.notifications.rows, done_first[0]);
+    assert_eq!(stats.carrier_assignments.rows, done_first[1]);
+
+    let second = start(&store, &names, Faults::default()).await;
+    let tally2 = Arc::clone(&second.service.tally);
+    eventually("the rest processed", Duration::from_secs(30), async || {
+        Role::ALL
+            .iter()
+            .zip(&done_first)
+            .all(|(r, before)| get(&tally2.role(*r).processed) + before >= 60)
+    })
+    .await;
+    second.service.shutdown();
+    second.service.join().await.expect("clean shutdown");
+    for role in Role::ALL {
+        assert_eq!(
+            get(&tally2.role(role).duplicates),
+            0,
+            "{role:?}: every committed delivery was acked before shutdown"
+        );
+    }
+    let stats = store.stats().await.expect("stats");
+    assert_exactly_once(&stats, 60);
+    cleanup(&store, &names).await;
+}
+
+/// The consumer process is killed (SIGKILL) mid-work: its open transactions
+/// die with it, the broker redelivers its unacked deliveries to a new
+/// instance, and every effect happens exactly once. (Postgres stores only:
+/// a memory store dies with its process.)
+#[cfg(any(feature = "sqlx", feature = "diesel"))]
+async fn killed_process_redelivers_exactly_once<S: ParcelStore>(
+    store: S,
+    names: Names,
+    kind: &str,
+) {
+    require_rabbitmq().await;
+    let topology = Topology::new(&names.prefix);
+    // Declare before the child starts so the publish is routed at once.
+    let plan = Plan::new(40, 0.0, 9, &format!("P{}", names.schema)).expect("plan");
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
+        .args([
+            "--store",
+            kind,
+            "--database-url",
+            &database_url(),
+            "--amqp-url",
+            AMQP_URL,
+            "--schema",
+            &names.schema,
+            "--prefix",
+            &names.prefix,
+            "consume",
+            "--metrics-addr",
+            "off",
+            "--concurrency",
+            "4",
+            "--cleanup-interval-secs",
+            "0",
+            "--fault-work-delay-ms",
+            "200",
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start parcel-inbox consume");
+    publish(AMQP_URL, &topology, &plan.messages, false)
+        .await
+        .expect("publish");
+    eventually(
+        "the child did some work",
+        Duration::from_secs(30),
+        async || {
+            let stats = store.stats().await.expect("stats");
+            stats.carrier_assignments.rows >= 4 && stats.notifications.rows >= 4
+        },
+    )
+    .await;
+    child.kill().await.expect("SIGKILL the consumer");
+    let before = store.stats().await.expect("stats");
+    assert!(
+        before.carrier_assignments.rows < 40,
+        "killed mid-stream: {before}"
+    );
+
+    let run = start(&store, &names, Faults::default()).await;
+    let tally = Arc::clone(&run.service.tally);
+    eventually(
+        "every effect present",
+        Duration::from_secs(40),
+        async || {
+            let stats = store.stats().await.expect("stats");
+            stats.carrier_assignments.rows >= 40 && stats.notifications.rows >= 40
+        },
+    )
+    .await;
+    // Give redeliveries of committed work time to arrive as duplicates.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    run.service.shutdown();
+    run.service.join().await.expect("clean shutdown");
+    let redelivered: u64 = Role::ALL
+        .iter()
+        .map(|r| get(&tally.role(*r).redelivered_processed) + get(&tally.role(*r).duplicates))
+        .sum();
+    assert!(
+        redelivered >= 1,
+        "the killed process's unacked deliveries came back"
+    );
+    let stats = store.stats().await.expect("stats");
+    assert_exactly_once(&stats, 40);
+    cleanup(&store, &names).await;
+}
+
+// ------------------------------------------------------------ the backends
+
+#[cfg(feature = "sqlx")]
+mod sqlx_store {
+    use super::*;
+    use inbox_backend_sqlx::SqlxStore;
+
+    async fn store(names: &Names) -> SqlxStore {
+        let store = SqlxStore::connect(&database_url(), &names.schema)
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "PostgreSQL is not reachable at {} ({}); start it with `bash .ci/services.sh`",
+                    consumer_app::redact::redact_url(&database_url()),
+                    consumer_app::error::chain(&e)
+                )
+            });
+        store.migrate_all().await.expect("migrate");
+        store
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn duplicates_are_discarded_per_consumer() {
+        let names = names("dup-sqlx");
+        super::duplicates_are_discarded_per_consumer(store(&names).await, names).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn bad_input_is_dead_lettered_with_reason() {
+        let names = names("bad-sqlx");
+        super::bad_input_is_dead_lettered_with_reason(store(&names).await, names).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn closed_connection_redelivers_exactly_once() {
+        let names = names("close-sqlx");
+        super::closed_connection_redelivers_exactly_once(store(&names).await, names).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn graceful_shutdown_loses_nothing() {
+        let names = names("stop-sqlx");
+        super::graceful_shutdown_loses_nothing(store(&names).await, names).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn killed_process_redelivers_exactly_once() {
+        let names = names("kill-sqlx");
+        super::killed_process_redelivers_exactly_once(store(&names).await, names, "sqlx").await;
+    }
+}
+
+#[cfg(feature = "diesel")]
+mod diesel_store {
+    use super::*;
+    use inbox_backend_diesel::DieselStore;
+
+    async fn store(names: &Names) -> DieselStore {
+        let store = DieselStore::connect(&database_url(), &names.schema, 8)
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "PostgreSQL is not reachable at {} ({}); start it with `bash .ci/services.sh`",
+                    consumer_app::redact::redact_url(&database_url()),
+                    consumer_app::error::chain(&e)
+                )
+            });
+        store.migrate_all().await.expect("migrate");
+        store
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn duplicates_are_discarded_per_consumer() {
+        let names = names("dup-diesel");
+        super::duplicates_are_discarded_per_consumer(store(&names).await, names).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn bad_input_is_dead_lettered_with_reason() {
+        let names = names("bad-diesel");
+        super::bad_input_is_dead_lettered_with_reason(store(&names).await, names).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn closed_connection_redelivers_exactly_once() {
+        let names = names("close-diesel");
+        super::closed_connection_redelivers_exactly_once(store(&names).await, names).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn graceful_shutdown_loses_nothing() {
+        let names = names("stop-diesel");
+        super::graceful_shutdown_loses_nothing(store(&names).await, names).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn killed_process_redelivers_exactly_once() {
+        let names = names("kill-diesel");
+        super::killed_process_redelivers_exactly_once(store(&names).await, names, "diesel").await;
+    }
+}
+
+#[cfg(feature = "memory")]
+mod memory_store {
+    use super::*;
+    use inbox_backend_memory::MemoryStore;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn duplicates_are_discarded_per_consumer() {
+        super::duplicates_are_discarded_per_consumer(MemoryStore::new(), names("dup-mem")).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn bad_input_is_dead_lettered_with_reason() {
+        super::bad_input_is_dead_lettered_with_reason(MemoryStore::new(), names("bad-mem")).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn closed_connection_redelivers_exactly_once() {
+        super::closed_connection_redelivers_exactly_once(MemoryStore::new(), names("close-mem"))
+            .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn graceful_shutdown_loses_nothing() {
+        super::graceful_shutdown_loses_nothing(MemoryStore::new(), names("stop-mem")).await;
+    }
+}
