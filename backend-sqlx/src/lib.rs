@@ -68,6 +68,10 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgConnection, PgPool, Postgres, Row};
 
 pub use error::classify;
+/// The sqlx this crate is built with, so that business writes on
+/// [`SqlxTransaction::conn`] use the same version (a second sqlx in the
+/// dependency tree would have its own, incompatible `PgConnection`).
+pub use sqlx;
 
 /// The workspace's migrations, embedded so that a deployed binary migrates
 /// without the source tree.
