@@ -44,6 +44,8 @@ impl SqlxHarness {
 async fn harness() -> SqlxHarness {
     let admin = common::admin_pool().await;
     common::sweep_old_schemas(&admin, common::TEST_PREFIX).await;
+    // Left behind by benchmark runs that were killed before their cleanup.
+    common::sweep_old_schemas(&admin, "inbox_bench_").await;
     admin.close().await;
     SqlxHarness {
         relays: Mutex::default(),

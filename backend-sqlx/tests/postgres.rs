@@ -530,6 +530,7 @@ async fn a_terminated_backend_is_a_retryable_connection_error() {
     assert!(error.is_retryable());
     let source = std::error::Error::source(&error).expect("source kept");
     let sqlx_error = source.downcast_ref::<sqlx::Error>().expect("a sqlx error");
+    println!("a terminated backend surfaced as {sqlx_error:?}");
     match sqlx_error {
         sqlx::Error::Database(db) => {
             assert_eq!(db.code().as_deref(), Some("57P01"), "{db}");
@@ -544,9 +545,7 @@ async fn a_terminated_backend_is_a_retryable_connection_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_table_is_a_permanent_schema_error() {
     let schema = common::unique_schema(common::TEST_PREFIX);
-    let unmigrated = SqlxStore::connect(&common::database_url(), &schema)
-        .await
-        .expect("connect");
+    let unmigrated = common::connect(&schema).await;
     let mut tx = unmigrated.begin().await.expect("begin");
     let error = tx.claim(&new_key("x")).await.expect_err("no table");
     assert!(matches!(error, InboxError::Schema { .. }), "{error:?}");
@@ -573,7 +572,7 @@ async fn migrate_refuses_a_pool_without_the_search_path() {
         .max_connections(1)
         .connect(&common::database_url())
         .await
-        .expect("connect");
+        .unwrap_or_else(|error| common::unreachable_database(&error));
     let schema = common::unique_schema(common::TEST_PREFIX);
     let store = SqlxStore::new(pool, &schema).expect("valid name");
     let error = store.migrate().await.expect_err("wrong search_path");
@@ -587,12 +586,7 @@ async fn migrate_refuses_a_pool_without_the_search_path() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_migrations_of_one_schema_succeed() {
     let schema = common::unique_schema(common::TEST_PREFIX);
-    let url = common::database_url();
-    let (a, b) = tokio::join!(
-        SqlxStore::connect(&url, &schema),
-        SqlxStore::connect(&url, &schema)
-    );
-    let (a, b) = (a.expect("connect a"), b.expect("connect b"));
+    let (a, b) = tokio::join!(common::connect(&schema), common::connect(&schema));
     let (ra, rb) = tokio::join!(a.migrate(), b.migrate());
     ra.expect("migrate a");
     rb.expect("migrate b");

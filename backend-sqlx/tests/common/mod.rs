@@ -58,15 +58,24 @@ pub async fn admin_pool() -> PgPool {
         .acquire_timeout(Duration::from_secs(5))
         .connect(&url)
         .await;
-    match pool {
-        Ok(pool) => pool,
-        Err(error) => panic!(
-            "PostgreSQL not reachable at {}: {error}; start it with \
-             `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` \
-             (or point DATABASE_URL at a server)",
-            redacted(&url)
-        ),
-    }
+    pool.unwrap_or_else(|error| unreachable_database(&error))
+}
+
+/// The one message for a missing database, whichever test meets it first.
+pub fn unreachable_database(error: &dyn std::fmt::Display) -> ! {
+    panic!(
+        "PostgreSQL not reachable at {}: {error}; start it with \
+         `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` \
+         (or point DATABASE_URL at a server)",
+        redacted(&database_url())
+    )
+}
+
+/// A store on `schema` through [`SqlxStore::connect`], not migrated.
+pub async fn connect(schema: &str) -> SqlxStore {
+    SqlxStore::connect(&database_url(), schema)
+        .await
+        .unwrap_or_else(|error| unreachable_database(&error))
 }
 
 /// Seconds since the epoch, as embedded in schema names.
@@ -148,12 +157,7 @@ pub async fn fresh_store_via(max: u32, relay_port: Option<u16>) -> SqlxStore {
         .idle_timeout(Duration::from_secs(30))
         .connect_with(options)
         .await
-        .unwrap_or_else(|e| {
-            panic!(
-                "PostgreSQL not reachable at {}: {e}",
-                redacted(&database_url())
-            )
-        });
+        .unwrap_or_else(|error| unreachable_database(&error));
     let store = SqlxStore::new(pool, &schema).expect("valid test schema name");
     store.migrate().await.expect("migrate a fresh schema");
     store
