@@ -43,6 +43,18 @@ pub struct MemoryTransaction {
     /// transaction then, and so do we (claims released, writes dropped);
     /// only rollback or drop remain useful.
     aborted: bool,
+    /// Open savepoints, oldest first.
+    savepoints: Vec<Savepoint>,
+}
+
+/// What a savepoint restores: the buffered writes as they were, which
+/// claims existed, and their processed marks.
+#[derive(Debug)]
+struct Savepoint {
+    /// A copy, not a journal: batches are small and writes few per message.
+    writes: HashMap<String, Write>,
+    claims: usize,
+    processed_at: Vec<Option<DateTime<Utc>>>,
 }
 
 impl MemoryTransaction {
@@ -54,6 +66,7 @@ impl MemoryTransaction {
             claims: Vec::new(),
             writes: HashMap::new(),
             aborted: false,
+            savepoints: Vec::new(),
         }
     }
 
@@ -87,6 +100,23 @@ impl MemoryTransaction {
         }
     }
 
+    /// Removes one pending claim of this transaction and wakes its waiters.
+    fn release_one(&self, claim: &OwnClaim) {
+        let waiters = self
+            .shared
+            .lock_inbox(claim.shard)
+            .release_claim(&claim.key, self.id);
+        if let Some(notify) = waiters {
+            notify.notify_waiters();
+        }
+    }
+
+    fn no_savepoint(&self) -> InboxError {
+        InboxError::InvalidArgument {
+            message: "no savepoint is open in this transaction".to_owned(),
+        }
+    }
+
     /// Removes this transaction's pending claims (waking whoever waits for
     /// them) and drops its writes. Synchronous, so `Drop` can call it.
     ///
@@ -94,14 +124,10 @@ impl MemoryTransaction {
     /// visible atomically.
     fn release(&mut self) {
         self.writes.clear();
-        for claim in self.claims.drain(..) {
-            let waiters = self
-                .shared
-                .lock_inbox(claim.shard)
-                .release_claim(&claim.key, self.id);
-            if let Some(notify) = waiters {
-                notify.notify_waiters();
-            }
+        self.savepoints.clear();
+        let claims = std::mem::take(&mut self.claims);
+        for claim in &claims {
+            self.release_one(claim);
         }
     }
 }
@@ -189,6 +215,66 @@ impl InboxTransaction for MemoryTransaction {
                 message: format!("cannot mark {key} processed: this transaction did not claim it"),
             }),
         }
+    }
+
+    async fn savepoint(&mut self) -> Result<(), InboxError> {
+        self.ensure_open()?;
+        self.savepoints.push(Savepoint {
+            writes: self.writes.clone(),
+            claims: self.claims.len(),
+            processed_at: self.claims.iter().map(|c| c.processed_at).collect(),
+        });
+        Ok(())
+    }
+
+    /// Restores the writes and marks, and releases the claims made since
+    /// the newest savepoint (waking their waiters at once: nothing of theirs
+    /// can commit any more).
+    async fn rollback_to_savepoint(&mut self) -> Result<(), InboxError> {
+        self.ensure_open()?;
+        let savepoint = self.savepoints.pop().ok_or_else(|| self.no_savepoint())?;
+        self.writes = savepoint.writes;
+        let later = self
+            .claims
+            .split_off(savepoint.claims.min(self.claims.len()));
+        for claim in &later {
+            self.release_one(claim);
+        }
+        for (claim, processed_at) in self.claims.iter_mut().zip(savepoint.processed_at) {
+            claim.processed_at = processed_at;
+        }
+        Ok(())
+    }
+
+    async fn release_savepoint(&mut self) -> Result<(), InboxError> {
+        self.ensure_open()?;
+        self.savepoints
+            .pop()
+            .map(drop)
+            .ok_or_else(|| self.no_savepoint())
+    }
+
+    /// Releases a claim this transaction holds, waking its waiters at once
+    /// (Postgres wakes them at the end of the transaction; either way they
+    /// find no row and claim `Fresh`).
+    async fn unclaim(&mut self, key: &InboxKey) -> Result<(), InboxError> {
+        self.ensure_open()?;
+        let Some(position) = self.claims.iter().rposition(|claim| claim.key == *key) else {
+            return Err(InboxError::InvalidArgument {
+                message: format!("cannot unclaim {key}: this transaction does not hold it"),
+            });
+        };
+        let claim = self.claims.remove(position);
+        self.release_one(&claim);
+        // Savepoints taken after the claim counted it: keep their counts
+        // pointing at the same claims.
+        for savepoint in &mut self.savepoints {
+            if savepoint.claims > position {
+                savepoint.claims -= 1;
+                savepoint.processed_at.remove(position);
+            }
+        }
+        Ok(())
     }
 
     async fn commit(mut self) -> Result<(), InboxError> {

@@ -1,5 +1,6 @@
 //! The idempotency middleware: begin, claim, work, mark processed, commit.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::time::Instant;
 
@@ -45,6 +46,41 @@ where
     Fut: Future<Output = R>,
 {
     type Fut = Fut;
+}
+
+/// The two-argument, callable-many-times sibling of [`AsyncWork`], for
+/// [`Inbox::handle_batch`]'s per-message work.
+pub trait AsyncWorkMut<A, B, R>:
+    AsyncFnMut(A, B) -> R + FnMut(A, B) -> <Self as AsyncWorkMut<A, B, R>>::Fut
+{
+    /// The closure's future.
+    type Fut: Future<Output = R>;
+}
+
+impl<F, A, B, Fut, R> AsyncWorkMut<A, B, R> for F
+where
+    F: AsyncFnMut(A, B) -> R + FnMut(A, B) -> Fut,
+    Fut: Future<Output = R>,
+{
+    type Fut = Fut;
+}
+
+/// What became of one message of a batch ([`Inbox::handle_batch`]).
+#[derive(Debug)]
+#[must_use]
+pub enum BatchItem<T, E> {
+    /// The work ran and committed with the batch: acknowledge.
+    Processed(T),
+    /// Already processed by this consumer; the work did not run:
+    /// acknowledge.
+    Duplicate,
+    /// The work failed and was rolled back alone, its claim with it; the
+    /// rest of the batch committed. Redeliver or dead-letter, as the error
+    /// says.
+    Failed(E),
+    /// A second copy of a message earlier in the same batch, whose work
+    /// failed: not run. Redeliver it.
+    Redeliver,
 }
 
 /// The idempotency middleware around a consumer's work.
@@ -220,6 +256,152 @@ impl<S: InboxStore> Inbox<S> {
                 "consumer" => consumer.clone(), "outcome" => "processed")
             .record(started.elapsed().as_secs_f64());
             Ok(Handled::Processed(value))
+        }
+    }
+    /// Batched mode: runs `work` once per fresh message of `keys`, all in
+    /// one transaction with one claim statement and one COMMIT.
+    ///
+    /// Per-message transactions cap throughput at one commit per message;
+    /// this pays one per batch. The guarantee stays per message: each fresh
+    /// message's work runs inside its own savepoint, so a failing message is
+    /// rolled back alone (its claim too, through
+    /// [`InboxTransaction::unclaim`]) while the rest of the batch commits.
+    /// `work` gets the transaction and the message's index in `keys`.
+    ///
+    /// Returns one [`BatchItem`] per key, in order, once the batch has
+    /// committed: acknowledge `Processed` and `Duplicate` items then, not
+    /// before. A key repeated in the batch runs at most once; its later
+    /// copies follow the first one's fate (`Duplicate` if it committed,
+    /// `Redeliver` if its work failed).
+    ///
+    /// # Errors
+    /// A store error (begin, claim, savepoint, commit): nothing of the
+    /// batch is committed, or, for a lost commit, it is unknown whether it
+    /// was; redeliver every message of the batch.
+    #[expect(
+        clippy::manual_async_fn,
+        reason = "an async fn cannot promise `Send`; the explicit bound lets callers spawn it"
+    )]
+    pub fn handle_batch<'a, T, E, F>(
+        &'a self,
+        keys: &'a [InboxKey],
+        mut work: F,
+    ) -> impl Future<Output = Result<Vec<BatchItem<T, E>>, E>> + Send + 'a
+    where
+        for<'t> F: AsyncFnMut(&'t mut S::Transaction, usize) -> Result<T, E>
+            + AsyncWorkMut<&'t mut S::Transaction, usize, Result<T, E>, Fut: Send>
+            + Send
+            + 'a,
+        E: From<InboxError> + Send + 'a,
+        T: Send + 'a,
+    {
+        async move {
+            let started = Instant::now();
+            let store_failed = |stage: &'static str, error: InboxError| {
+                tracing::warn!(batch = keys.len(), stage, error = %error,
+                    retryable = error.is_retryable(), "inbox store failed during a batch");
+                for key in keys {
+                    metrics::counter!(names::FAILED,
+                        "consumer" => key.consumer.as_str().to_owned(),
+                        "stage" => stage,
+                        "retryable" => if error.is_retryable() { "true" } else { "false" })
+                    .increment(1);
+                }
+                E::from(error)
+            };
+
+            let mut tx = self
+                .store
+                .begin()
+                .await
+                .map_err(|e| store_failed("begin", e))?;
+            let claims = tx
+                .claim_batch(keys)
+                .await
+                .map_err(|e| store_failed("claim", e))?;
+            if claims.len() != keys.len() {
+                return Err(store_failed(
+                    "claim",
+                    InboxError::InvalidArgument {
+                        message: format!(
+                            "claim_batch answered {} claims for {} keys",
+                            claims.len(),
+                            keys.len()
+                        ),
+                    },
+                ));
+            }
+
+            let mut items: Vec<BatchItem<T, E>> = Vec::with_capacity(keys.len());
+            let mut fresh_at: HashMap<&InboxKey, usize> = HashMap::new();
+            let mut processed: Vec<InboxKey> = Vec::new();
+            for (index, (key, claim)) in keys.iter().zip(&claims).enumerate() {
+                if *claim == Claim::Duplicate {
+                    // A later copy of a key fresh earlier in this batch
+                    // follows its first copy, which is decided by now.
+                    items.push(match fresh_at.get(key) {
+                        Some(&first) if !matches!(items[first], BatchItem::Processed(_)) => {
+                            BatchItem::Redeliver
+                        }
+                        _ => BatchItem::Duplicate,
+                    });
+                    continue;
+                }
+                fresh_at.insert(key, index);
+                tx.savepoint().await.map_err(|e| store_failed("work", e))?;
+                match work(&mut tx, index).await {
+                    Ok(value) => {
+                        tx.release_savepoint()
+                            .await
+                            .map_err(|e| store_failed("work", e))?;
+                        processed.push(key.clone());
+                        items.push(BatchItem::Processed(value));
+                    }
+                    Err(error) => {
+                        tx.rollback_to_savepoint()
+                            .await
+                            .map_err(|e| store_failed("work", e))?;
+                        tx.unclaim(key).await.map_err(|e| store_failed("work", e))?;
+                        metrics::counter!(names::FAILED,
+                            "consumer" => key.consumer.as_str().to_owned(),
+                            "stage" => "work",
+                            "retryable" => "unknown")
+                        .increment(1);
+                        items.push(BatchItem::Failed(error));
+                    }
+                }
+            }
+            tx.mark_processed_batch(&processed)
+                .await
+                .map_err(|e| store_failed("commit", e))?;
+            tx.commit().await.map_err(|e| store_failed("commit", e))?;
+
+            let elapsed = started.elapsed().as_secs_f64();
+            for (key, item) in keys.iter().zip(&items) {
+                let consumer = key.consumer.as_str().to_owned();
+                match item {
+                    BatchItem::Processed(_) => {
+                        metrics::counter!(names::PROCESSED, "consumer" => consumer.clone())
+                            .increment(1);
+                        metrics::histogram!(names::HANDLE_DURATION,
+                            "consumer" => consumer, "outcome" => "processed")
+                        .record(elapsed);
+                    }
+                    BatchItem::Duplicate => {
+                        metrics::counter!(names::DUPLICATES_DISCARDED, "consumer" => consumer.clone())
+                            .increment(1);
+                        metrics::histogram!(names::HANDLE_DURATION,
+                            "consumer" => consumer, "outcome" => "duplicate")
+                        .record(elapsed);
+                    }
+                    BatchItem::Failed(_) | BatchItem::Redeliver => {
+                        metrics::histogram!(names::HANDLE_DURATION,
+                            "consumer" => consumer, "outcome" => "failed")
+                        .record(elapsed);
+                    }
+                }
+            }
+            Ok(items)
         }
     }
 }

@@ -23,6 +23,6 @@ pub mod metrics;
 mod store;
 
 pub use error::{BoxError, Disposition, InboxError};
-pub use inbox::{AsyncWork, Handled, Inbox};
+pub use inbox::{AsyncWork, AsyncWorkMut, BatchItem, Handled, Inbox};
 pub use key::{ConsumerName, InboxKey, MessageId};
 pub use store::{Claim, InboxRecord, InboxStore, InboxTransaction};

@@ -138,6 +138,86 @@ pub trait InboxTransaction: Send {
     /// transaction did not claim.
     async fn mark_processed(&mut self, key: &InboxKey) -> Result<(), InboxError>;
 
+    /// Claims every key in one round trip (batched mode), answering one
+    /// [`Claim`] per key, in order.
+    ///
+    /// Same semantics as [`InboxTransaction::claim`] for each key. A key that
+    /// occurs twice in `keys` is `Fresh` at most once, at its first
+    /// occurrence. Postgres backends use one `INSERT … SELECT unnest(…) ON
+    /// CONFLICT DO NOTHING RETURNING`, taking the keys in sorted order so
+    /// that two overlapping batches lock in the same order. The default
+    /// claims one by one.
+    ///
+    /// # Errors
+    /// As [`InboxTransaction::claim`]; on error the transaction must be
+    /// rolled back.
+    async fn claim_batch(&mut self, keys: &[InboxKey]) -> Result<Vec<Claim>, InboxError> {
+        // Sorted, so overlapping batches take their keys in one global order
+        // and cannot wait on each other in a cycle; ties by position, so the
+        // first occurrence of a repeated key is the one that gets `Fresh`.
+        let mut order: Vec<usize> = (0..keys.len()).collect();
+        order.sort_by(|&a, &b| keys[a].cmp(&keys[b]).then(a.cmp(&b)));
+        let mut claims = vec![Claim::Duplicate; keys.len()];
+        for index in order {
+            claims[index] = self.claim(&keys[index]).await?;
+        }
+        Ok(claims)
+    }
+
+    /// Sets `processed_at` on every key, in one round trip where the backend
+    /// can. The default marks one by one.
+    ///
+    /// # Errors
+    /// As [`InboxTransaction::mark_processed`].
+    async fn mark_processed_batch(&mut self, keys: &[InboxKey]) -> Result<(), InboxError> {
+        for key in keys {
+            self.mark_processed(key).await?;
+        }
+        Ok(())
+    }
+
+    /// Opens a savepoint: the writes made after it can be undone alone with
+    /// [`InboxTransaction::rollback_to_savepoint`], while the rest of the
+    /// transaction goes on. Batched mode runs each message's work inside one,
+    /// so that one failing message does not fail its batch.
+    ///
+    /// Savepoints nest like SQL's: rollback and release act on the newest.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn savepoint(&mut self) -> Result<(), InboxError> {
+        Err(unsupported("savepoint"))
+    }
+
+    /// Undoes every write since the newest savepoint and drops it.
+    ///
+    /// # Errors
+    /// Store failures, or [`InboxError::InvalidArgument`] without a savepoint.
+    async fn rollback_to_savepoint(&mut self) -> Result<(), InboxError> {
+        Err(unsupported("rollback_to_savepoint"))
+    }
+
+    /// Keeps the writes since the newest savepoint and drops it.
+    ///
+    /// # Errors
+    /// Store failures, or [`InboxError::InvalidArgument`] without a savepoint.
+    async fn release_savepoint(&mut self) -> Result<(), InboxError> {
+        Err(unsupported("release_savepoint"))
+    }
+
+    /// Gives back a claim this transaction made `Fresh` (deletes its
+    /// uncommitted row), so that a message whose work failed in a batch is
+    /// not recorded when the rest of the batch commits. A claim waiting on
+    /// the key gets `Fresh` once this transaction ends.
+    ///
+    /// # Errors
+    /// Store failures, or [`InboxError::InvalidArgument`] for a key this
+    /// transaction does not hold.
+    async fn unclaim(&mut self, key: &InboxKey) -> Result<(), InboxError> {
+        let _ = key;
+        Err(unsupported("unclaim"))
+    }
+
     /// Makes the claims and the business writes durable, together.
     ///
     /// # Errors
@@ -178,5 +258,12 @@ impl<S: InboxStore> InboxStore for Arc<S> {
         batch_size: u32,
     ) -> Result<u64, InboxError> {
         (**self).purge_processed_before(cutoff, batch_size).await
+    }
+}
+
+/// The answer of a store that has not implemented batched mode yet.
+fn unsupported(operation: &str) -> InboxError {
+    InboxError::InvalidArgument {
+        message: format!("this store does not support `{operation}` (batched mode)"),
     }
 }

@@ -201,6 +201,26 @@ impl<S: InboxStore + Clone> InboxTransaction for BrokenTransaction<S> {
         self.inner.mark_processed(key).await
     }
 
+    async fn savepoint(&mut self) -> Result<(), InboxError> {
+        self.inner.savepoint().await
+    }
+
+    async fn rollback_to_savepoint(&mut self) -> Result<(), InboxError> {
+        self.inner.rollback_to_savepoint().await
+    }
+
+    async fn release_savepoint(&mut self) -> Result<(), InboxError> {
+        self.inner.release_savepoint().await
+    }
+
+    async fn unclaim(&mut self, key: &InboxKey) -> Result<(), InboxError> {
+        if self.deferred.contains(key) || self.not_claimed_here.contains(key) {
+            self.deferred.retain(|k| k != key);
+            return Ok(());
+        }
+        self.inner.unclaim(key).await
+    }
+
     async fn commit(self) -> Result<(), InboxError> {
         self.inner.commit().await
     }

@@ -541,6 +541,219 @@ pub async fn concurrent_first_deliveries_run_work_once<H: Harness>(h: &H) -> Out
     expect_processed_once(h, &store, &key).await
 }
 
+/// Batched mode: one claim statement answers each key in order, a key
+/// repeated in the batch is `Fresh` once.
+pub async fn claim_batch_answers_each_key_in_order<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let done = new_key("c1");
+    process_once(h, &store, &done).await?;
+    let (a, b) = (new_key("c1"), new_key("c1"));
+    let mut tx = store.begin().await?;
+    let claims = tx
+        .claim_batch(&[a.clone(), done.clone(), b.clone(), a.clone()])
+        .await?;
+    check_eq!(
+        claims,
+        vec![
+            Claim::Fresh,
+            Claim::Duplicate,
+            Claim::Fresh,
+            Claim::Duplicate
+        ],
+        "claims of [a, done, b, a]"
+    );
+    for key in [&a, &b] {
+        h.record_effect(&mut tx, key).await?;
+    }
+    tx.mark_processed_batch(&[a.clone(), b.clone()]).await?;
+    tx.commit().await?;
+    for key in [&a, &b, &done] {
+        expect_processed_once(h, &store, key).await?;
+    }
+    Ok(())
+}
+
+/// Batched mode, contract 2: a batch claim waits for a key another open
+/// transaction holds, then sees its ending.
+pub async fn claim_batch_waits_for_pending_keys<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let (free, held) = (new_key("c1"), new_key("c1"));
+    let mut a = store.begin().await?;
+    check_eq!(a.claim(&held).await?, Claim::Fresh, "A's claim");
+    h.record_effect(&mut a, &held).await?;
+
+    let b_store = store.clone();
+    let batch = [free.clone(), held.clone()];
+    let mut b = pin!(async move {
+        let mut tx = b_store.begin().await?;
+        let claims = tx.claim_batch(&batch).await?;
+        Ok::<_, InboxError>((tx, claims))
+    });
+    check!(
+        stays_pending(h, &mut b).await,
+        "a batch claim including {held} returned while A still held it"
+    );
+    a.mark_processed(&held).await?;
+    a.commit().await?;
+    let (mut b_tx, claims) = without_waiting("the batch claim after A committed", b).await??;
+    check_eq!(claims, vec![Claim::Fresh, Claim::Duplicate], "batch claims");
+    h.record_effect(&mut b_tx, &free).await?;
+    b_tx.mark_processed(&free).await?;
+    b_tx.commit().await?;
+    expect_processed_once(h, &store, &free).await?;
+    expect_processed_once(h, &store, &held).await
+}
+
+/// Savepoints undo the writes made after them, and only those.
+pub async fn savepoint_rolls_back_only_later_writes<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let (kept, undone) = (new_key("c1"), new_key("c1"));
+    let mut tx = store.begin().await?;
+    check_eq!(
+        tx.claim_batch(&[kept.clone(), undone.clone()]).await?,
+        vec![Claim::Fresh, Claim::Fresh],
+        "claims"
+    );
+    tx.savepoint().await?;
+    h.record_effect(&mut tx, &kept).await?;
+    tx.release_savepoint().await?;
+    tx.savepoint().await?;
+    h.record_effect(&mut tx, &undone).await?;
+    tx.mark_processed(&undone).await?;
+    tx.rollback_to_savepoint().await?;
+    let no_savepoint = tx.rollback_to_savepoint().await;
+    check!(
+        no_savepoint.is_err(),
+        "rollback_to_savepoint without an open savepoint must fail"
+    );
+    // A failed statement may have aborted the transaction on Postgres:
+    // start over to check the savepoint semantics above, which are final.
+    drop(tx);
+
+    let mut tx = store.begin().await?;
+    check_eq!(
+        tx.claim_batch(&[kept.clone(), undone.clone()]).await?,
+        vec![Claim::Fresh, Claim::Fresh],
+        "claims after the dropped transaction"
+    );
+    tx.savepoint().await?;
+    h.record_effect(&mut tx, &kept).await?;
+    tx.release_savepoint().await?;
+    tx.savepoint().await?;
+    h.record_effect(&mut tx, &undone).await?;
+    tx.rollback_to_savepoint().await?;
+    tx.unclaim(&undone).await?;
+    tx.mark_processed(&kept).await?;
+    tx.commit().await?;
+    expect_processed_once(h, &store, &kept).await?;
+    expect_no_trace(h, &store, &undone).await
+}
+
+/// `unclaim` gives a claim back: the key commits no row and is `Fresh`
+/// for the next claimer, including one that was waiting.
+pub async fn unclaim_gives_the_key_back<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let (kept, given_back) = (new_key("c1"), new_key("c1"));
+    let mut a = store.begin().await?;
+    check_eq!(
+        a.claim_batch(&[kept.clone(), given_back.clone()]).await?,
+        vec![Claim::Fresh, Claim::Fresh],
+        "A's claims"
+    );
+    let b_store = store.clone();
+    let b_key = given_back.clone();
+    let mut b = pin!(async move {
+        let mut tx = b_store.begin().await?;
+        let claim = tx.claim(&b_key).await?;
+        Ok::<_, InboxError>((tx, claim))
+    });
+    check!(stays_pending(h, &mut b).await, "B's claim must wait for A");
+    a.unclaim(&given_back).await?;
+    let not_held = new_key("c1");
+    check!(
+        a.unclaim(&not_held).await.is_err(),
+        "unclaim of a key the transaction does not hold must fail"
+    );
+    drop(a);
+
+    let (mut b_tx, claim) = without_waiting("B's claim after A gave the key back", b).await??;
+    check_eq!(claim, Claim::Fresh, "B's claim after unclaim");
+    h.record_effect(&mut b_tx, &given_back).await?;
+    b_tx.mark_processed(&given_back).await?;
+    b_tx.commit().await?;
+    expect_processed_once(h, &store, &given_back).await?;
+    expect_no_trace(h, &store, &kept).await
+}
+
+/// Batched middleware: fresh messages run, duplicates (committed before, or
+/// repeated in the batch) do not, and all commit at once.
+pub async fn handle_batch_runs_each_message_once<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let inbox = Inbox::new(store.clone());
+    let done = new_key("c1");
+    process_once(h, &store, &done).await?;
+    let (a, b) = (new_key("c1"), new_key("c1"));
+    let batch = [a.clone(), done.clone(), b.clone(), a.clone()];
+    let runs = AtomicU32::new(0);
+    let items = inbox
+        .handle_batch(&batch, async |tx, i| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            h.record_effect(tx, &batch[i]).await?;
+            Ok::<_, InboxError>(i)
+        })
+        .await?;
+    let summary: Vec<String> = items.iter().map(|item| format!("{item:?}")).collect();
+    check_eq!(
+        summary,
+        vec!["Processed(0)", "Duplicate", "Processed(2)", "Duplicate"],
+        "batch items"
+    );
+    check_eq!(runs.load(Ordering::SeqCst), 2, "work runs");
+    for key in [&a, &b, &done] {
+        expect_processed_once(h, &store, key).await?;
+    }
+    Ok(())
+}
+
+/// Batched middleware: a failing message rolls back alone, its claim too;
+/// the rest of the batch commits, and the failed one is `Fresh` again.
+pub async fn handle_batch_rolls_back_a_failing_message_alone<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let inbox = Inbox::new(store.clone());
+    let (a, failing, b) = (new_key("c1"), new_key("c1"), new_key("c1"));
+    let batch = [a.clone(), failing.clone(), b.clone(), failing.clone()];
+    let items = inbox
+        .handle_batch(&batch, async |tx, i| {
+            h.record_effect(tx, &batch[i]).await?;
+            if i == 1 {
+                return Err(InboxError::retryable_handler("carrier API timed out"));
+            }
+            Ok(())
+        })
+        .await?;
+    let summary: Vec<String> = items
+        .iter()
+        .map(|item| match item {
+            inbox_api::BatchItem::Failed(_) => "Failed".to_owned(),
+            other => format!("{other:?}"),
+        })
+        .collect();
+    check_eq!(
+        summary,
+        vec!["Processed(())", "Failed", "Processed(())", "Redeliver"],
+        "batch items"
+    );
+    expect_processed_once(h, &store, &a).await?;
+    expect_processed_once(h, &store, &b).await?;
+    expect_no_trace(h, &store, &failing).await?;
+    without_waiting(
+        "the redelivery of the failed message",
+        process_once(h, &store, &failing),
+    )
+    .await??;
+    expect_processed_once(h, &store, &failing).await
+}
+
 /// Runs every contract test against `h` and returns the failures by name.
 pub async fn run_all<H: Harness>(h: &H) -> Vec<(&'static str, Failure)> {
     let mut failures = Vec::new();

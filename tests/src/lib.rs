@@ -128,7 +128,21 @@ macro_rules! conformance_tests {
             let rt = $crate::runtime();
             let harness = rt.block_on($setup());
             let cases = $crate::proptest_cases(1000);
-            if let Err(failure) = $crate::model::run(&rt, &harness, cases) {
+            if let Err(failure) =
+                $crate::model::run(&rt, &harness, cases, $crate::model::Mode::PerMessage)
+            {
+                panic!("{failure}");
+            }
+        }
+
+        #[test]
+        fn crash_point_model_batched() {
+            let rt = $crate::runtime();
+            let harness = rt.block_on($setup());
+            let cases = $crate::proptest_cases(1000);
+            if let Err(failure) =
+                $crate::model::run(&rt, &harness, cases, $crate::model::Mode::Batched)
+            {
                 panic!("{failure}");
             }
         }
@@ -176,6 +190,12 @@ macro_rules! __with_contract_tests {
             handle_rolls_back_on_work_error,
             handle_rolls_back_when_cancelled,
             concurrent_first_deliveries_run_work_once,
+            claim_batch_answers_each_key_in_order,
+            claim_batch_waits_for_pending_keys,
+            savepoint_rolls_back_only_later_writes,
+            unclaim_gives_the_key_back,
+            handle_batch_runs_each_message_once,
+            handle_batch_rolls_back_a_failing_message_alone,
         }
     };
 }

@@ -15,9 +15,11 @@
 use std::collections::VecDeque;
 use std::fmt;
 
-use inbox_api::{Claim, Handled, Inbox, InboxError, InboxKey, InboxStore, InboxTransaction};
+use inbox_api::{
+    BatchItem, Claim, Handled, Inbox, InboxError, InboxKey, InboxStore, InboxTransaction,
+};
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
+use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner};
 use tokio::task::yield_now;
 
 use crate::contract::new_key;
@@ -56,6 +58,18 @@ pub struct Step {
     pub first: Fault,
     /// The fault of the concurrent copy, if any.
     pub second: Fault,
+    /// In batched mode, how many queued deliveries the consumer takes at
+    /// once (the picked one first).
+    pub batch: usize,
+}
+
+/// How the consumer hands deliveries to the inbox.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// One transaction per delivery: [`Inbox::handle`].
+    PerMessage,
+    /// Several deliveries per transaction: [`Inbox::handle_batch`].
+    Batched,
 }
 
 /// One generated run of the model.
@@ -79,7 +93,11 @@ impl fmt::Display for Schedule {
             self.messages, self.consumers, self.extra_copies
         )?;
         for step in &self.steps {
-            write!(f, "\n  pick {} {:?}", step.pick, step.first)?;
+            write!(
+                f,
+                "\n  pick {} (batch {}) {:?}",
+                step.pick, step.batch, step.first
+            )?;
             if step.concurrent_copy {
                 write!(f, " || concurrent copy {:?}", step.second)?;
             }
@@ -105,14 +123,20 @@ fn fault() -> impl Strategy<Value = Fault> {
 }
 
 fn step() -> impl Strategy<Value = Step> {
-    (0usize..16, prop::bool::weighted(0.35), fault(), fault()).prop_map(
-        |(pick, concurrent_copy, first, second)| Step {
+    (
+        0usize..16,
+        prop::bool::weighted(0.35),
+        fault(),
+        fault(),
+        1usize..=4,
+    )
+        .prop_map(|(pick, concurrent_copy, first, second, batch)| Step {
             pick,
             concurrent_copy,
             first,
             second,
-        },
-    )
+            batch,
+        })
 }
 
 /// Schedules of 1–3 messages × 1–2 consumers with up to 12 faulty steps.
@@ -261,12 +285,133 @@ async fn deliver<H: Harness>(
     }
 }
 
+/// One batch of deliveries meeting `fault`; `failing` picks the message a
+/// handler error or a cancellation hits. One answer per delivery.
+async fn deliver_batch<H: Harness>(
+    h: &H,
+    inbox: &Inbox<H::Store>,
+    keys: &[InboxKey],
+    fault: Fault,
+    failing: usize,
+) -> Result<Vec<Ack>, Failure> {
+    let store = inbox.store();
+    let all = |ack: Ack| Ok(vec![ack; keys.len()]);
+    let on_batch_error = |error: InboxError| -> Result<Vec<Ack>, Failure> {
+        let ack = on_error(&keys[0], error)?;
+        Ok(vec![ack; keys.len()])
+    };
+    let acks = |items: Vec<BatchItem<(), InboxError>>| -> Vec<Ack> {
+        items
+            .into_iter()
+            .map(|item| match item {
+                BatchItem::Processed(()) | BatchItem::Duplicate => Ack::Ack,
+                BatchItem::Failed(_) | BatchItem::Redeliver => Ack::Redeliver,
+            })
+            .collect()
+    };
+    let failing = failing % keys.len();
+    match fault {
+        Fault::None | Fault::AckLost => {
+            let handled = inbox
+                .handle_batch(keys, async |tx, i| work(h, tx, &keys[i]).await)
+                .await;
+            match handled {
+                Ok(_) if fault == Fault::AckLost => all(Ack::Redeliver),
+                Ok(items) => Ok(acks(items)),
+                Err(error) => on_batch_error(error),
+            }
+        }
+        Fault::HandlerError => {
+            let handled = inbox
+                .handle_batch(keys, async |tx, i| {
+                    work(h, tx, &keys[i]).await?;
+                    if i == failing {
+                        return Err(InboxError::retryable_handler("carrier API timed out"));
+                    }
+                    Ok(())
+                })
+                .await;
+            match handled {
+                Ok(items) => Ok(acks(items)),
+                Err(error) => on_batch_error(error),
+            }
+        }
+        Fault::CrashAfterClaim(_) | Fault::CrashAfterWork(_) | Fault::CommitLost { .. } => {
+            let mut tx = match store.begin().await {
+                Ok(tx) => tx,
+                Err(error) => return on_batch_error(error),
+            };
+            let claims = match tx.claim_batch(keys).await {
+                Ok(claims) => claims,
+                Err(error) => return on_batch_error(error),
+            };
+            yield_now().await;
+            if let Fault::CrashAfterClaim(kind) = fault {
+                h.crash(store, tx, kind).await;
+                return all(Ack::Redeliver);
+            }
+            let mut fresh = Vec::new();
+            for (key, claim) in keys.iter().zip(claims) {
+                if claim != Claim::Fresh {
+                    continue;
+                }
+                let worked = async {
+                    tx.savepoint().await?;
+                    work(h, &mut tx, key).await?;
+                    tx.release_savepoint().await
+                };
+                if let Err(error) = worked.await {
+                    return on_batch_error(error);
+                }
+                fresh.push(key.clone());
+            }
+            match fault {
+                Fault::CommitLost { commit_happens } => {
+                    if let Err(error) = tx.mark_processed_batch(&fresh).await {
+                        return on_batch_error(error);
+                    }
+                    let _unknown_to_the_consumer = h.commit_lost(store, tx, commit_happens).await;
+                }
+                Fault::CrashAfterWork(kind) => h.crash(store, tx, kind).await,
+                _ => h.crash(store, tx, CrashKind::Drop).await,
+            }
+            all(Ack::Redeliver)
+        }
+        Fault::CancelledInHandle => {
+            let (reached, work_started) = tokio::sync::oneshot::channel::<()>();
+            let reached = std::sync::Mutex::new(Some(reached));
+            let handling = inbox.handle_batch(keys, async |tx, i| {
+                work(h, tx, &keys[i]).await?;
+                if i == failing {
+                    let signal = reached
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .take();
+                    if let Some(signal) = signal {
+                        let _ = signal.send(());
+                    }
+                    std::future::pending::<()>().await;
+                }
+                Ok::<_, InboxError>(())
+            });
+            tokio::select! {
+                result = handling => match result {
+                    Ok(items) => Ok(acks(items)),
+                    Err(error) => on_batch_error(error),
+                },
+                _ = work_started => all(Ack::Redeliver),
+            }
+        }
+    }
+}
+
 /// Runs one schedule against `store` with fresh keys, drains the broker, and
 /// checks the invariant.
 pub async fn run_schedule<H: Harness>(
     h: &H,
     store: &H::Store,
     schedule: &Schedule,
+    mode: Mode,
 ) -> Result<(), Failure> {
     let inbox = Inbox::new(store.clone());
     let consumers = ["notification", "carrier"];
@@ -299,37 +444,69 @@ pub async fn run_schedule<H: Harness>(
                 queue.len()
             )));
         }
-        let (pick, concurrent, first, second) = match steps.next() {
-            Some(step) => (step.pick, step.concurrent_copy, step.first, step.second),
-            None => (0, false, Fault::None, Fault::None),
+        let (pick, concurrent, first, second, batch) = match steps.next() {
+            Some(step) => (
+                step.pick,
+                step.concurrent_copy,
+                step.first,
+                step.second,
+                step.batch,
+            ),
+            None => (0, false, Fault::None, Fault::None, 4),
         };
-        let Some(index) = queue.remove(pick % queue.len()) else {
+        let Some(head) = queue.remove(pick % queue.len()) else {
             break;
         };
-        let key = &keys[index];
-        if concurrent {
-            // The copy is another queued publish of this key if there is
-            // one: two independent deliveries. Otherwise it is this very
-            // delivery, redelivered while the first consumer still works on
-            // it (its channel died, say): the first consumer's ack then goes
-            // nowhere, and only the copy's ack counts.
-            let copy = queue.iter().position(|&k| k == index);
-            if let Some(position) = copy {
-                queue.remove(position);
+        let mut taken = vec![head];
+        if mode == Mode::Batched {
+            while taken.len() < batch
+                && let Some(next) = queue.pop_front()
+            {
+                taken.push(next);
             }
-            let (a, b) = tokio::join!(
-                deliver(h, &inbox, key, first),
-                deliver(h, &inbox, key, second)
-            );
-            let (a, b) = (a?, b?);
-            if copy.is_some() && a == Ack::Redeliver {
+        }
+        // The concurrent copy is another queued publish of the head's key if
+        // there is one: two independent deliveries. Otherwise it is the head
+        // delivery itself, handed out again while the first consumer still
+        // works on it (its channel died, say): that consumer's ack then goes
+        // nowhere, and only the copy's ack counts.
+        let mut orphaned = false;
+        let copy = if concurrent {
+            match queue.iter().position(|&k| k == head) {
+                Some(position) => queue.remove(position),
+                None => {
+                    orphaned = true;
+                    Some(head)
+                }
+            }
+        } else {
+            None
+        };
+
+        let taken_keys: Vec<InboxKey> = taken.iter().map(|&i| keys[i].clone()).collect();
+        let run = async |delivered: &[InboxKey], fault: Fault| -> Result<Vec<Ack>, Failure> {
+            match mode {
+                Mode::PerMessage => Ok(vec![deliver(h, &inbox, &delivered[0], fault).await?]),
+                Mode::Batched => deliver_batch(h, &inbox, delivered, fault, pick).await,
+            }
+        };
+        let (first_acks, copy_acks) = match copy {
+            Some(copy) => {
+                let copy_keys = [keys[copy].clone()];
+                let (a, b) = tokio::join!(run(&taken_keys, first), run(&copy_keys, second));
+                (a?, Some((copy, b?)))
+            }
+            None => (run(&taken_keys, first).await?, None),
+        };
+        for (position, (&index, ack)) in taken.iter().zip(first_acks).enumerate() {
+            if ack == Ack::Redeliver && !(position == 0 && orphaned) {
                 queue.push_back(index);
             }
-            if b == Ack::Redeliver {
-                queue.push_back(index);
-            }
-        } else if deliver(h, &inbox, key, first).await? == Ack::Redeliver {
-            queue.push_back(index);
+        }
+        if let Some((copy, acks)) = copy_acks
+            && acks.first() == Some(&Ack::Redeliver)
+        {
+            queue.push_back(copy);
         }
     }
 
@@ -361,8 +538,13 @@ pub async fn run_schedule<H: Harness>(
 ///
 /// # Errors
 /// The first broken invariant, after shrinking.
-pub fn run<H: Harness>(rt: &tokio::runtime::Runtime, h: &H, cases: u32) -> Result<(), Failure> {
-    run_with(rt, h, cases, TestRunner::new(config(cases)))
+pub fn run<H: Harness>(
+    rt: &tokio::runtime::Runtime,
+    h: &H,
+    cases: u32,
+    mode: Mode,
+) -> Result<(), Failure> {
+    run_with(rt, h, cases, mode, TestRunner::new(config(cases)))
 }
 
 /// As [`run`], with a fixed seed: the same schedules on every run. For
@@ -374,17 +556,15 @@ pub fn run_deterministic<H: Harness>(
     rt: &tokio::runtime::Runtime,
     h: &H,
     cases: u32,
+    mode: Mode,
 ) -> Result<(), Failure> {
+    let rng = TestRng::deterministic_rng(RngAlgorithm::ChaCha);
     run_with(
         rt,
         h,
         cases,
-        TestRunner::new_with_rng(
-            config(cases),
-            proptest::test_runner::TestRng::deterministic_rng(
-                proptest::test_runner::RngAlgorithm::ChaCha,
-            ),
-        ),
+        mode,
+        TestRunner::new_with_rng(config(cases), rng),
     )
 }
 
@@ -401,21 +581,22 @@ fn run_with<H: Harness>(
     rt: &tokio::runtime::Runtime,
     h: &H,
     cases: u32,
+    mode: Mode,
     mut runner: TestRunner,
 ) -> Result<(), Failure> {
     let store = rt.block_on(h.fresh_store());
     let result = runner.run(&schedule(), |schedule| {
-        rt.block_on(run_schedule(h, &store, &schedule))
+        rt.block_on(run_schedule(h, &store, &schedule, mode))
             .map_err(|failure| TestCaseError::fail(failure.message))
     });
     match result {
         Ok(()) => Ok(()),
         Err(TestError::Fail(reason, schedule)) => Err(Failure::new(format!(
-            "{}: crash-point model broken after shrinking ({cases} cases):\n{reason}\nminimal schedule: {schedule}",
+            "{}: crash-point model ({mode:?}) broken after shrinking ({cases} cases):\n{reason}\nminimal schedule: {schedule}",
             h.name()
         ))),
         Err(TestError::Abort(reason)) => Err(Failure::new(format!(
-            "{}: crash-point model aborted: {reason}",
+            "{}: crash-point model ({mode:?}) aborted: {reason}",
             h.name()
         ))),
     }

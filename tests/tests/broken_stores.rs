@@ -1,9 +1,11 @@
 //! The suite proves it can fail: every deliberately broken store is
-//! rejected, by the contract tests and by the crash-point model on its own.
+//! rejected, by the contract tests and by the crash-point model on its own,
+//! in per-message and in batched mode.
 
 mod common;
 
 use inbox_conformance::broken::{Broken, BrokenHarness};
+use inbox_conformance::model::Mode;
 use inbox_conformance::{contract, model, runtime};
 
 /// Cases the model gets to find each bug (with a fixed seed, so the test is
@@ -25,16 +27,25 @@ fn contract_tests_reject_every_broken_store() {
     }
 }
 
-#[test]
-fn crash_point_model_rejects_every_broken_store() {
+fn model_rejects_every_broken_store(mode: Mode) {
     let rt = runtime();
     for kind in Broken::ALL {
         let harness = BrokenHarness::new(common::MemoryHarness, kind);
-        match model::run_deterministic(&rt, &harness, MODEL_CASES) {
-            Ok(()) => panic!("the crash-point model accepted a store broken by {kind:?}"),
-            Err(failure) => println!("{kind:?} rejected by the model:\n{failure}\n"),
+        match model::run_deterministic(&rt, &harness, MODEL_CASES, mode) {
+            Ok(()) => panic!("the {mode:?} crash-point model accepted a store broken by {kind:?}"),
+            Err(failure) => println!("{kind:?} rejected by the {mode:?} model:\n{failure}\n"),
         }
     }
+}
+
+#[test]
+fn crash_point_model_rejects_every_broken_store() {
+    model_rejects_every_broken_store(Mode::PerMessage);
+}
+
+#[test]
+fn batched_crash_point_model_rejects_every_broken_store() {
+    model_rejects_every_broken_store(Mode::Batched);
 }
 
 #[test]
@@ -45,6 +56,8 @@ fn healthy_store_passes_what_rejects_the_broken_ones() {
         failures.is_empty(),
         "healthy memory store failed: {failures:?}"
     );
-    model::run_deterministic(&rt, &common::MemoryHarness, MODEL_CASES)
-        .unwrap_or_else(|failure| panic!("{failure}"));
+    for mode in [Mode::PerMessage, Mode::Batched] {
+        model::run_deterministic(&rt, &common::MemoryHarness, MODEL_CASES, mode)
+            .unwrap_or_else(|failure| panic!("{failure}"));
+    }
 }
