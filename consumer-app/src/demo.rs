@@ -32,7 +32,7 @@ use crate::topology::Topology;
 use crate::worker::WorkerConfig;
 
 /// Settings of a demo run.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct DemoConfig {
     /// The store; its schema is replaced by a fresh one per run.
     pub store: StoreConfig,
@@ -48,6 +48,20 @@ pub struct DemoConfig {
     pub worker: WorkerConfig,
     /// How long to wait for the queues to drain.
     pub drain_timeout: Duration,
+}
+
+impl std::fmt::Debug for DemoConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DemoConfig")
+            .field("store", &self.store)
+            .field("amqp_url", &crate::redact::redact_url(&self.amqp_url))
+            .field("events", &self.events)
+            .field("duplicate_rate", &self.duplicate_rate)
+            .field("keep", &self.keep)
+            .field("worker", &self.worker)
+            .field("drain_timeout", &self.drain_timeout)
+            .finish()
+    }
 }
 
 /// Runs the demo; returns its printed summary.

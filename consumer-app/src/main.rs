@@ -20,7 +20,8 @@ use consumer_app::{AppError, error::chain};
 use tokio::sync::watch;
 
 /// Parcel Tracking: RabbitMQ consumers with exactly-once effects through the inbox.
-#[derive(Parser, Debug)]
+// No Debug: the URLs may hold passwords.
+#[derive(Parser)]
 #[command(name = "parcel-inbox", version, about)]
 struct Cli {
     #[command(flatten)]
@@ -29,7 +30,7 @@ struct Cli {
     command: Command,
 }
 
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Clone)]
 struct Global {
     /// The store (each must be compiled in: cargo features sqlx, diesel, memory).
     #[arg(long, env = "PARCEL_STORE", global = true, default_value_t = default_store())]
@@ -137,7 +138,7 @@ impl CleanupArgs {
     }
 }
 
-#[derive(Subcommand, Debug)]
+#[derive(Subcommand)]
 enum Command {
     /// Create the schema, the inbox table and the app's tables (idempotent).
     Migrate,

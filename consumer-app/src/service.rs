@@ -60,7 +60,7 @@ impl Default for CleanupConfig {
 }
 
 /// Settings of a running service.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct ServiceConfig {
     /// The broker (may hold a password: logged redacted only).
     pub amqp_url: String,
@@ -75,6 +75,19 @@ pub struct ServiceConfig {
     pub cleanup: Option<CleanupConfig>,
     /// How often the `inbox_rows` gauge is refreshed; `None`: never.
     pub gauge_interval: Option<Duration>,
+}
+
+impl std::fmt::Debug for ServiceConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServiceConfig")
+            .field("amqp_url", &crate::redact::redact_url(&self.amqp_url))
+            .field("topology", &self.topology)
+            .field("worker", &self.worker)
+            .field("connection_name", &self.connection_name)
+            .field("cleanup", &self.cleanup)
+            .field("gauge_interval", &self.gauge_interval)
+            .finish()
+    }
 }
 
 /// The non-transactional downstreams the consumers call after commit.
@@ -413,6 +426,7 @@ where
     {
         tracing::warn!(%queue, error = %error, "cancelling the consumer failed");
     }
+    while in_flight.try_join_next().is_some() {}
     let running = in_flight.len();
     if running > 0 {
         tracing::info!(%queue, running, "waiting for in-flight deliveries");

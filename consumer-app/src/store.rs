@@ -419,7 +419,7 @@ mod memory_store {
 }
 
 /// Where the store lives.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct StoreConfig {
     /// Which implementation.
     pub kind: StoreKind,
@@ -430,6 +430,20 @@ pub struct StoreConfig {
     pub schema: String,
     /// Connections in the pool.
     pub pool_size: u32,
+}
+
+impl fmt::Debug for StoreConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoreConfig")
+            .field("kind", &self.kind)
+            .field(
+                "database_url",
+                &crate::redact::redact_url(&self.database_url),
+            )
+            .field("schema", &self.schema)
+            .field("pool_size", &self.pool_size)
+            .finish()
+    }
 }
 
 /// Something to do with a store, whichever implementation `--store` picked.

@@ -101,6 +101,7 @@ pub fn bump(counter: &AtomicU64) {
 #[derive(Debug)]
 pub struct Faults {
     crash_once: Mutex<HashSet<InboxKey>>,
+    fail_always: Mutex<HashSet<InboxKey>>,
     /// Time the work spends inside the transaction, after its writes and
     /// before the commit (to make "killed mid-work" reproducible).
     pub work_delay: Duration,
@@ -121,6 +122,7 @@ impl Faults {
     pub fn with_work_delay(work_delay: Duration) -> Self {
         Self {
             crash_once: Mutex::new(HashSet::new()),
+            fail_always: Mutex::new(HashSet::new()),
             work_delay,
             hold: watch::Sender::new(false),
             held: AtomicU64::new(0),
@@ -131,6 +133,15 @@ impl Faults {
     /// the commit.
     pub fn crash_first_attempt(&self, key: InboxKey) {
         self.crash_once
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(key);
+    }
+
+    /// Every attempt of `key` fails with a retryable error after its
+    /// business writes (a poison message that looks transient).
+    pub fn fail_always(&self, key: InboxKey) {
+        self.fail_always
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .insert(key);
@@ -174,6 +185,16 @@ impl Faults {
             .remove(key);
         if crash {
             return Err(AppError::InjectedCrash(key.to_string()));
+        }
+        let fail = self
+            .fail_always
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .contains(key);
+        if fail {
+            return Err(AppError::Inbox(inbox_api::InboxError::retryable_handler(
+                format!("injected transient failure of {key}"),
+            )));
         }
         Ok(())
     }

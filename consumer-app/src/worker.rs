@@ -26,10 +26,14 @@
 //! dead-letter queue: the reason is lost then, never the message.
 //!
 //! **Nothing loops forever.** A retryable failure is retried in process
-//! (`retry_attempts`, exponential backoff), then requeued; quorum queues
-//! count deliveries in `x-delivery-count`, and once a message reaches
-//! `max_deliveries` it is dead-lettered with reason `retries_exhausted`.
-//! The broker's own `x-delivery-limit` is a backstop above that.
+//! (`retry_attempts`, exponential backoff), then requeued after a pause that
+//! grows with each delivery (10 × the retry delay, doubled, at most 30 s: in
+//! an outage this slows the consumer down rather than spinning through the
+//! cap); quorum queues count deliveries in `x-delivery-count`, and once a
+//! message reaches `max_deliveries` it is dead-lettered with reason
+//! `retries_exhausted`. The broker's own `x-delivery-limit` is a backstop
+//! above that. A PostgreSQL outage longer than that budget therefore ends
+//! in the dead-letter queue, from which the messages can be shovelled back.
 //!
 //! **Bounded time.** Each attempt runs under `handle_timeout`, well below
 //! RabbitMQ's `consumer_timeout` (30 min by default, after which it closes
@@ -291,8 +295,19 @@ where
         } else {
             bump(&role_tally.requeued);
             metrics::counter!(REQUEUED, "consumer" => self.consumer_label()).increment(1);
+            // Wait before handing it back, longer with each delivery: during
+            // an outage (PostgreSQL down) this holds the worker's permit and
+            // so slows the whole consumer down instead of spinning through
+            // the delivery cap in seconds.
+            let pause = backoff(
+                self.config.retry_base_delay.saturating_mul(10),
+                Duration::from_secs(30),
+                u32::try_from(earlier_deliveries).unwrap_or(u32::MAX),
+            );
             tracing::warn!(%message_id, consumer = %key.consumer, deliveries = earlier_deliveries + 1,
-                max = self.config.max_deliveries, error = %detail, "retries exhausted; requeueing for redelivery");
+                max = self.config.max_deliveries, ?pause, error = %detail,
+                "retries exhausted; requeueing for redelivery");
+            tokio::time::sleep(pause).await;
             self.requeue(&delivery, &key).await;
         }
     }

@@ -68,7 +68,7 @@ fn worker_config() -> WorkerConfig {
         concurrency: 4,
         handle_timeout: Duration::from_secs(10),
         retry_attempts: 3,
-        retry_base_delay: Duration::from_millis(20),
+        retry_base_delay: Duration::from_millis(5),
         max_deliveries: 5,
         max_body_bytes: 1024,
     }
@@ -355,6 +355,89 @@ async fn bad_input_is_dead_lettered_with_reason<S: ParcelStore>(store: S, names:
     run.service.join().await.expect("clean shutdown");
     let stats = store.stats().await.expect("stats");
     assert_exactly_once(&stats, 1);
+    cleanup(&store, &names).await;
+}
+
+/// A message whose work always fails with a retryable error is retried in
+/// process, requeued, and once the broker's delivery count reaches the cap,
+/// dead-lettered as `retries_exhausted`: nothing loops forever. Its effect
+/// never commits; the other messages are unaffected.
+async fn retryable_failures_are_capped<S: ParcelStore>(store: S, names: Names) {
+    require_rabbitmq().await;
+    let plan = Plan::new(5, 0.0, 11, &format!("P{}", names.schema)).expect("plan");
+    let poison = plan.ids[2];
+    let faults = Arc::new(Faults::default());
+    faults.fail_always(InboxKey::new(
+        poison,
+        ConsumerName::new(Role::Carrier.consumer_name()).expect("name"),
+    ));
+    let run = start_with(&store, &names, faults).await;
+    let topology = Topology::new(&names.prefix);
+    publish(AMQP_URL, &topology, &plan.messages, false)
+        .await
+        .expect("publish");
+    let tally = Arc::clone(&run.service.tally);
+    eventually(
+        "the poison message dead-lettered",
+        Duration::from_secs(30),
+        async || {
+            tally.role(Role::Carrier).dead_lettered_total() >= 1
+                && get(&tally.role(Role::Notification).processed) >= 5
+        },
+    )
+    .await;
+    run.service.shutdown();
+    run.service.join().await.expect("clean shutdown");
+    let carrier = tally.role(Role::Carrier);
+    assert_eq!(
+        carrier.dead_lettered().into_iter().collect::<Vec<_>>(),
+        vec![("retries_exhausted".to_owned(), 1)]
+    );
+    let max = u64::from(worker_config().max_deliveries);
+    assert_eq!(get(&carrier.requeued), max - 1, "requeued until the cap");
+    assert_eq!(get(&carrier.processed), 4);
+    let stats = store.stats().await.expect("stats");
+    assert_eq!(
+        stats.carrier_assignments.rows, 4,
+        "the failing work never committed"
+    );
+    assert_eq!(
+        stats.notifications.rows, 5,
+        "the other consumer is unaffected"
+    );
+
+    let connection = connect(AMQP_URL, "parcel-inbox test dlq reader")
+        .await
+        .expect("connect");
+    let channel = connection.create_channel().await.expect("channel");
+    let message = channel
+        .basic_get(
+            topology.dead_letter_queue(Role::Carrier).as_str().into(),
+            BasicGetOptions { no_ack: true },
+        )
+        .await
+        .expect("basic.get")
+        .expect("the poison message is in the dead-letter queue");
+    assert_eq!(
+        message
+            .delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|id| id.to_string()),
+        Some(poison.to_string())
+    );
+    let headers = message
+        .delivery
+        .properties
+        .headers()
+        .clone()
+        .unwrap_or_default();
+    assert_eq!(
+        header_text(&headers, "x-dead-letter-reason").as_deref(),
+        Some("retries_exhausted")
+    );
+    let _ = connection.close(200, "bye".into()).await;
     cleanup(&store, &names).await;
 }
 
@@ -703,6 +786,12 @@ mod sqlx_store {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn retryable_failures_are_capped() {
+        let names = names("cap-sqlx");
+        super::retryable_failures_are_capped(store(&names).await, names).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn closed_connection_redelivers_exactly_once() {
         let names = names("close-sqlx");
         super::closed_connection_redelivers_exactly_once(store(&names).await, names).await;
@@ -753,6 +842,12 @@ mod diesel_store {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn retryable_failures_are_capped() {
+        let names = names("cap-diesel");
+        super::retryable_failures_are_capped(store(&names).await, names).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn closed_connection_redelivers_exactly_once() {
         let names = names("close-diesel");
         super::closed_connection_redelivers_exactly_once(store(&names).await, names).await;
@@ -784,6 +879,11 @@ mod memory_store {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn bad_input_is_dead_lettered_with_reason() {
         super::bad_input_is_dead_lettered_with_reason(MemoryStore::new(), names("bad-mem")).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn retryable_failures_are_capped() {
+        super::retryable_failures_are_capped(MemoryStore::new(), names("cap-mem")).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
