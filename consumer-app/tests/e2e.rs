@@ -130,6 +130,42 @@ async fn eventually(what: &str, timeout: Duration, mut done: impl AsyncFnMut() -
     }
 }
 
+/// Removes a test's queues, exchanges and schema when the test panics (on
+/// success the test calls [`cleanup`] itself), so failures leave no junk.
+struct Teardown<S: ParcelStore> {
+    store: S,
+    prefix: String,
+}
+
+impl<S: ParcelStore> Teardown<S> {
+    fn new(store: &S, names: &Names) -> Self {
+        Self {
+            store: store.clone(),
+            prefix: names.prefix.clone(),
+        }
+    }
+}
+
+impl<S: ParcelStore> Drop for Teardown<S> {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let (store, prefix) = (self.store.clone(), self.prefix.clone());
+        tokio::task::block_in_place(|| {
+            tokio::runtime::Handle::current().block_on(async move {
+                if let Ok(connection) = connect(AMQP_URL, "parcel-inbox test teardown").await {
+                    if let Ok(channel) = connection.create_channel().await {
+                        let _ = Topology::new(prefix).delete(&channel).await;
+                    }
+                    let _ = connection.close(200, "bye".into()).await;
+                }
+                let _ = store.drop_schema().await;
+            });
+        });
+    }
+}
+
 async fn cleanup<S: ParcelStore>(store: &S, names: &Names) {
     let connection = connect(AMQP_URL, "parcel-inbox test cleanup")
         .await
@@ -169,6 +205,7 @@ fn assert_exactly_once(stats: &Stats, n: u64) {
 /// consumers act on every message independently.
 async fn duplicates_are_discarded_per_consumer<S: ParcelStore>(store: S, names: Names) {
     require_rabbitmq().await;
+    let _teardown = Teardown::new(&store, &names);
     let run = start(&store, &names, Faults::default()).await;
     let plan = Plan::new(60, 0.5, 7, &format!("P{}", names.schema)).expect("plan");
     assert_eq!(plan.copies, 30);
@@ -221,6 +258,7 @@ async fn duplicates_are_discarded_per_consumer<S: ParcelStore>(store: S, names: 
 /// reason, and the consumers keep running.
 async fn bad_input_is_dead_lettered_with_reason<S: ParcelStore>(store: S, names: Names) {
     require_rabbitmq().await;
+    let _teardown = Teardown::new(&store, &names);
     let run = start(&store, &names, Faults::default()).await;
     let topology = Topology::new(&names.prefix);
     let good = br#"{"parcel_id":"P-1","tracking_number":"TN1","destination":"Lyon"}"#.to_vec();
@@ -364,6 +402,7 @@ async fn bad_input_is_dead_lettered_with_reason<S: ParcelStore>(store: S, names:
 /// never commits; the other messages are unaffected.
 async fn retryable_failures_are_capped<S: ParcelStore>(store: S, names: Names) {
     require_rabbitmq().await;
+    let _teardown = Teardown::new(&store, &names);
     let plan = Plan::new(5, 0.0, 11, &format!("P{}", names.schema)).expect("plan");
     let poison = plan.ids[2];
     let faults = Arc::new(Faults::default());
@@ -447,6 +486,7 @@ async fn retryable_failures_are_capped<S: ParcelStore>(store: S, names: Names) {
 async fn closed_connection_redelivers_exactly_once<S: ParcelStore>(store: S, names: Names) {
     const N: u64 = 60;
     require_rabbitmq().await;
+    let _teardown = Teardown::new(&store, &names);
     let faults = Arc::new(Faults::default());
     let run = start_with(&store, &names, Arc::clone(&faults)).await;
     let pid = connection_pid(&names.connection).await;
@@ -605,6 +645,7 @@ async fn close_connection(pid: &str) {
 /// and sees no duplicate (nothing committed was left unacked).
 async fn graceful_shutdown_loses_nothing<S: ParcelStore>(store: S, names: Names) {
     require_rabbitmq().await;
+    let _teardown = Teardown::new(&store, &names);
     let first = start(
         &store,
         &names,
@@ -674,8 +715,10 @@ async fn killed_process_redelivers_exactly_once<S: ParcelStore>(
     kind: &str,
 ) {
     require_rabbitmq().await;
+    let _teardown = Teardown::new(&store, &names);
     let topology = Topology::new(&names.prefix);
-    // Declare before the child starts so the publish is routed at once.
+    // `publish` declares the topology itself, so the messages are routed
+    // whether or not the child got there first.
     let plan = Plan::new(40, 0.0, 9, &format!("P{}", names.schema)).expect("plan");
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
         .args([
