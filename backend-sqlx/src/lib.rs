@@ -46,6 +46,11 @@
 //!   (`Duplicate`) or inserts its own (`Fresh`). No check-then-insert, no
 //!   unique violation for a duplicate.
 //! - **Processed**: `processed_at = now()` in the same transaction.
+//! - **Batched mode** ([`inbox_api::Inbox::handle_batch`]): one
+//!   `INSERT … SELECT unnest(…) ON CONFLICT DO NOTHING RETURNING` claims a
+//!   whole batch, keys in sorted order so overlapping batches cannot
+//!   deadlock; each message's work runs in its own savepoint, and a failing
+//!   message's claim is deleted again (`unclaim`) before the one COMMIT.
 //! - **Cleanup**: one short `DELETE` per batch through the partial index on
 //!   `processed_at`, skipping rows another cleaner has locked.
 //! - **Errors**: [`classify`] maps SQLSTATEs and sqlx error kinds onto
@@ -62,7 +67,9 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use inbox_api::{Claim, InboxError, InboxKey, InboxRecord, InboxStore, InboxTransaction};
+use inbox_api::{
+    Claim, ConsumerName, InboxError, InboxKey, InboxRecord, InboxStore, InboxTransaction, MessageId,
+};
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgConnection, PgPool, Postgres, Row};
@@ -82,6 +89,22 @@ const CLAIM: &str =
 
 const MARK_PROCESSED: &str =
     "UPDATE inbox_messages SET processed_at = now() WHERE id = $1 AND consumer_type = $2";
+
+/// Batched claim: the keys arrive as two parallel arrays and are inserted in
+/// sorted order (bytewise, like `InboxKey`'s `Ord`), so two overlapping
+/// batches take their row locks in one global order and cannot deadlock.
+/// A key repeated in the batch conflicts with its own first copy and is
+/// skipped; `RETURNING` names the keys that were inserted.
+const CLAIM_BATCH: &str = "INSERT INTO inbox_messages (id, consumer_type) \
+     SELECT id, consumer_type FROM unnest($1::uuid[], $2::text[]) AS k(id, consumer_type) \
+     ORDER BY id, consumer_type COLLATE \"C\" \
+     ON CONFLICT DO NOTHING RETURNING id, consumer_type";
+
+const MARK_PROCESSED_BATCH: &str = "UPDATE inbox_messages m SET processed_at = now() \
+     FROM unnest($1::uuid[], $2::text[]) AS k(id, consumer_type) \
+     WHERE m.id = k.id AND m.consumer_type = k.consumer_type";
+
+const UNCLAIM: &str = "DELETE FROM inbox_messages WHERE id = $1 AND consumer_type = $2";
 
 const LOOKUP: &str = "SELECT received_at, processed_at FROM inbox_messages \
                       WHERE id = $1 AND consumer_type = $2";
@@ -268,6 +291,7 @@ impl InboxStore for SqlxStore {
         Ok(SqlxTransaction {
             tx,
             claimed: HashSet::new(),
+            savepoints: Vec::new(),
         })
     }
 
@@ -324,6 +348,9 @@ pub struct SqlxTransaction {
     /// Keys this transaction claimed `Fresh`, so that marking any other key
     /// is refused instead of touching a row someone else committed.
     claimed: HashSet<InboxKey>,
+    /// One entry per open savepoint, newest last: `claimed` as it was when
+    /// the savepoint was taken, restored if the savepoint is rolled back.
+    savepoints: Vec<HashSet<InboxKey>>,
 }
 
 impl SqlxTransaction {
@@ -373,12 +400,156 @@ impl InboxTransaction for SqlxTransaction {
         Ok(())
     }
 
+    async fn claim_batch(&mut self, keys: &[InboxKey]) -> Result<Vec<Claim>, InboxError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (ids, consumers) = columns(keys);
+        let inserted: Vec<(sqlx::types::Uuid, String)> = sqlx::query_as(CLAIM_BATCH)
+            .bind(ids)
+            .bind(consumers)
+            .fetch_all(&mut *self.tx)
+            .await
+            .map_err(classify)?;
+        let mut fresh: HashSet<InboxKey> = HashSet::with_capacity(inserted.len());
+        for (id, consumer) in inserted {
+            fresh.insert(InboxKey::new(
+                MessageId::from_uuid(id),
+                ConsumerName::new(consumer)?,
+            ));
+        }
+        // `fresh.remove`: a repeated key is Fresh at its first occurrence
+        // only.
+        let claims = keys
+            .iter()
+            .map(|key| {
+                if fresh.remove(key) {
+                    self.claimed.insert(key.clone());
+                    Claim::Fresh
+                } else {
+                    Claim::Duplicate
+                }
+            })
+            .collect();
+        Ok(claims)
+    }
+
+    async fn mark_processed_batch(&mut self, keys: &[InboxKey]) -> Result<(), InboxError> {
+        if let Some(key) = keys.iter().find(|k| !self.claimed.contains(*k)) {
+            return Err(not_claimed(key));
+        }
+        let distinct: HashSet<&InboxKey> = keys.iter().collect();
+        if distinct.is_empty() {
+            return Ok(());
+        }
+        let distinct: Vec<InboxKey> = distinct.into_iter().cloned().collect();
+        let (ids, consumers) = columns(&distinct);
+        let updated = sqlx::query(MARK_PROCESSED_BATCH)
+            .bind(ids)
+            .bind(consumers)
+            .execute(&mut *self.tx)
+            .await
+            .map_err(classify)?
+            .rows_affected();
+        if updated != distinct.len() as u64 {
+            return Err(InboxError::InvalidArgument {
+                message: format!(
+                    "mark_processed_batch: {updated} of {} claimed rows found",
+                    distinct.len()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    async fn savepoint(&mut self) -> Result<(), InboxError> {
+        // Named by depth only: nothing from outside reaches the SQL.
+        let name = savepoint_name(self.savepoints.len());
+        simple(&mut self.tx, format!("SAVEPOINT {name}")).await?;
+        self.savepoints.push(self.claimed.clone());
+        Ok(())
+    }
+
+    async fn rollback_to_savepoint(&mut self) -> Result<(), InboxError> {
+        let Some(depth) = self.savepoints.len().checked_sub(1) else {
+            return Err(no_savepoint());
+        };
+        let name = savepoint_name(depth);
+        // One round trip: undo, then drop the savepoint.
+        simple(
+            &mut self.tx,
+            format!("ROLLBACK TO SAVEPOINT {name}; RELEASE SAVEPOINT {name}"),
+        )
+        .await?;
+        if let Some(claimed) = self.savepoints.pop() {
+            self.claimed = claimed;
+        }
+        Ok(())
+    }
+
+    async fn release_savepoint(&mut self) -> Result<(), InboxError> {
+        let Some(depth) = self.savepoints.len().checked_sub(1) else {
+            return Err(no_savepoint());
+        };
+        simple(
+            &mut self.tx,
+            format!("RELEASE SAVEPOINT {}", savepoint_name(depth)),
+        )
+        .await?;
+        self.savepoints.pop();
+        Ok(())
+    }
+
+    async fn unclaim(&mut self, key: &InboxKey) -> Result<(), InboxError> {
+        if !self.claimed.contains(key) {
+            return Err(InboxError::InvalidArgument {
+                message: format!("unclaim({key}): the key is not held by this transaction"),
+            });
+        }
+        // Deleting the row this transaction inserted: a claim waiting on it
+        // waits on this transaction, and finds no row once it ends.
+        sqlx::query(UNCLAIM)
+            .bind(key.message_id.as_uuid())
+            .bind(key.consumer.as_str())
+            .execute(&mut *self.tx)
+            .await
+            .map_err(classify)?;
+        self.claimed.remove(key);
+        Ok(())
+    }
+
     async fn commit(self) -> Result<(), InboxError> {
         self.tx.commit().await.map_err(classify)
     }
 
     async fn rollback(self) -> Result<(), InboxError> {
         self.tx.rollback().await.map_err(classify)
+    }
+}
+
+/// The keys as the two parallel arrays the batch statements unnest.
+fn columns(keys: &[InboxKey]) -> (Vec<sqlx::types::Uuid>, Vec<String>) {
+    keys.iter()
+        .map(|k| (*k.message_id.as_uuid(), k.consumer.as_str().to_owned()))
+        .unzip()
+}
+
+/// Runs generated, parameterless SQL (savepoint commands, possibly two in
+/// one string) in one round trip over the simple query protocol.
+async fn simple(conn: &mut PgConnection, sql: String) -> Result<(), InboxError> {
+    sqlx::Executor::execute(conn, sql.as_str())
+        .await
+        .map_err(classify)?;
+    Ok(())
+}
+
+fn savepoint_name(depth: usize) -> String {
+    format!("inbox_savepoint_{depth}")
+}
+
+fn no_savepoint() -> InboxError {
+    InboxError::InvalidArgument {
+        message: "no open savepoint in this transaction".into(),
     }
 }
 

@@ -732,3 +732,76 @@ async fn purge_on_an_empty_table_deletes_nothing() {
         .expect("purge");
     assert_eq!(deleted, 0);
 }
+
+// --------------------------------------------------------------- batches
+
+/// Two batches over the same keys, claimed at once in opposite orders,
+/// 20 times: the claim statement sorts the keys, so the batches lock in one
+/// order and one waits for the other instead of deadlocking (40P01).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_batches_in_opposite_orders_do_not_deadlock() {
+    let store = fresh_store(4).await;
+    for round in 0..20 {
+        let keys: Vec<InboxKey> = (0..20).map(|_| new_key("batch")).collect();
+        let mut reversed = keys.clone();
+        reversed.reverse();
+        let barrier = Arc::new(Barrier::new(2));
+        let claimers = [keys.clone(), reversed].map(|batch| {
+            let (store, barrier) = (store.clone(), barrier.clone());
+            tokio::spawn(async move {
+                let mut tx = store.begin().await.expect("begin");
+                barrier.wait().await;
+                let claims = tx.claim_batch(&batch).await?;
+                let fresh: Vec<InboxKey> = batch
+                    .iter()
+                    .zip(&claims)
+                    .filter(|(_, c)| **c == Claim::Fresh)
+                    .map(|(k, _)| k.clone())
+                    .collect();
+                tx.mark_processed_batch(&fresh).await?;
+                tx.commit().await?;
+                Ok::<_, InboxError>(fresh.len())
+            })
+        });
+        let mut fresh = 0;
+        for claimer in futures::future::join_all(claimers).await {
+            fresh += claimer
+                .expect("claimer task")
+                .unwrap_or_else(|e| panic!("round {round}: {e:?}"));
+        }
+        assert_eq!(fresh, 20, "round {round}: each key Fresh exactly once");
+    }
+    assert_eq!(common::count(&store, "inbox_messages").await, 400);
+    assert_eq!(
+        common::count(&store, "inbox_messages WHERE processed_at IS NULL").await,
+        0
+    );
+}
+
+/// A batch of 100 keys is claimed by the one `INSERT … unnest` statement
+/// (not key by key, as the trait's default does) and marked in one go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_100_keys_is_claimed_by_one_unnest_insert() {
+    let store = fresh_store(2).await;
+    let keys: Vec<InboxKey> = (0..100).map(|_| new_key("batch")).collect();
+    let mut tx = store.begin().await.expect("begin");
+    let pid = backend_pid(&mut tx).await.expect("pid");
+    let claims = tx.claim_batch(&keys).await.expect("claim batch");
+    assert!(claims.iter().all(|c| *c == Claim::Fresh));
+    // The session's last statement is the batch INSERT itself.
+    let last: String = sqlx::query_scalar("SELECT query FROM pg_stat_activity WHERE pid = $1")
+        .bind(pid)
+        .fetch_one(store.pool())
+        .await
+        .expect("pg_stat_activity");
+    assert!(
+        last.starts_with("INSERT INTO inbox_messages") && last.contains("unnest"),
+        "{last}"
+    );
+    tx.mark_processed_batch(&keys).await.expect("mark batch");
+    tx.commit().await.expect("commit");
+    assert_eq!(
+        common::count(&store, "inbox_messages WHERE processed_at IS NOT NULL").await,
+        100
+    );
+}
