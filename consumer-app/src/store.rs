@@ -156,6 +156,7 @@ pub trait ParcelStore: InboxStore<Transaction: ParcelEffects> + Clone {
     fn drop_schema(&self) -> impl Future<Output = Result<(), AppError>> + Send;
 }
 
+#[cfg(any(feature = "sqlx", feature = "diesel"))]
 fn count(value: i64) -> u64 {
     u64::try_from(value).unwrap_or(0)
 }
@@ -467,6 +468,8 @@ pub async fn with_store<W: WithStore>(
     attempts: Option<u32>,
     task: W,
 ) -> Result<W::Output, AppError> {
+    // Only the Postgres stores connect (and so retry).
+    let _ = attempts;
     match config.kind {
         #[cfg(feature = "sqlx")]
         StoreKind::Sqlx => {

@@ -9,7 +9,6 @@
 //! .ci/services.sh` starts both.
 
 use std::collections::BTreeSet;
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -28,6 +27,7 @@ use lapin::options::BasicGetOptions;
 
 const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
+#[cfg(any(feature = "sqlx", feature = "diesel"))]
 fn database_url() -> String {
     std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
@@ -743,8 +743,8 @@ async fn killed_process_redelivers_exactly_once<S: ParcelStore>(
             "200",
         ])
         .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
         .kill_on_drop(true)
         .spawn()
         .expect("start parcel-inbox consume");
