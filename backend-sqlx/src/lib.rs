@@ -291,7 +291,9 @@ impl InboxStore for SqlxStore {
         Ok(SqlxTransaction {
             tx,
             claimed: HashSet::new(),
+            changes: Vec::new(),
             savepoints: Vec::new(),
+            release_pending: None,
         })
     }
 
@@ -348,9 +350,40 @@ pub struct SqlxTransaction {
     /// Keys this transaction claimed `Fresh`, so that marking any other key
     /// is refused instead of touching a row someone else committed.
     claimed: HashSet<InboxKey>,
-    /// One entry per open savepoint, newest last: `claimed` as it was when
-    /// the savepoint was taken, restored if the savepoint is rolled back.
-    savepoints: Vec<HashSet<InboxKey>>,
+    /// Changes to `claimed` made while a savepoint is open, oldest first,
+    /// so that rolling back to a savepoint can undo them.
+    changes: Vec<ClaimChange>,
+    /// One entry per open savepoint, newest last: the length of `changes`
+    /// when it was taken.
+    savepoints: Vec<usize>,
+    /// A savepoint released by the caller but not yet on the server (its
+    /// depth): the RELEASE rides along with the next SAVEPOINT, and COMMIT
+    /// makes it unnecessary, so batched mode pays one round trip per
+    /// message for its savepoints instead of two.
+    release_pending: Option<usize>,
+}
+
+/// One change to the set of keys a transaction holds.
+#[derive(Debug)]
+enum ClaimChange {
+    Claimed(InboxKey),
+    Unclaimed(InboxKey),
+}
+
+impl SqlxTransaction {
+    /// Records that `key` is now held, undoably while a savepoint is open.
+    fn hold(&mut self, key: &InboxKey) {
+        if self.claimed.insert(key.clone()) && !self.savepoints.is_empty() {
+            self.changes.push(ClaimChange::Claimed(key.clone()));
+        }
+    }
+
+    /// Records that `key` is no longer held, undoably.
+    fn release(&mut self, key: &InboxKey) {
+        if self.claimed.remove(key) && !self.savepoints.is_empty() {
+            self.changes.push(ClaimChange::Unclaimed(key.clone()));
+        }
+    }
 }
 
 impl SqlxTransaction {
@@ -374,7 +407,7 @@ impl InboxTransaction for SqlxTransaction {
             .map_err(classify)?
             .rows_affected();
         if inserted == 1 {
-            self.claimed.insert(key.clone());
+            self.hold(key);
             Ok(Claim::Fresh)
         } else {
             Ok(Claim::Duplicate)
@@ -420,17 +453,15 @@ impl InboxTransaction for SqlxTransaction {
         }
         // `fresh.remove`: a repeated key is Fresh at its first occurrence
         // only.
-        let claims = keys
-            .iter()
-            .map(|key| {
-                if fresh.remove(key) {
-                    self.claimed.insert(key.clone());
-                    Claim::Fresh
-                } else {
-                    Claim::Duplicate
-                }
-            })
-            .collect();
+        let mut claims = Vec::with_capacity(keys.len());
+        for key in keys {
+            if fresh.remove(key) {
+                self.hold(key);
+                claims.push(Claim::Fresh);
+            } else {
+                claims.push(Claim::Duplicate);
+            }
+        }
         Ok(claims)
     }
 
@@ -465,8 +496,16 @@ impl InboxTransaction for SqlxTransaction {
     async fn savepoint(&mut self) -> Result<(), InboxError> {
         // Named by depth only: nothing from outside reaches the SQL.
         let name = savepoint_name(self.savepoints.len());
-        simple(&mut self.tx, format!("SAVEPOINT {name}")).await?;
-        self.savepoints.push(self.claimed.clone());
+        let sql = match self.release_pending {
+            Some(released) => format!(
+                "RELEASE SAVEPOINT {}; SAVEPOINT {name}",
+                savepoint_name(released)
+            ),
+            None => format!("SAVEPOINT {name}"),
+        };
+        simple(&mut self.tx, sql).await?;
+        self.release_pending = None;
+        self.savepoints.push(self.changes.len());
         Ok(())
     }
 
@@ -475,14 +514,20 @@ impl InboxTransaction for SqlxTransaction {
             return Err(no_savepoint());
         };
         let name = savepoint_name(depth);
-        // One round trip: undo, then drop the savepoint.
+        // One round trip: undo, then drop the savepoint. Rolling back to it
+        // also drops a released-but-pending newer one.
         simple(
             &mut self.tx,
             format!("ROLLBACK TO SAVEPOINT {name}; RELEASE SAVEPOINT {name}"),
         )
         .await?;
-        if let Some(claimed) = self.savepoints.pop() {
-            self.claimed = claimed;
+        self.release_pending = None;
+        let mark = self.savepoints.pop().unwrap_or_default();
+        for change in self.changes.drain(mark..).rev() {
+            match change {
+                ClaimChange::Claimed(key) => self.claimed.remove(&key),
+                ClaimChange::Unclaimed(key) => self.claimed.insert(key),
+            };
         }
         Ok(())
     }
@@ -491,12 +536,16 @@ impl InboxTransaction for SqlxTransaction {
         let Some(depth) = self.savepoints.len().checked_sub(1) else {
             return Err(no_savepoint());
         };
-        simple(
-            &mut self.tx,
-            format!("RELEASE SAVEPOINT {}", savepoint_name(depth)),
-        )
-        .await?;
+        // Deferred: writes inside a savepoint that is released later, or
+        // never (COMMIT releases every savepoint), end up exactly where
+        // they would after an immediate RELEASE. Releasing an outer
+        // savepoint also releases the inner pending one.
+        self.release_pending = Some(depth);
         self.savepoints.pop();
+        if self.savepoints.is_empty() {
+            // Nothing left to roll back to: the changes need no undoing.
+            self.changes.clear();
+        }
         Ok(())
     }
 
@@ -514,7 +563,7 @@ impl InboxTransaction for SqlxTransaction {
             .execute(&mut *self.tx)
             .await
             .map_err(classify)?;
-        self.claimed.remove(key);
+        self.release(key);
         Ok(())
     }
 

@@ -805,3 +805,65 @@ async fn a_batch_of_100_keys_is_claimed_by_one_unnest_insert() {
         100
     );
 }
+
+/// Savepoints nest like SQL's although their RELEASE is deferred to the
+/// next SAVEPOINT (or to COMMIT): released work stays with its parent,
+/// rolling back the parent undoes it, and the keys the transaction holds
+/// follow the same rules.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nested_savepoints_with_deferred_release_keep_sql_semantics() {
+    let store = fresh_store(3).await;
+    create_effects_table(&store).await;
+    let [kept, undone_with_parent, undone, later] = [(); 4].map(|()| new_key("savepoints"));
+    let mut tx = store.begin().await.expect("begin");
+    assert_eq!(tx.claim(&kept).await.expect("claim"), Claim::Fresh);
+
+    // Outer savepoint; inside it a claim and a released inner savepoint.
+    tx.savepoint().await.expect("outer");
+    assert_eq!(
+        tx.claim(&undone_with_parent).await.expect("claim"),
+        Claim::Fresh
+    );
+    tx.savepoint().await.expect("inner");
+    record_effect(&mut tx, &undone_with_parent)
+        .await
+        .expect("work");
+    tx.release_savepoint().await.expect("release inner");
+    // Rolling back the outer one undoes the released inner work and claim.
+    tx.rollback_to_savepoint().await.expect("rollback outer");
+    let error = tx
+        .mark_processed(&undone_with_parent)
+        .await
+        .expect_err("the claim was rolled back");
+    assert!(matches!(error, InboxError::InvalidArgument { .. }));
+
+    // Released then followed by another savepoint that is rolled back:
+    // the released work stays, the later one goes.
+    tx.savepoint().await.expect("first");
+    record_effect(&mut tx, &kept).await.expect("work");
+    tx.release_savepoint().await.expect("release first");
+    tx.savepoint().await.expect("second");
+    assert_eq!(tx.claim(&undone).await.expect("claim"), Claim::Fresh);
+    record_effect(&mut tx, &undone).await.expect("work");
+    tx.rollback_to_savepoint().await.expect("rollback second");
+    assert!(tx.rollback_to_savepoint().await.is_err(), "none left");
+
+    // An unclaim inside a savepoint that is rolled back is undone too.
+    assert_eq!(tx.claim(&later).await.expect("claim"), Claim::Fresh);
+    tx.savepoint().await.expect("third");
+    tx.unclaim(&later).await.expect("unclaim");
+    tx.rollback_to_savepoint().await.expect("rollback third");
+    tx.mark_processed(&later).await.expect("held again");
+    record_effect(&mut tx, &later).await.expect("work");
+
+    // A savepoint released and never followed by another: COMMIT covers it.
+    tx.savepoint().await.expect("last");
+    tx.mark_processed(&kept).await.expect("mark kept");
+    tx.release_savepoint().await.expect("release last");
+    tx.commit().await.expect("commit");
+
+    assert_processed_once(&store, &kept).await;
+    assert_processed_once(&store, &later).await;
+    assert_no_trace(&store, &undone_with_parent).await;
+    assert_no_trace(&store, &undone).await;
+}
