@@ -27,6 +27,13 @@ use lapin::options::BasicGetOptions;
 
 const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
+/// `url` with `application_name` set, so a test can find its connections.
+#[cfg(any(feature = "sqlx", feature = "diesel"))]
+fn with_application_name(url: &str, name: &str) -> String {
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}application_name={name}")
+}
+
 #[cfg(any(feature = "sqlx", feature = "diesel"))]
 fn database_url() -> String {
     std::env::var("DATABASE_URL")
@@ -480,6 +487,80 @@ async fn retryable_failures_are_capped<S: ParcelStore>(store: S, names: Names) {
     cleanup(&store, &names).await;
 }
 
+/// PostgreSQL drops every connection of the service while each worker is
+/// inside an open transaction (`pg_terminate_backend`, as a failover or a
+/// restart would): the open transactions roll back, the message path sees a
+/// retryable error and retries on a fresh connection, and every effect
+/// still happens exactly once. (Postgres stores only; the store's URL
+/// carries a unique `application_name` so the test finds its connections.)
+#[cfg(any(feature = "sqlx", feature = "diesel"))]
+async fn database_connections_killed_mid_work<S: ParcelStore>(
+    store: S,
+    names: Names,
+    application_name: &str,
+) {
+    const N: u64 = 30;
+    require_rabbitmq().await;
+    let _teardown = Teardown::new(&store, &names);
+    let faults = Arc::new(Faults::default());
+    faults.hold();
+    let run = start_with(&store, &names, Arc::clone(&faults)).await;
+    let plan = Plan::new(N as usize, 0.0, 13, &format!("P{}", names.schema)).expect("plan");
+    let topology = Topology::new(&names.prefix);
+    publish(AMQP_URL, &topology, &plan.messages, false)
+        .await
+        .expect("publish");
+    let concurrency = worker_config().concurrency as u64;
+    eventually(
+        "all workers held mid-transaction",
+        Duration::from_secs(20),
+        async || faults.held() >= 2 * concurrency,
+    )
+    .await;
+    let sql = format!(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE application_name = '{application_name}' AND pid <> pg_backend_pid()"
+    );
+    let killed = tokio::process::Command::new("psql")
+        .args([&database_url(), "-Atc", &sql])
+        .output()
+        .await
+        .expect("psql runs");
+    assert!(killed.status.success(), "psql: {killed:?}");
+    let killed: u64 = String::from_utf8_lossy(&killed.stdout)
+        .trim()
+        .parse()
+        .expect("a count");
+    assert!(killed >= 2 * concurrency, "terminated {killed} connections");
+    faults.release();
+
+    let tally = Arc::clone(&run.service.tally);
+    eventually(
+        "every message processed by both consumers",
+        Duration::from_secs(30),
+        async || {
+            Role::ALL
+                .iter()
+                .all(|r| get(&tally.role(*r).processed) >= N)
+        },
+    )
+    .await;
+    run.service.shutdown();
+    run.service.join().await.expect("clean shutdown");
+    let retried: u64 = Role::ALL.iter().map(|r| get(&tally.role(*r).retried)).sum();
+    assert!(
+        retried >= 2 * concurrency,
+        "the killed transactions were retried ({retried})"
+    );
+    for role in Role::ALL {
+        assert_eq!(get(&tally.role(role).processed), N, "{role:?}");
+        assert_eq!(tally.role(role).dead_lettered_total(), 0, "{role:?}");
+    }
+    let stats = store.stats().await.expect("stats");
+    assert_exactly_once(&stats, N);
+    cleanup(&store, &names).await;
+}
+
 /// The broker closes the consumer's connection mid-work (as `rabbitmqctl
 /// close_connection` does): in-flight deliveries come back, the service
 /// reconnects, and every effect still happens exactly once.
@@ -803,7 +884,8 @@ mod sqlx_store {
     use inbox_backend_sqlx::SqlxStore;
 
     async fn store(names: &Names) -> SqlxStore {
-        let store = SqlxStore::connect(&database_url(), &names.schema)
+        let url = with_application_name(&database_url(), &names.schema);
+        let store = SqlxStore::connect(&url, &names.schema)
             .await
             .unwrap_or_else(|e| {
                 panic!(
@@ -835,6 +917,14 @@ mod sqlx_store {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn database_connections_killed_mid_work() {
+        let names = names("pgkill-sqlx");
+        let application_name = names.schema.clone();
+        super::database_connections_killed_mid_work(store(&names).await, names, &application_name)
+            .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn closed_connection_redelivers_exactly_once() {
         let names = names("close-sqlx");
         super::closed_connection_redelivers_exactly_once(store(&names).await, names).await;
@@ -859,7 +949,8 @@ mod diesel_store {
     use inbox_backend_diesel::DieselStore;
 
     async fn store(names: &Names) -> DieselStore {
-        let store = DieselStore::connect(&database_url(), &names.schema, 8)
+        let url = with_application_name(&database_url(), &names.schema);
+        let store = DieselStore::connect(&url, &names.schema, 8)
             .await
             .unwrap_or_else(|e| {
                 panic!(
@@ -888,6 +979,14 @@ mod diesel_store {
     async fn retryable_failures_are_capped() {
         let names = names("cap-diesel");
         super::retryable_failures_are_capped(store(&names).await, names).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn database_connections_killed_mid_work() {
+        let names = names("pgkill-diesel");
+        let application_name = names.schema.clone();
+        super::database_connections_killed_mid_work(store(&names).await, names, &application_name)
+            .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
