@@ -240,17 +240,34 @@ impl SqlxStore {
     /// connection failures as [`classify`] maps them.
     pub async fn migrate(&self) -> Result<(), InboxError> {
         let mut conn = self.pool.acquire().await.map_err(classify)?;
-        // The name is validated (a plain identifier), so quoting it is enough.
-        let create = format!("CREATE SCHEMA IF NOT EXISTS \"{}\"", self.schema);
-        if let Err(error) = sqlx::query(&create).execute(&mut *conn).await {
-            // Two instances creating the schema at once: one of them loses
-            // on the catalog's unique index although it said IF NOT EXISTS.
-            let raced = error
-                .as_database_error()
-                .and_then(|db| db.code())
-                .is_some_and(|code| code == "23505" || code == "42P06");
-            if !raced {
-                return Err(classify(error));
+        // The migrator takes a session-level advisory lock, which it keeps
+        // if it fails or is cancelled midway; back in the pool the
+        // connection would block every later migration of this database.
+        // Closing it releases the lock on every path; migrating is rare.
+        conn.close_on_drop();
+        // Look before creating: CREATE SCHEMA needs the CREATE privilege on
+        // the database even when the schema exists, which an application
+        // role on a provisioned schema often lacks.
+        let exists: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+                .bind(&*self.schema)
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(classify)?;
+        if !exists {
+            // The name is validated (a plain identifier), so quoting it is
+            // enough.
+            let create = format!("CREATE SCHEMA IF NOT EXISTS \"{}\"", self.schema);
+            if let Err(error) = sqlx::query(&create).execute(&mut *conn).await {
+                // Two instances creating the schema at once: one of them
+                // loses on the catalog's unique index despite IF NOT EXISTS.
+                let raced = error
+                    .as_database_error()
+                    .and_then(|db| db.code())
+                    .is_some_and(|code| code == "23505" || code == "42P06");
+                if !raced {
+                    return Err(classify(error));
+                }
             }
         }
         // search_path is resolved per statement, so a schema created after
@@ -270,13 +287,10 @@ impl SqlxStore {
         }
         // `run_direct` rather than `run`: `run`'s generic `Acquire` makes
         // this future not `Send` (sqlx's own comment on `run_direct`).
-        if let Err(error) = MIGRATOR.run_direct(&mut *conn).await {
-            // A migrator that fails midway keeps its session-level advisory
-            // lock. Back in the pool, the connection would block every later
-            // migration of this database; closed, it releases the lock.
-            drop(conn.detach());
-            return Err(error::classify_migrate_error(error));
-        }
+        MIGRATOR
+            .run_direct(&mut *conn)
+            .await
+            .map_err(error::classify_migrate_error)?;
         tracing::info!(schema = %self.schema, "inbox schema migrated");
         Ok(())
     }

@@ -867,3 +867,30 @@ async fn nested_savepoints_with_deferred_release_keep_sql_semantics() {
     assert_no_trace(&store, &undone_with_parent).await;
     assert_no_trace(&store, &undone).await;
 }
+
+/// A migration cancelled while the migrator holds its advisory lock does
+/// not leave that lock behind on a pooled connection, where it would block
+/// every other instance's migration of this database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_migration_does_not_block_other_instances() {
+    let schema = common::unique_schema(common::TEST_PREFIX);
+    let first = common::connect(&schema).await;
+    first.migrate().await.expect("first migration");
+
+    // Hold the migrator's bookkeeping table, so that the next migration
+    // takes the advisory lock and then waits.
+    let mut blocker = first.pool().begin().await.expect("begin");
+    sqlx::query("LOCK TABLE _sqlx_migrations IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *blocker)
+        .await
+        .expect("lock the migrations table");
+    let cancelled = tokio::time::timeout(Duration::from_millis(500), first.migrate()).await;
+    assert!(cancelled.is_err(), "the migration waited and was cancelled");
+    blocker.rollback().await.expect("release the table");
+
+    let other = common::connect(&schema).await;
+    tokio::time::timeout(Duration::from_secs(10), other.migrate())
+        .await
+        .expect("another instance's migration is not blocked")
+        .expect("migrate");
+}
