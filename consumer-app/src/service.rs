@@ -188,8 +188,11 @@ pub fn spawn<S: ParcelStore>(
     if let Some(every) = config.gauge_interval {
         background.push(tokio::spawn(gauge_loop(store, every, shutdown_rx.clone())));
     }
+    let stop_background = shutdown.clone();
     let task = tokio::spawn(async move {
         let result = supervisor.run(shutdown_rx).await;
+        // However the consumers ended, the background tasks end with them.
+        stop_background.send_replace(true);
         for task in background {
             // They watch the same shutdown flag; a failure only logs.
             let _ = task.await;

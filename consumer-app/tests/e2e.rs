@@ -876,6 +876,53 @@ async fn killed_process_redelivers_exactly_once<S: ParcelStore>(
     cleanup(&store, &names).await;
 }
 
+/// The main-job command: `parcel-inbox demo` exits 0 with every check ok,
+/// and no password from the URLs it was given appears in its output.
+async fn demo_command_proves_exactly_once(store: &str) {
+    require_rabbitmq().await;
+    // Trust auth ignores the password; it is there to be kept out of logs.
+    let database_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres:pg-s3cret@127.0.0.1:5432/test".to_owned());
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
+        .args([
+            "--store",
+            store,
+            "--database-url",
+            &database_url,
+            "--amqp-url",
+            AMQP_URL,
+            "demo",
+            "--events",
+            "60",
+            "--duplicate-rate",
+            "0.5",
+        ])
+        .env("RUST_LOG", "debug,lapin=info,sqlx=info,tokio_postgres=info")
+        .output()
+        .await
+        .expect("run parcel-inbox demo");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "demo failed:\n{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("RESULT: exactly-once effects held"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("FAIL"), "{stdout}");
+    assert!(
+        stdout.contains("carrier bookings 60 = distinct parcels 60"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("duplicates discarded 30 = copies sent 30"),
+        "{stdout}"
+    );
+    for secret in ["guest:guest", "pg-s3cret"] {
+        assert!(!stderr.contains(secret), "{secret} leaked into the logs");
+        assert!(!stdout.contains(secret), "{secret} leaked into the output");
+    }
+}
+
 // ------------------------------------------------------------ the backends
 
 #[cfg(feature = "sqlx")]
@@ -922,6 +969,11 @@ mod sqlx_store {
         let application_name = names.schema.clone();
         super::database_connections_killed_mid_work(store(&names).await, names, &application_name)
             .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn demo_command_proves_exactly_once() {
+        super::demo_command_proves_exactly_once("sqlx").await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -990,6 +1042,11 @@ mod diesel_store {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn demo_command_proves_exactly_once() {
+        super::demo_command_proves_exactly_once("diesel").await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn closed_connection_redelivers_exactly_once() {
         let names = names("close-diesel");
         super::closed_connection_redelivers_exactly_once(store(&names).await, names).await;
@@ -1026,6 +1083,11 @@ mod memory_store {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn retryable_failures_are_capped() {
         super::retryable_failures_are_capped(MemoryStore::new(), names("cap-mem")).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn demo_command_proves_exactly_once() {
+        super::demo_command_proves_exactly_once("memory").await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
