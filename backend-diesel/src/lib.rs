@@ -77,6 +77,12 @@ mod schema_name;
 mod store;
 mod transaction;
 
+/// The diesel this crate is built with, so that the consumer's business
+/// writes on [`DieselTransaction::conn`] use the same version.
+pub use diesel;
+/// The diesel-async this crate is built with (its `RunQueryDsl` runs
+/// queries on [`DieselTransaction::conn`]).
+pub use diesel_async;
 pub use diesel_async::AsyncPgConnection;
 pub use error::{classify, classify_connection, classify_pool};
 pub use schema_name::SchemaName;

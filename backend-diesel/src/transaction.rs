@@ -2,7 +2,10 @@
 
 use async_trait::async_trait;
 use deadpool::managed::Object;
+use diesel::pg::Pg;
 use diesel::prelude::*;
+use diesel::query_builder::{AstPass, QueryFragment, QueryId};
+use diesel::sql_types;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 use inbox_api::{Claim, InboxError, InboxKey, InboxTransaction};
 
@@ -130,6 +133,36 @@ pub(crate) async fn refine(
     }
 }
 
+/// `UPDATE inbox_messages SET processed_at = now() WHERE <key>`, as a
+/// statement diesel-async prepares once per connection.
+///
+/// Why not `diesel::update(..).set(..)`: diesel marks every UPDATE (and every
+/// `sql_query`) unsafe to cache, so diesel-async prepares it anew on every
+/// call, which costs a round trip of its own per message (measured: the
+/// diesel inbox ran at 0.74 of the sqlx inbox at 16 tasks with it). This
+/// statement's text never varies, so its static [`QueryId`] lets the
+/// statement cache keep it, like the claim's INSERT.
+struct MarkProcessed<'a> {
+    id: &'a uuid::Uuid,
+    consumer: &'a str,
+}
+
+impl QueryId for MarkProcessed<'_> {
+    type QueryId = MarkProcessed<'static>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl QueryFragment<Pg> for MarkProcessed<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        // Same table and columns as `crate::schema::inbox_messages`.
+        out.push_sql("UPDATE inbox_messages SET processed_at = now() WHERE id = ");
+        out.push_bind_param::<sql_types::Uuid, _>(self.id)?;
+        out.push_sql(" AND consumer_type = ");
+        out.push_bind_param::<sql_types::Varchar, _>(self.consumer)?;
+        Ok(())
+    }
+}
+
 impl Drop for DieselTransaction {
     fn drop(&mut self) {
         let Some(conn) = self.conn.take() else {
@@ -196,10 +229,10 @@ impl InboxTransaction for DieselTransaction {
                 message: format!("mark_processed: {key} was not claimed by this transaction"),
             });
         }
-        let updated = diesel::update(
-            inbox_messages::table.find((key.message_id.as_uuid(), key.consumer.as_str())),
-        )
-        .set(inbox_messages::processed_at.eq(diesel::dsl::now))
+        let updated = MarkProcessed {
+            id: key.message_id.as_uuid(),
+            consumer: key.consumer.as_str(),
+        }
         .execute(self.conn())
         .await;
         match updated {

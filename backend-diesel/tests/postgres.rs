@@ -1035,3 +1035,32 @@ async fn concurrent_cleaners_skip_each_others_rows() {
         "in-flight rows kept"
     );
 }
+
+/// The claim and the mark are prepared once per connection and reused: a
+/// statement diesel re-prepares on every call (its UPDATE DSL, `sql_query`)
+/// costs a round trip per message, which the benchmark showed.
+#[tokio::test]
+async fn hot_statements_are_prepared_once_per_connection() {
+    let store = common::fresh_store(1).await;
+    for _ in 0..3 {
+        let k = key("prepared");
+        let mut tx = store.begin().await.expect("begin");
+        assert_eq!(tx.claim(&k).await.expect("claim"), Claim::Fresh);
+        tx.mark_processed(&k).await.expect("mark");
+        tx.commit().await.expect("commit");
+    }
+    let mut conn = store.pool().get().await.expect("the same connection");
+    let prepared: Vec<String> = diesel::select(diesel::dsl::sql::<diesel::sql_types::Array<Text>>(
+        "ARRAY(SELECT statement FROM pg_prepared_statements ORDER BY statement)",
+    ))
+    .get_result(&mut *conn)
+    .await
+    .expect("pg_prepared_statements");
+    for start in [
+        "INSERT INTO \"inbox_messages\"",
+        "UPDATE inbox_messages SET processed_at",
+    ] {
+        let n = prepared.iter().filter(|s| s.starts_with(start)).count();
+        assert_eq!(n, 1, "{start}… prepared {n} times: {prepared:#?}");
+    }
+}
