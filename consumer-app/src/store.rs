@@ -474,7 +474,14 @@ pub async fn with_store<W: WithStore>(
         #[cfg(feature = "sqlx")]
         StoreKind::Sqlx => {
             let store = retry_connect(config, attempts, || async {
-                inbox_backend_sqlx::SqlxStore::connect(&config.database_url, &config.schema).await
+                use inbox_backend_sqlx::{SqlxStore, classify};
+                let options = SqlxStore::connect_options(&config.database_url, &config.schema)?;
+                let pool = sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(config.pool_size.max(1))
+                    .connect_with(options)
+                    .await
+                    .map_err(classify)?;
+                SqlxStore::new(pool, &config.schema)
             })
             .await?;
             task.run(store).await
