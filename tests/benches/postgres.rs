@@ -8,6 +8,13 @@
 //! - (c) the article's algorithm ported: BEGIN, `SELECT EXISTS` on the inbox
 //!   table, plain INSERT into it, the write, COMMIT. Its table has the same
 //!   definition as (b)'s, so only the algorithm differs.
+//! - (d) (a) through diesel-async: `conn.transaction(..)` on a connection of
+//!   a deadpool pool of the same size, the same INSERT (diesel DSL, so that
+//!   diesel prepares it once per connection as sqlx does; a `sql_query` is
+//!   re-prepared on every call).
+//! - (e) (b) on the diesel backend: `Inbox::handle` on `DieselStore`, in the
+//!   same schema, around (d)'s INSERT. `e/b` is the diesel inbox's rate over
+//!   the sqlx inbox's.
 //!
 //! The first table delivers every message once (new v7 ids): the steady
 //! state of a consumer. The second delivers every message twice at once, a
@@ -30,6 +37,18 @@ use inbox_api::{ConsumerName, Handled, Inbox, InboxError, InboxKey, MessageId};
 use inbox_backend_sqlx::sqlx::{self, PgPool, postgres::PgPoolOptions};
 use inbox_backend_sqlx::{SqlxStore, classify};
 
+use diesel::ExpressionMethods as _;
+use inbox_backend_diesel::{DieselStore, classify as classify_diesel};
+
+diesel::table! {
+    /// `bench_events` for diesel's DSL. The table has no primary key;
+    /// diesel's `table!` wants one and only uses it for `find`.
+    bench_events (message_id) {
+        message_id -> Uuid,
+        payload -> Text,
+    }
+}
+
 const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 /// Each cell's time is cut into slices of about this length, run in turn
 /// with the other variants' slices.
@@ -48,16 +67,26 @@ enum Variant {
     BareTx,
     Inbox,
     Article,
+    DieselBareTx,
+    DieselInbox,
 }
 
 impl Variant {
-    const ALL: [Self; 3] = [Self::BareTx, Self::Inbox, Self::Article];
+    const ALL: [Self; 5] = [
+        Self::BareTx,
+        Self::Inbox,
+        Self::Article,
+        Self::DieselBareTx,
+        Self::DieselInbox,
+    ];
 
     fn header(self) -> &'static str {
         match self {
             Self::BareTx => "(a) bare tx",
             Self::Inbox => "(b) inbox (sqlx)",
             Self::Article => "(c) article",
+            Self::DieselBareTx => "(d) bare tx (diesel)",
+            Self::DieselInbox => "(e) inbox (diesel)",
         }
     }
 }
@@ -66,6 +95,7 @@ impl Variant {
 struct Bench {
     pool: PgPool,
     inbox: Inbox<SqlxStore>,
+    diesel: Inbox<DieselStore>,
     consumer: ConsumerName,
 }
 
@@ -126,6 +156,48 @@ impl Bench {
                     .map_err(classify)?;
                 tx.commit().await.map_err(classify)?;
                 Ok(true)
+            }
+            Variant::DieselBareTx => {
+                // Scoped: diesel-async's `RunQueryDsl` is implemented for
+                // every type and would shadow `AtomicU64::load` below.
+                use inbox_backend_diesel::diesel_async::{AsyncConnection as _, RunQueryDsl as _};
+                let mut conn = self
+                    .diesel
+                    .store()
+                    .pool()
+                    .get()
+                    .await
+                    .map_err(inbox_backend_diesel::classify_pool)?;
+                conn.transaction(async |conn| {
+                    diesel::insert_into(bench_events::table)
+                        .values((
+                            bench_events::message_id.eq(id),
+                            bench_events::payload.eq(PAYLOAD),
+                        ))
+                        .execute(conn)
+                        .await
+                })
+                .await
+                .map_err(classify_diesel)?;
+                Ok(true)
+            }
+            Variant::DieselInbox => {
+                use inbox_backend_diesel::diesel_async::RunQueryDsl as _;
+                let handled = self
+                    .diesel
+                    .handle(key, async |tx| {
+                        diesel::insert_into(bench_events::table)
+                            .values((
+                                bench_events::message_id.eq(id),
+                                bench_events::payload.eq(PAYLOAD),
+                            ))
+                            .execute(tx.conn())
+                            .await
+                            .map_err(classify_diesel)?;
+                        Ok::<_, InboxError>(())
+                    })
+                    .await?;
+                Ok(matches!(handled, Handled::Processed(())))
             }
         }
     }
@@ -272,9 +344,29 @@ async fn setup(url: &str, schema: &str, pool_size: u32) -> Result<Arc<Bench>, In
     ] {
         sqlx::query(ddl).execute(&pool).await.map_err(classify)?;
     }
+    // The diesel backend on the same schema and tables, with a pool of the
+    // same size, opened in full up front as sqlx's `min_connections` does.
+    let diesel_store = DieselStore::builder(url, schema)?
+        .pool_size(usize::try_from(pool_size).unwrap_or(17))
+        .wait_timeout(Duration::from_secs(30))
+        .connect()
+        .await?;
+    diesel_store.migrate().await?;
+    let mut opened = Vec::new();
+    for _ in 0..pool_size {
+        opened.push(
+            diesel_store
+                .pool()
+                .get()
+                .await
+                .map_err(inbox_backend_diesel::classify_pool)?,
+        );
+    }
+    drop(opened);
     Ok(Arc::new(Bench {
         pool,
         inbox: Inbox::new(store),
+        diesel: Inbox::new(diesel_store),
         consumer: ConsumerName::new("bench")?,
     }))
 }
@@ -310,12 +402,12 @@ async fn bench(url: &str, schema: &str) -> Result<String, InboxError> {
     for variant in Variant::ALL {
         let _ = write!(out, " {} msg/s |", variant.header());
     }
-    let _ = writeln!(out, " b/a | b/c |");
+    let _ = writeln!(out, " b/a | b/c | e/d | e/b |");
     let _ = write!(out, "|---:|");
     for _ in Variant::ALL {
         let _ = write!(out, "---:|");
     }
-    let _ = writeln!(out, "---:|---:|");
+    let _ = writeln!(out, "---:|---:|---:|---:|");
     for &n in &tasks {
         let rates = measure(&bench, &Variant::ALL, n, 1, secs).await;
         eprintln!("{n:>2} tasks, single deliveries: {rates:.0?}");
@@ -323,12 +415,21 @@ async fn bench(url: &str, schema: &str) -> Result<String, InboxError> {
         for (rate, _) in &rates {
             let _ = write!(out, " {rate:.0} |");
         }
-        let (a, b, c) = (
+        let (a, b, c, d, e) = (
             rates[col(Variant::BareTx)].0,
             rates[col(Variant::Inbox)].0,
             rates[col(Variant::Article)].0,
+            rates[col(Variant::DieselBareTx)].0,
+            rates[col(Variant::DieselInbox)].0,
         );
-        let _ = writeln!(out, " {:.2} | {:.2} |", b / a, b / c);
+        let _ = writeln!(
+            out,
+            " {:.2} | {:.2} | {:.2} | {:.2} |",
+            b / a,
+            b / c,
+            e / d,
+            e / b
+        );
     }
 
     // A redelivery racing the first delivery: the case the inbox exists for.
@@ -341,21 +442,24 @@ async fn bench(url: &str, schema: &str) -> Result<String, InboxError> {
     );
     let _ = writeln!(
         out,
-        "| tasks | (b) inbox msg/s | (b) failed/s | (c) article msg/s | (c) failed/s | b/c |"
+        "| tasks | (b) inbox msg/s | (b) failed/s | (c) article msg/s | (c) failed/s | b/c \
+         | (e) inbox (diesel) msg/s | (e) failed/s | e/b |"
     );
-    let _ = writeln!(out, "|---:|---:|---:|---:|---:|---:|");
-    let pair = [Variant::Inbox, Variant::Article];
+    let _ = writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let pair = [Variant::Inbox, Variant::Article, Variant::DieselInbox];
     let max_pairs = usize::try_from(pool_size - 1).unwrap_or(16) / 2;
     let mut pair_tasks: Vec<usize> = tasks.iter().map(|n| (*n).min(max_pairs)).collect();
     pair_tasks.dedup();
     for n in pair_tasks {
         let rates = measure(&bench, &pair, n, 2, secs).await;
         eprintln!("{n:>2} tasks, racing copies: {rates:.0?}");
-        let ((b, b_failed), (c, c_failed)) = (rates[0], rates[1]);
+        let ((b, b_failed), (c, c_failed), (e, e_failed)) = (rates[0], rates[1], rates[2]);
         let _ = writeln!(
             out,
-            "| {n} | {b:.0} | {b_failed:.0} | {c:.0} | {c_failed:.0} | {:.2} |",
-            b / c
+            "| {n} | {b:.0} | {b_failed:.0} | {c:.0} | {c_failed:.0} | {:.2} \
+             | {e:.0} | {e_failed:.0} | {:.2} |",
+            b / c,
+            e / b
         );
     }
     bench.pool.close().await;
