@@ -103,6 +103,7 @@ pub trait InboxStore: Send + Sync + 'static {
         let mut total = 0;
         loop {
             let deleted = self.purge_processed_batch(cutoff, batch_size).await?;
+            metrics::counter!(crate::metrics::PURGED_ROWS).increment(deleted);
             total += deleted;
             if deleted < u64::from(batch_size) {
                 tracing::debug!(total, "inbox purge finished");
