@@ -22,19 +22,28 @@
 //!    turns any repeated call into a no-op: a later reconciler, or an
 //!    operator replaying intents, can safely call again.
 //!
-//! What this chooses: the window between the commit and the call. If the
-//! process dies there, the intent is committed, the redelivery is a
-//! `Duplicate` (so the call is *not* repeated automatically) and the
-//! booking is missing until something re-sends the intent. That is
-//! at-most-once for the call plus a durable record to recover from, instead
-//! of at-least-once calls without a record. The alternative (call again on
-//! every `Duplicate`, relying on the idempotency key alone) trades the gap
-//! for a downstream request per redelivery; with the intent rows both are
-//! possible, and the stubs count calls and bookings separately so either
-//! policy's effect is measurable.
+//! The window between the commit and the call is closed by
+//! [`crate::dispatch`]: each intent row has a `dispatched_at`, set once the
+//! call succeeded. If the process dies between COMMIT and the call, the
+//! redelivery is a `Duplicate` (the message path does not call again), but
+//! the row stays undispatched, and the reconciler that every `consume`
+//! process runs (at start, then every `--dispatch-interval-secs`) re-sends
+//! intents undispatched for longer than `--dispatch-min-age-secs`. A call
+//! that happened but was not marked (killed in between, or the reconciler
+//! racing the message path) is sent again, and the idempotency key makes the
+//! repeat a no-op downstream. So: at-least-once calls, at most one effect per
+//! key downstream, and no booking lost; the price is the grace period before
+//! a lost call is repaired, and a downstream that must dedupe by key (one
+//! that cannot is not made safe by this). The alternative (call again on
+//! every `Duplicate`) would repair at once but send a request per
+//! redelivery.
 //!
-//! The stubs keep a ledger keyed by idempotency key, counting calls, so a run
-//! proves that no parcel was booked (or notified) twice.
+//! [`StubCarrier`] and [`StubNotifier`] keep an in-process ledger keyed by
+//! idempotency key, counting calls, for tests in one process;
+//! `parcel-inbox consume` uses [`crate::dispatch::LedgerCarrier`] and
+//! [`crate::dispatch::LedgerNotifier`], whose ledger is a table shared by
+//! every process and surviving `kill -9`, so a run proves that no parcel was
+//! booked (or notified) twice and none was left out.
 
 use std::collections::HashMap;
 use std::sync::Mutex;

@@ -12,6 +12,8 @@
 //! - [`event`]: the event and the validation of a delivery (bad input).
 //! - [`effects`]: the business writes, one trait over every store.
 //! - [`downstream`]: the non-transactional calls and the trade-off chosen.
+//! - [`dispatch`]: marking intents dispatched, the reconciler, the durable
+//!   stub ledger.
 //! - [`worker`]: one delivery from decode to ack, retry or dead-letter.
 //! - [`service`]: consuming, reconnecting, shutting down, cleanup.
 //! - [`topology`], [`amqp`]: RabbitMQ names and plumbing.
@@ -23,6 +25,7 @@
 pub mod amqp;
 pub mod consumers;
 pub mod demo;
+pub mod dispatch;
 pub mod downstream;
 pub mod effects;
 pub mod error;

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use consumer_app::demo::{self, DemoConfig};
-use consumer_app::downstream::{StubCarrier, StubNotifier};
+use consumer_app::dispatch::{
+    LedgerCarrier, LedgerNotifier, MarkDispatched, ReconcileConfig, reconcile_loop,
+};
 use consumer_app::publish::{Plan, publish};
 use consumer_app::redact::redact_url;
 use consumer_app::service::{CleanupConfig, Downstreams, ServiceConfig, cleanup_once, spawn};
@@ -160,6 +162,20 @@ enum Command {
         /// Fault injection for tests: time spent inside each transaction after the writes.
         #[arg(long, hide = true, default_value_t = 0)]
         fault_work_delay_ms: u64,
+        /// Seconds between reconciler rounds, which re-send committed intents
+        /// whose after-commit call never happened (the process died between
+        /// COMMIT and the call). It also runs once at start.
+        #[arg(long, env = "PARCEL_DISPATCH_INTERVAL_SECS", default_value_t = 10)]
+        dispatch_interval_secs: u64,
+        /// Age an undispatched intent must reach before the reconciler re-sends it.
+        #[arg(long, env = "PARCEL_DISPATCH_MIN_AGE_SECS", default_value_t = 5)]
+        dispatch_min_age_secs: u64,
+        /// Fault injection for the chaos harness: run on one of the
+        /// conformance suite's deliberately broken stores
+        /// (claim-in-own-transaction, check-then-insert, work-before-claim,
+        /// claim-without-waiting). Needs the `fault-injection` feature.
+        #[arg(long, hide = true)]
+        fault_broken_store: Option<String>,
     },
     /// Publish parcel events (with copies reusing message ids), with publisher confirms.
     Publish {
@@ -278,6 +294,9 @@ async fn run(cli: Cli) -> Result<(), AppError> {
             metrics_addr,
             gauge_interval_secs,
             fault_work_delay_ms,
+            dispatch_interval_secs,
+            dispatch_min_age_secs,
+            fault_broken_store,
         } => {
             let cleanup = if cleanup_interval_secs == 0 {
                 None
@@ -306,6 +325,12 @@ async fn run(cli: Cli) -> Result<(), AppError> {
                 },
                 metrics_addr,
                 work_delay: Duration::from_millis(fault_work_delay_ms),
+                reconcile: ReconcileConfig {
+                    interval: Duration::from_secs(dispatch_interval_secs.max(1)),
+                    min_age: Duration::from_secs(dispatch_min_age_secs),
+                    ..ReconcileConfig::default()
+                },
+                broken: broken_store(fault_broken_store.as_deref())?,
             };
             with_store(&store, None, consume).await
         }
@@ -378,27 +403,90 @@ struct Consume {
     config: ServiceConfig,
     metrics_addr: Option<SocketAddr>,
     work_delay: Duration,
+    reconcile: ReconcileConfig,
+    broken: Option<BrokenKind>,
+}
+
+#[cfg(feature = "fault-injection")]
+type BrokenKind = inbox_conformance::broken::Broken;
+#[cfg(not(feature = "fault-injection"))]
+type BrokenKind = std::convert::Infallible;
+
+/// Parses `--fault-broken-store`.
+fn broken_store(name: Option<&str>) -> Result<Option<BrokenKind>, AppError> {
+    let Some(name) = name else {
+        return Ok(None);
+    };
+    #[cfg(feature = "fault-injection")]
+    {
+        use inbox_conformance::broken::Broken;
+        let kind = match name {
+            "claim-in-own-transaction" => Broken::ClaimInOwnTransaction,
+            "check-then-insert" => Broken::CheckThenInsert,
+            "work-before-claim" => Broken::WorkBeforeClaim,
+            "claim-without-waiting" => Broken::ClaimWithoutWaiting,
+            other => {
+                return Err(AppError::Config(format!(
+                    "--fault-broken-store {other:?}: not a broken store"
+                )));
+            }
+        };
+        tracing::warn!(broken = ?kind, "running on a DELIBERATELY BROKEN inbox store (fault injection)");
+        Ok(Some(kind))
+    }
+    #[cfg(not(feature = "fault-injection"))]
+    Err(AppError::Config(format!(
+        "--fault-broken-store {name:?}: built without the fault-injection feature"
+    )))
 }
 
 impl WithStore for Consume {
     type Output = ();
 
     async fn run<S: ParcelStore>(self, store: S) -> Result<(), AppError> {
+        match self.broken {
+            None => self.serve(store).await,
+            #[cfg(feature = "fault-injection")]
+            Some(kind) => {
+                self.serve(inbox_conformance::broken::BrokenStore::new(store, kind))
+                    .await
+            }
+            #[cfg(not(feature = "fault-injection"))]
+            Some(never) => match never {},
+        }
+    }
+}
+
+impl Consume {
+    async fn serve<S: ParcelStore>(self, store: S) -> Result<(), AppError> {
         let (stop_metrics, metrics_stopped) = watch::channel(false);
         if let Some(addr) = self.metrics_addr {
             let handle = install_recorder()?;
             serve_metrics(addr, handle, metrics_stopped).await?;
         }
-        let service = spawn(
-            store,
-            self.config,
+        // The stubs keep their ledger in the database (shared by every
+        // instance, surviving kill -9); a successful call marks the intent
+        // dispatched, and the reconciler re-sends the ones that never were.
+        let downstreams = MarkDispatched::wrap(
+            store.clone(),
             Downstreams {
-                carrier: Arc::new(StubCarrier::default()),
-                notifier: Arc::new(StubNotifier::default()),
+                carrier: Arc::new(LedgerCarrier::new(store.clone())),
+                notifier: Arc::new(LedgerNotifier::new(store.clone())),
             },
+        );
+        let service = spawn(
+            store.clone(),
+            self.config,
+            downstreams.clone(),
             Arc::new(Faults::with_work_delay(self.work_delay)),
         )?;
         let shutdown = service.shutdown_sender();
+        let reconciler = tokio::spawn(reconcile_loop(
+            store,
+            downstreams,
+            self.reconcile,
+            shutdown.subscribe(),
+        ));
         tokio::spawn(async move {
             wait_for_signal().await;
             tracing::info!(
@@ -409,7 +497,10 @@ impl WithStore for Consume {
             tracing::warn!("second signal: exiting now; unacked deliveries will be redelivered");
             std::process::exit(130);
         });
+        let stop_reconciler = service.shutdown_sender();
         let result = service.join().await;
+        stop_reconciler.send_replace(true);
+        let _ = reconciler.await;
         stop_metrics.send_replace(true);
         result
     }

@@ -9,9 +9,13 @@ use std::fmt;
 use std::future::Future;
 use std::str::FromStr;
 
-use inbox_api::InboxStore;
+use std::time::Duration;
+
+use inbox_api::{InboxStore, MessageId};
 
 use crate::AppError;
+use crate::consumers::Role;
+use crate::dispatch::Intent;
 use crate::effects::ParcelEffects;
 
 /// Which store implementation.
@@ -154,6 +158,31 @@ pub trait ParcelStore: InboxStore<Transaction: ParcelEffects> + Clone {
     /// Drops the store's schema with everything in it (the demo's and the
     /// tests' cleanup).
     fn drop_schema(&self) -> impl Future<Output = Result<(), AppError>> + Send;
+
+    /// Records one call in the stub downstreams' ledger (`stub_ledger`),
+    /// outside any inbox transaction; returns the key's call count so far
+    /// (1: a new booking or sending, more: deduplicated).
+    fn record_stub_call(
+        &self,
+        downstream: &str,
+        idempotency_key: &str,
+        parcel_id: &str,
+    ) -> impl Future<Output = Result<u64, AppError>> + Send;
+
+    /// Marks `role`'s intent rows of `message_id` dispatched.
+    fn mark_dispatched(
+        &self,
+        role: Role,
+        message_id: &MessageId,
+    ) -> impl Future<Output = Result<(), AppError>> + Send;
+
+    /// Committed intents not yet dispatched, created longer than `min_age`
+    /// ago, oldest first, at most `limit` of each kind.
+    fn undispatched(
+        &self,
+        min_age: Duration,
+        limit: u32,
+    ) -> impl Future<Output = Result<Vec<Intent>, AppError>> + Send;
 }
 
 #[cfg(any(feature = "sqlx", feature = "diesel"))]
@@ -173,6 +202,29 @@ mod sql {
     pub(super) const CARRIER: &str = "SELECT count(*)::int8 AS rows, \
         count(DISTINCT message_id)::int8 AS messages, count(DISTINCT parcel_id)::int8 AS parcels \
         FROM carrier_assignments";
+    pub(super) const RECORD_STUB_CALL: &str = "INSERT INTO stub_ledger \
+        (downstream, idempotency_key, parcel_id) VALUES ($1, $2, $3) \
+        ON CONFLICT (downstream, idempotency_key) \
+        DO UPDATE SET calls = stub_ledger.calls + 1, last_call_at = now() RETURNING calls";
+    pub(super) const MARK_NOTIFICATION: &str = "UPDATE notifications SET dispatched_at = now() \
+        WHERE message_id = $1 AND dispatched_at IS NULL";
+    pub(super) const MARK_CARRIER: &str = "UPDATE carrier_assignments SET dispatched_at = now() \
+        WHERE message_id = $1 AND dispatched_at IS NULL";
+    pub(super) const UNDISPATCHED_NOTIFICATIONS: &str = "SELECT message_id, parcel_id, \
+        tracking_number, destination, body FROM notifications \
+        WHERE dispatched_at IS NULL AND created_at < now() - make_interval(secs => $1) \
+        ORDER BY created_at LIMIT $2";
+    pub(super) const UNDISPATCHED_CARRIER: &str = "SELECT message_id, parcel_id, carrier, slot \
+        FROM carrier_assignments \
+        WHERE dispatched_at IS NULL AND created_at < now() - make_interval(secs => $1) \
+        ORDER BY created_at LIMIT $2";
+
+    pub(super) fn mark(role: crate::consumers::Role) -> &'static str {
+        match role {
+            crate::consumers::Role::Notification => MARK_NOTIFICATION,
+            crate::consumers::Role::Carrier => MARK_CARRIER,
+        }
+    }
 }
 
 #[cfg(feature = "sqlx")]
@@ -180,9 +232,15 @@ mod sqlx_store {
     use inbox_backend_sqlx::{SqlxStore, classify};
     use sqlx::Row;
 
+    use std::time::Duration;
+
+    use inbox_api::MessageId;
+
     use super::{EffectCounts, ParcelStore, Stats, StoreKind, count, sql};
     use crate::AppError;
-    use crate::effects::app_migration_script;
+    use crate::consumers::Role;
+    use crate::dispatch::Intent;
+    use crate::effects::{CarrierAssignment, Notification, app_migration_script};
 
     async fn effects(store: &SqlxStore, query: &str) -> Result<EffectCounts, AppError> {
         let row = sqlx::query(query)
@@ -246,19 +304,125 @@ mod sqlx_store {
                 .map_err(classify)?;
             Ok(())
         }
+
+        async fn record_stub_call(
+            &self,
+            downstream: &str,
+            idempotency_key: &str,
+            parcel_id: &str,
+        ) -> Result<u64, AppError> {
+            let calls: i64 = sqlx::query_scalar(sql::RECORD_STUB_CALL)
+                .bind(downstream)
+                .bind(idempotency_key)
+                .bind(parcel_id)
+                .fetch_one(self.pool())
+                .await
+                .map_err(classify)?;
+            Ok(count(calls))
+        }
+
+        async fn mark_dispatched(
+            &self,
+            role: Role,
+            message_id: &MessageId,
+        ) -> Result<(), AppError> {
+            sqlx::query(sql::mark(role))
+                .bind(message_id.as_uuid())
+                .execute(self.pool())
+                .await
+                .map_err(classify)?;
+            Ok(())
+        }
+
+        async fn undispatched(
+            &self,
+            min_age: Duration,
+            limit: u32,
+        ) -> Result<Vec<Intent>, AppError> {
+            let mut intents = Vec::new();
+            let rows = sqlx::query(sql::UNDISPATCHED_NOTIFICATIONS)
+                .bind(min_age.as_secs_f64())
+                .bind(i64::from(limit))
+                .fetch_all(self.pool())
+                .await
+                .map_err(classify)?;
+            for row in rows {
+                let id: uuid::Uuid = row.try_get("message_id").map_err(classify)?;
+                intents.push(Intent::Notification(Notification {
+                    message_id: id.into(),
+                    parcel_id: row.try_get("parcel_id").map_err(classify)?,
+                    tracking_number: row.try_get("tracking_number").map_err(classify)?,
+                    destination: row.try_get("destination").map_err(classify)?,
+                    body: row.try_get("body").map_err(classify)?,
+                }));
+            }
+            let rows = sqlx::query(sql::UNDISPATCHED_CARRIER)
+                .bind(min_age.as_secs_f64())
+                .bind(i64::from(limit))
+                .fetch_all(self.pool())
+                .await
+                .map_err(classify)?;
+            for row in rows {
+                let id: uuid::Uuid = row.try_get("message_id").map_err(classify)?;
+                intents.push(Intent::Carrier(CarrierAssignment {
+                    message_id: id.into(),
+                    parcel_id: row.try_get("parcel_id").map_err(classify)?,
+                    carrier: row.try_get("carrier").map_err(classify)?,
+                    slot: row.try_get("slot").map_err(classify)?,
+                }));
+            }
+            Ok(intents)
+        }
     }
 }
 
 #[cfg(feature = "diesel")]
 mod diesel_store {
+    use std::time::Duration;
+
     use diesel::QueryableByName;
-    use diesel::sql_types::{BigInt, Text};
+    use diesel::sql_types::{BigInt, Double, Text, Uuid as SqlUuid};
     use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+    use inbox_api::MessageId;
     use inbox_backend_diesel::{DieselStore, classify, classify_pool};
 
     use super::{EffectCounts, ParcelStore, Stats, StoreKind, count, sql};
     use crate::AppError;
-    use crate::effects::app_migration_script;
+    use crate::consumers::Role;
+    use crate::dispatch::Intent;
+    use crate::effects::{CarrierAssignment, Notification, app_migration_script};
+
+    #[derive(QueryableByName)]
+    struct Calls {
+        #[diesel(sql_type = BigInt)]
+        calls: i64,
+    }
+
+    #[derive(QueryableByName)]
+    struct PendingNotification {
+        #[diesel(sql_type = SqlUuid)]
+        message_id: uuid::Uuid,
+        #[diesel(sql_type = Text)]
+        parcel_id: String,
+        #[diesel(sql_type = Text)]
+        tracking_number: String,
+        #[diesel(sql_type = Text)]
+        destination: String,
+        #[diesel(sql_type = Text)]
+        body: String,
+    }
+
+    #[derive(QueryableByName)]
+    struct PendingCarrier {
+        #[diesel(sql_type = SqlUuid)]
+        message_id: uuid::Uuid,
+        #[diesel(sql_type = Text)]
+        parcel_id: String,
+        #[diesel(sql_type = Text)]
+        carrier: String,
+        #[diesel(sql_type = Text)]
+        slot: String,
+    }
 
     #[derive(QueryableByName)]
     struct PerConsumer {
@@ -353,17 +517,95 @@ mod diesel_store {
             conn.batch_execute(&drop).await.map_err(classify)?;
             Ok(())
         }
+
+        async fn record_stub_call(
+            &self,
+            downstream: &str,
+            idempotency_key: &str,
+            parcel_id: &str,
+        ) -> Result<u64, AppError> {
+            let mut conn = self.pool().get().await.map_err(classify_pool)?;
+            let row: Calls = diesel::sql_query(sql::RECORD_STUB_CALL)
+                .bind::<Text, _>(downstream)
+                .bind::<Text, _>(idempotency_key)
+                .bind::<Text, _>(parcel_id)
+                .get_result(&mut *conn)
+                .await
+                .map_err(classify)?;
+            Ok(count(row.calls))
+        }
+
+        async fn mark_dispatched(
+            &self,
+            role: Role,
+            message_id: &MessageId,
+        ) -> Result<(), AppError> {
+            let mut conn = self.pool().get().await.map_err(classify_pool)?;
+            diesel::sql_query(sql::mark(role))
+                .bind::<SqlUuid, _>(*message_id.as_uuid())
+                .execute(&mut *conn)
+                .await
+                .map_err(classify)?;
+            Ok(())
+        }
+
+        async fn undispatched(
+            &self,
+            min_age: Duration,
+            limit: u32,
+        ) -> Result<Vec<Intent>, AppError> {
+            let mut conn = self.pool().get().await.map_err(classify_pool)?;
+            let notifications: Vec<PendingNotification> =
+                diesel::sql_query(sql::UNDISPATCHED_NOTIFICATIONS)
+                    .bind::<Double, _>(min_age.as_secs_f64())
+                    .bind::<BigInt, _>(i64::from(limit))
+                    .load(&mut *conn)
+                    .await
+                    .map_err(classify)?;
+            let carrier: Vec<PendingCarrier> = diesel::sql_query(sql::UNDISPATCHED_CARRIER)
+                .bind::<Double, _>(min_age.as_secs_f64())
+                .bind::<BigInt, _>(i64::from(limit))
+                .load(&mut *conn)
+                .await
+                .map_err(classify)?;
+            let mut intents: Vec<Intent> = notifications
+                .into_iter()
+                .map(|n| {
+                    Intent::Notification(Notification {
+                        message_id: n.message_id.into(),
+                        parcel_id: n.parcel_id,
+                        tracking_number: n.tracking_number,
+                        destination: n.destination,
+                        body: n.body,
+                    })
+                })
+                .collect();
+            intents.extend(carrier.into_iter().map(|a| {
+                Intent::Carrier(CarrierAssignment {
+                    message_id: a.message_id.into(),
+                    parcel_id: a.parcel_id,
+                    carrier: a.carrier,
+                    slot: a.slot,
+                })
+            }));
+            Ok(intents)
+        }
     }
 }
 
 #[cfg(feature = "memory")]
 mod memory_store {
-    use std::collections::HashSet;
+    use std::collections::{HashMap, HashSet};
+    use std::sync::{LazyLock, Mutex};
+    use std::time::Duration;
 
+    use inbox_api::MessageId;
     use inbox_backend_memory::MemoryStore;
 
     use super::{EffectCounts, ParcelStore, Stats, StoreKind};
     use crate::AppError;
+    use crate::consumers::Role;
+    use crate::dispatch::Intent;
     use crate::effects::{CARRIER_ASSIGNMENTS, NOTIFICATIONS};
 
     fn effects(store: &MemoryStore, prefix: &str) -> EffectCounts {
@@ -415,6 +657,121 @@ mod memory_store {
 
         async fn drop_schema(&self) -> Result<(), AppError> {
             Ok(())
+        }
+
+        /// The memory store's "ledger" lives in this process (as the
+        /// store itself does).
+        async fn record_stub_call(
+            &self,
+            downstream: &str,
+            idempotency_key: &str,
+            parcel_id: &str,
+        ) -> Result<u64, AppError> {
+            static LEDGER: LazyLock<Mutex<HashMap<(String, String), u64>>> =
+                LazyLock::new(Mutex::default);
+            let _ = parcel_id;
+            let mut ledger = LEDGER
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let calls = ledger
+                .entry((downstream.to_owned(), idempotency_key.to_owned()))
+                .or_default();
+            *calls += 1;
+            Ok(*calls)
+        }
+
+        /// Intents are not tracked in the memory store: nothing outlives the
+        /// process to reconcile.
+        async fn mark_dispatched(&self, _role: Role, _id: &MessageId) -> Result<(), AppError> {
+            Ok(())
+        }
+
+        async fn undispatched(
+            &self,
+            _min_age: Duration,
+            _limit: u32,
+        ) -> Result<Vec<Intent>, AppError> {
+            Ok(Vec::new())
+        }
+    }
+}
+
+/// The conformance suite's deliberately broken stores, runnable in the app
+/// (`consume --fault-broken-store`, for the chaos harness to prove it can
+/// fail). Every app-level method goes to the correct store underneath.
+#[cfg(feature = "fault-injection")]
+mod broken_store {
+    use std::time::Duration;
+
+    use inbox_api::{InboxStore, MessageId};
+    use inbox_conformance::broken::{BrokenStore, BrokenTransaction};
+
+    use super::{ParcelStore, Stats, StoreKind};
+    use crate::AppError;
+    use crate::consumers::Role;
+    use crate::dispatch::Intent;
+    use crate::effects::{CarrierAssignment, Notification, ParcelEffects};
+
+    impl<S> ParcelEffects for BrokenTransaction<S>
+    where
+        S: InboxStore + Clone,
+        S::Transaction: ParcelEffects,
+    {
+        async fn record_notification(&mut self, n: &Notification) -> Result<(), AppError> {
+            self.inner_mut().record_notification(n).await
+        }
+
+        async fn reserve_carrier_slot(&mut self, a: &CarrierAssignment) -> Result<(), AppError> {
+            self.inner_mut().reserve_carrier_slot(a).await
+        }
+    }
+
+    impl<S: ParcelStore> ParcelStore for BrokenStore<S> {
+        fn kind(&self) -> StoreKind {
+            self.inner().kind()
+        }
+
+        async fn migrate_all(&self) -> Result<(), AppError> {
+            self.inner().migrate_all().await
+        }
+
+        async fn stats(&self) -> Result<Stats, AppError> {
+            self.inner().stats().await
+        }
+
+        async fn inbox_rows(&self) -> Result<u64, AppError> {
+            self.inner().inbox_rows().await
+        }
+
+        async fn drop_schema(&self) -> Result<(), AppError> {
+            self.inner().drop_schema().await
+        }
+
+        async fn record_stub_call(
+            &self,
+            downstream: &str,
+            idempotency_key: &str,
+            parcel_id: &str,
+        ) -> Result<u64, AppError> {
+            self.inner()
+                .record_stub_call(downstream, idempotency_key, parcel_id)
+                .await
+        }
+
+        async fn mark_dispatched(
+            &self,
+            role: Role,
+            message_id: &MessageId,
+        ) -> Result<(), AppError> {
+            self.inner().mark_dispatched(role, message_id).await
+        }
+
+        async fn undispatched(
+            &self,
+            min_age: Duration,
+            limit: u32,
+        ) -> Result<Vec<Intent>, AppError> {
+            self.inner().undispatched(min_age, limit).await
         }
     }
 }
