@@ -14,6 +14,13 @@
 //!   `search_path` ([`SchemaName`]).
 //! - A transaction dropped without commit closes its connection instead of
 //!   returning it to the pool (see [`DieselTransaction`] for why).
+//! - Batched mode ([`inbox_api::Inbox::handle_batch`]): one `INSERT … SELECT
+//!   unnest(…)` claims the batch in key order, each message's work runs in a
+//!   savepoint of its own, a failed message's claim is deleted again.
+//! - The hot statements are prepared once per connection (diesel re-prepares
+//!   its UPDATEs and `sql_query`s on every call, so those few are written as
+//!   fixed query fragments); prefer diesel's DSL over `sql_query` for the
+//!   consumer's own hot writes for the same reason.
 //! - [`classify`] turns diesel errors into [`inbox_api::InboxError`]s that
 //!   say retry or dead-letter, the same table as the sqlx backend.
 //!
@@ -74,6 +81,7 @@ mod error;
 mod migrate;
 pub mod schema;
 mod schema_name;
+mod statements;
 mod store;
 mod transaction;
 

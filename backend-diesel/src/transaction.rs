@@ -2,15 +2,18 @@
 
 use async_trait::async_trait;
 use deadpool::managed::Object;
-use diesel::pg::Pg;
+use std::collections::HashSet;
+
 use diesel::prelude::*;
-use diesel::query_builder::{AstPass, QueryFragment, QueryId};
-use diesel::sql_types;
-use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
-use inbox_api::{Claim, InboxError, InboxKey, InboxTransaction};
+use diesel_async::{
+    AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
+    TransactionManager,
+};
+use inbox_api::{Claim, ConsumerName, InboxError, InboxKey, InboxTransaction, MessageId};
 
 use crate::error::{classify, is_unrecognised};
 use crate::schema::inbox_messages;
+use crate::statements::{ClaimBatch, KeyColumns, MarkProcessed, MarkProcessedBatch};
 
 pub(crate) use crate::store::PooledConnection as Pooled;
 
@@ -40,15 +43,35 @@ pub struct DieselTransaction {
     /// `Some` for the whole life of the value; `None` only inside
     /// commit/rollback/drop, after the connection was handed back or closed.
     conn: Option<Pooled>,
-    /// Keys this transaction claimed `Fresh`: the only ones it may mark.
-    claimed: Vec<InboxKey>,
+    /// Keys this transaction holds (claimed `Fresh`, not unclaimed): the
+    /// only ones it may mark or unclaim.
+    claimed: HashSet<InboxKey>,
+    /// Changes to `claimed` made while a savepoint is open, oldest first,
+    /// so that rolling back to a savepoint can undo them.
+    changes: Vec<ClaimChange>,
+    /// One entry per open savepoint, newest last: the length of `changes`
+    /// when it was taken.
+    savepoints: Vec<usize>,
+    /// A savepoint released by the caller but not yet on the server (its
+    /// depth): the RELEASE rides along with the next SAVEPOINT, and COMMIT
+    /// makes it unnecessary, so batched mode pays one round trip per
+    /// message for its savepoints instead of two.
+    release_pending: Option<usize>,
+}
+
+/// One change to the set of keys a transaction holds.
+#[derive(Debug)]
+enum ClaimChange {
+    Claimed(InboxKey),
+    Unclaimed(InboxKey),
 }
 
 impl std::fmt::Debug for DieselTransaction {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DieselTransaction")
             .field("open", &self.conn.is_some())
-            .field("claimed", &self.claimed)
+            .field("claimed", &self.claimed.len())
+            .field("savepoints", &self.savepoints.len())
             .finish()
     }
 }
@@ -58,7 +81,39 @@ impl DieselTransaction {
     pub(crate) fn new(conn: Pooled) -> Self {
         Self {
             conn: Some(conn),
-            claimed: Vec::new(),
+            claimed: HashSet::new(),
+            changes: Vec::new(),
+            savepoints: Vec::new(),
+            release_pending: None,
+        }
+    }
+
+    /// Records that `key` is now held, undoably while a savepoint is open.
+    fn hold(&mut self, key: &InboxKey) {
+        if self.claimed.insert(key.clone()) && !self.savepoints.is_empty() {
+            self.changes.push(ClaimChange::Claimed(key.clone()));
+        }
+    }
+
+    /// Records that `key` is no longer held, undoably.
+    fn let_go(&mut self, key: &InboxKey) {
+        if self.claimed.remove(key) && !self.savepoints.is_empty() {
+            self.changes.push(ClaimChange::Unclaimed(key.clone()));
+        }
+    }
+
+    /// Runs generated, parameterless savepoint commands (possibly two in one
+    /// string) in one round trip over the simple query protocol.
+    ///
+    /// These savepoints bypass diesel's transaction manager on purpose: its
+    /// depth stays 1, so a `conn.transaction(..)` in the consumer's work
+    /// still nests as `diesel_savepoint_1` inside them (the names differ,
+    /// and SQL savepoints nest by time, not by name), and `commit` still
+    /// finds the depth it expects. COMMIT releases whatever is still open.
+    async fn savepoint_sql(&mut self, sql: &str) -> Result<(), InboxError> {
+        match self.conn().batch_execute(sql).await {
+            Ok(()) => Ok(()),
+            Err(error) => Err(self.refine(error).await),
         }
     }
 
@@ -133,36 +188,6 @@ pub(crate) async fn refine(
     }
 }
 
-/// `UPDATE inbox_messages SET processed_at = now() WHERE <key>`, as a
-/// statement diesel-async prepares once per connection.
-///
-/// Why not `diesel::update(..).set(..)`: diesel marks every UPDATE (and every
-/// `sql_query`) unsafe to cache, so diesel-async prepares it anew on every
-/// call, which costs a round trip of its own per message (measured: the
-/// diesel inbox ran at 0.74 of the sqlx inbox at 16 tasks with it). This
-/// statement's text never varies, so its static [`QueryId`] lets the
-/// statement cache keep it, like the claim's INSERT.
-struct MarkProcessed<'a> {
-    id: &'a uuid::Uuid,
-    consumer: &'a str,
-}
-
-impl QueryId for MarkProcessed<'_> {
-    type QueryId = MarkProcessed<'static>;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl QueryFragment<Pg> for MarkProcessed<'_> {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        // Same table and columns as `crate::schema::inbox_messages`.
-        out.push_sql("UPDATE inbox_messages SET processed_at = now() WHERE id = ");
-        out.push_bind_param::<sql_types::Uuid, _>(self.id)?;
-        out.push_sql(" AND consumer_type = ");
-        out.push_bind_param::<sql_types::Varchar, _>(self.consumer)?;
-        Ok(())
-    }
-}
-
 impl Drop for DieselTransaction {
     fn drop(&mut self) {
         let Some(conn) = self.conn.take() else {
@@ -209,7 +234,7 @@ impl InboxTransaction for DieselTransaction {
             .await;
         match inserted {
             Ok(1) => {
-                self.claimed.push(key.clone());
+                self.hold(key);
                 Ok(Claim::Fresh)
             }
             Ok(0) => Ok(Claim::Duplicate),
@@ -243,6 +268,140 @@ impl InboxTransaction for DieselTransaction {
             }),
             Err(error) => Err(self.refine(error).await),
         }
+    }
+
+    /// One statement for the whole batch (see [`ClaimBatch`]): the keys
+    /// sorted in SQL, so overlapping batches lock in one order, whichever
+    /// backend runs them.
+    async fn claim_batch(&mut self, keys: &[InboxKey]) -> Result<Vec<Claim>, InboxError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let inserted = ClaimBatch(KeyColumns::of(keys))
+            .load::<(uuid::Uuid, String)>(self.conn())
+            .await;
+        let inserted = match inserted {
+            Ok(rows) => rows,
+            Err(error) => return Err(self.refine(error).await),
+        };
+        let mut fresh: HashSet<InboxKey> = HashSet::with_capacity(inserted.len());
+        for (id, consumer) in inserted {
+            let consumer = ConsumerName::new(consumer).map_err(|e| InboxError::Store {
+                retryable: false,
+                source: Box::new(e),
+            })?;
+            fresh.insert(InboxKey::new(MessageId::from_uuid(id), consumer));
+        }
+        // `fresh.remove`: a repeated key is Fresh at its first occurrence
+        // only.
+        let mut claims = Vec::with_capacity(keys.len());
+        for key in keys {
+            if fresh.remove(key) {
+                self.hold(key);
+                claims.push(Claim::Fresh);
+            } else {
+                claims.push(Claim::Duplicate);
+            }
+        }
+        Ok(claims)
+    }
+
+    async fn mark_processed_batch(&mut self, keys: &[InboxKey]) -> Result<(), InboxError> {
+        if let Some(key) = keys.iter().find(|k| !self.claimed.contains(*k)) {
+            return Err(InboxError::InvalidArgument {
+                message: format!("mark_processed: {key} was not claimed by this transaction"),
+            });
+        }
+        let distinct: HashSet<&InboxKey> = keys.iter().collect();
+        if distinct.is_empty() {
+            return Ok(());
+        }
+        let expected = distinct.len();
+        let updated = MarkProcessedBatch(KeyColumns::of(distinct))
+            .execute(self.conn())
+            .await;
+        match updated {
+            Ok(n) if n == expected => Ok(()),
+            Ok(n) => Err(InboxError::InvalidArgument {
+                message: format!("mark_processed_batch: {n} of {expected} claimed rows found"),
+            }),
+            Err(error) => Err(self.refine(error).await),
+        }
+    }
+
+    async fn savepoint(&mut self) -> Result<(), InboxError> {
+        // Named by depth only: nothing from outside reaches the SQL.
+        let name = savepoint_name(self.savepoints.len());
+        let sql = match self.release_pending {
+            Some(released) => format!(
+                "RELEASE SAVEPOINT {}; SAVEPOINT {name}",
+                savepoint_name(released)
+            ),
+            None => format!("SAVEPOINT {name}"),
+        };
+        self.savepoint_sql(&sql).await?;
+        self.release_pending = None;
+        self.savepoints.push(self.changes.len());
+        Ok(())
+    }
+
+    async fn rollback_to_savepoint(&mut self) -> Result<(), InboxError> {
+        let Some(depth) = self.savepoints.len().checked_sub(1) else {
+            return Err(no_savepoint());
+        };
+        let name = savepoint_name(depth);
+        // One round trip: undo, then drop the savepoint. Rolling back to it
+        // also drops a released-but-pending newer one.
+        self.savepoint_sql(&format!(
+            "ROLLBACK TO SAVEPOINT {name}; RELEASE SAVEPOINT {name}"
+        ))
+        .await?;
+        self.release_pending = None;
+        let mark = self.savepoints.pop().unwrap_or_default();
+        for change in self.changes.drain(mark..).rev() {
+            match change {
+                ClaimChange::Claimed(key) => self.claimed.remove(&key),
+                ClaimChange::Unclaimed(key) => self.claimed.insert(key),
+            };
+        }
+        Ok(())
+    }
+
+    async fn release_savepoint(&mut self) -> Result<(), InboxError> {
+        let Some(depth) = self.savepoints.len().checked_sub(1) else {
+            return Err(no_savepoint());
+        };
+        // Deferred: writes inside a savepoint that is released later, or
+        // never (COMMIT releases every savepoint), end up exactly where they
+        // would after an immediate RELEASE. Releasing an outer savepoint
+        // also releases the inner pending one.
+        self.release_pending = Some(depth);
+        self.savepoints.pop();
+        if self.savepoints.is_empty() {
+            // Nothing left to roll back to: the changes need no undoing.
+            self.changes.clear();
+        }
+        Ok(())
+    }
+
+    async fn unclaim(&mut self, key: &InboxKey) -> Result<(), InboxError> {
+        if !self.claimed.contains(key) {
+            return Err(InboxError::InvalidArgument {
+                message: format!("unclaim({key}): the key is not held by this transaction"),
+            });
+        }
+        // Deleting the row this transaction inserted: a claim waiting on it
+        // waits on this transaction, and finds no row once it ends.
+        let deleted = diesel::delete(
+            inbox_messages::table.find((key.message_id.as_uuid(), key.consumer.as_str())),
+        )
+        .execute(self.conn())
+        .await;
+        if let Err(error) = deleted {
+            return Err(self.refine(error).await);
+        }
+        self.let_go(key);
+        Ok(())
     }
 
     async fn commit(mut self) -> Result<(), InboxError> {
@@ -292,5 +451,15 @@ impl InboxTransaction for DieselTransaction {
                 Err(classify(error))
             }
         }
+    }
+}
+
+fn savepoint_name(depth: usize) -> String {
+    format!("inbox_savepoint_{depth}")
+}
+
+fn no_savepoint() -> InboxError {
+    InboxError::InvalidArgument {
+        message: "no open savepoint in this transaction".into(),
     }
 }

@@ -12,7 +12,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use diesel::sql_types::{BigInt, Bool, Double, Integer, Text, Timestamptz};
-use diesel_async::RunQueryDsl;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use inbox_api::{
     ConsumerName, InboxError, InboxKey, InboxRecord, InboxTransaction as _, MessageId,
 };
@@ -20,14 +20,20 @@ use inbox_backend_diesel::{DieselStore, DieselTransaction};
 use inbox_conformance::{CrashKind, Harness};
 
 /// The suite's view of the diesel backend.
-struct DieselHarness;
+struct DieselHarness {
+    /// Kills transactions' server processes: a connection of its own,
+    /// outside every store's pool (see `common::kill`).
+    killer: tokio::sync::Mutex<AsyncPgConnection>,
+}
 
 /// Builds the harness: checks that the database is there (failing loudly if
 /// not) and sweeps the test schemas of runs older than an hour.
 async fn harness() -> DieselHarness {
     let mut admin = common::admin().await;
     common::sweep_old_schemas(&mut admin).await;
-    DieselHarness
+    DieselHarness {
+        killer: tokio::sync::Mutex::new(admin),
+    }
 }
 
 inbox_conformance::conformance_tests!(harness);
@@ -117,16 +123,16 @@ impl Harness for DieselHarness {
             .collect()
     }
 
-    async fn crash(&self, store: &DieselStore, tx: DieselTransaction, kind: CrashKind) {
+    async fn crash(&self, _store: &DieselStore, tx: DieselTransaction, kind: CrashKind) {
         match kind {
             CrashKind::Drop => drop(tx),
-            CrashKind::KillConnection => common::kill(store, tx).await,
+            CrashKind::KillConnection => common::kill(&mut *self.killer.lock().await, tx).await,
         }
     }
 
     async fn commit_lost(
         &self,
-        store: &DieselStore,
+        _store: &DieselStore,
         mut tx: DieselTransaction,
         commit_happens: bool,
     ) -> Option<bool> {
@@ -135,7 +141,7 @@ impl Harness for DieselHarness {
             // The connection is already gone, and the transaction with it.
             Err(_) => return Some(false),
         };
-        let mut killer = common::live_conn(store).await;
+        let mut killer = self.killer.lock().await;
         if !commit_happens {
             // Killed before COMMIT is sent: the transaction dies with its
             // process, and COMMIT meets a closed connection.

@@ -782,6 +782,68 @@ async fn a_nested_transaction_in_the_work_is_a_savepoint() {
     assert_eq!(inner, 0, "the savepoint's write was rolled back");
 }
 
+/// In batched mode each message's work runs in the store's own savepoint;
+/// a `conn.transaction(..)` inside it nests as diesel's savepoint, and a
+/// failing message is rolled back alone, claim and all.
+#[tokio::test]
+async fn batched_mode_nests_diesel_transactions_and_isolates_failures() {
+    let store = common::fresh_store(2).await;
+    let inbox = Inbox::new(store.clone());
+    let keys: Vec<InboxKey> = (0..4).map(|_| key("batch")).collect();
+    let items = inbox
+        .handle_batch(&keys, async |tx: &mut DieselTransaction, index: usize| {
+            let k = &keys[index];
+            common::record_effect(tx, k).await?;
+            let inner = tx
+                .conn()
+                .transaction(async |conn| {
+                    diesel::sql_query(
+                        "INSERT INTO conformance_effects (message_id, consumer) VALUES ($1, 'inner')",
+                    )
+                    .bind::<diesel::sql_types::Uuid, _>(k.message_id.as_uuid())
+                    .execute(conn)
+                    .await?;
+                    Err::<(), _>(diesel::result::Error::RollbackTransaction)
+                })
+                .await;
+            assert!(inner.is_err());
+            if index == 2 {
+                return Err(InboxError::retryable_handler("message 2 fails"));
+            }
+            Ok(())
+        })
+        .await
+        .expect("batch committed");
+    for (index, (k, item)) in keys.iter().zip(&items).enumerate() {
+        if index == 2 {
+            assert!(matches!(item, inbox_api::BatchItem::Failed(_)), "{item:?}");
+            assert_eq!(effects_of(&store, k).await, 0);
+            assert!(
+                store.lookup(k).await.expect("lookup").is_none(),
+                "claim given back"
+            );
+        } else {
+            assert!(
+                matches!(item, inbox_api::BatchItem::Processed(())),
+                "{item:?}"
+            );
+            assert_exactly_once(&store, k).await;
+        }
+    }
+    let inner = common::count(
+        store.schema(),
+        "conformance_effects WHERE consumer = 'inner'",
+    )
+    .await;
+    assert_eq!(inner, 0, "diesel's savepoints rolled back");
+    // The failed one on redelivery.
+    assert!(matches!(
+        redeliver_until_acked(&inbox, &keys[2]).await,
+        Handled::Processed(())
+    ));
+    assert_exactly_once(&store, &keys[2]).await;
+}
+
 /// A savepoint the work opened by hand and left open would make COMMIT
 /// release only the savepoint; the store refuses and discards the
 /// connection instead of pooling an open transaction.
@@ -1042,11 +1104,16 @@ async fn concurrent_cleaners_skip_each_others_rows() {
 #[tokio::test]
 async fn hot_statements_are_prepared_once_per_connection() {
     let store = common::fresh_store(1).await;
-    for _ in 0..3 {
+    for round in 0..3 {
         let k = key("prepared");
         let mut tx = store.begin().await.expect("begin");
         assert_eq!(tx.claim(&k).await.expect("claim"), Claim::Fresh);
         tx.mark_processed(&k).await.expect("mark");
+        // Batches of different sizes share one statement too.
+        let batch: Vec<InboxKey> = (0..=round).map(|_| key("prepared")).collect();
+        let claims = tx.claim_batch(&batch).await.expect("claim batch");
+        assert!(claims.iter().all(|c| *c == Claim::Fresh));
+        tx.mark_processed_batch(&batch).await.expect("mark batch");
         tx.commit().await.expect("commit");
     }
     let mut conn = store.pool().get().await.expect("the same connection");
@@ -1059,6 +1126,8 @@ async fn hot_statements_are_prepared_once_per_connection() {
     for start in [
         "INSERT INTO \"inbox_messages\"",
         "UPDATE inbox_messages SET processed_at",
+        "INSERT INTO inbox_messages (id, consumer_type) SELECT",
+        "UPDATE inbox_messages m SET processed_at",
     ] {
         let n = prepared.iter().filter(|s| s.starts_with(start)).count();
         assert_eq!(n, 1, "{start}… prepared {n} times: {prepared:#?}");

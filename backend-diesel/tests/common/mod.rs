@@ -232,15 +232,15 @@ pub async fn terminate_via(conn: &mut AsyncPgConnection, pid: i32) -> bool {
     .expect("pg_terminate_backend")
 }
 
-/// Kills `tx`'s connection from outside, then drops `tx`: a process crash
-/// as the database sees it.
-pub async fn kill(store: &DieselStore, mut tx: DieselTransaction) {
+/// Kills `tx`'s connection from `killer`, a connection outside the store's
+/// pool, then drops `tx`: a process crash as the database sees it.
+///
+/// Not a pooled connection: in the suite a COMMIT racing a kill may win and
+/// return its connection to the pool just before the kill lands, and a
+/// killer checked out of that pool could be that very connection.
+pub async fn kill(killer: &mut AsyncPgConnection, mut tx: DieselTransaction) {
     let pid = backend_pid(&mut tx).await.expect("backend pid");
-    let mut killer = live_conn(store).await;
-    assert!(
-        terminate_via(&mut killer, pid).await,
-        "backend {pid} killed"
-    );
+    assert!(terminate_via(killer, pid).await, "backend {pid} killed");
     drop(tx);
 }
 
