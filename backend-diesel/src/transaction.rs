@@ -270,7 +270,7 @@ impl InboxTransaction for DieselTransaction {
         }
     }
 
-    /// One statement for the whole batch (see [`ClaimBatch`]): the keys
+    /// One statement for the whole batch (`INSERT … SELECT unnest(…)`): the keys
     /// sorted in SQL, so overlapping batches lock in one order, whichever
     /// backend runs them.
     async fn claim_batch(&mut self, keys: &[InboxKey]) -> Result<Vec<Claim>, InboxError> {
