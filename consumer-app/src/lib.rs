@@ -15,6 +15,7 @@
 //! - [`dispatch`]: marking intents dispatched, the reconciler, the durable
 //!   stub ledger.
 //! - [`worker`]: one delivery from decode to ack, retry or dead-letter.
+//! - [`batch`]: batched mode, many deliveries per transaction.
 //! - [`service`]: consuming, reconnecting, shutting down, cleanup.
 //! - [`topology`], [`amqp`]: RabbitMQ names and plumbing.
 //! - [`store`]: the stores (cargo features `sqlx`, `diesel`, `memory`).
@@ -23,6 +24,7 @@
 #![deny(missing_docs)]
 
 pub mod amqp;
+pub mod batch;
 pub mod consumers;
 pub mod demo;
 pub mod dispatch;

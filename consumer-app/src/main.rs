@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use consumer_app::batch::BatchConfig;
 use consumer_app::demo::{self, DemoConfig};
 use consumer_app::dispatch::{
     LedgerCarrier, LedgerNotifier, MarkDispatched, ReconcileConfig, reconcile_loop,
@@ -98,6 +99,13 @@ struct WorkerArgs {
     /// Largest accepted body, in bytes.
     #[arg(long, env = "PARCEL_MAX_BODY_BYTES", default_value_t = 64 * 1024)]
     max_body_bytes: usize,
+    /// Batched mode: up to this many deliveries per transaction (needs
+    /// --batch-wait and a prefetch above 1; best with prefetch >= batch size × concurrency).
+    #[arg(long, env = "PARCEL_BATCH_SIZE", requires = "batch_wait")]
+    batch_size: Option<usize>,
+    /// Batched mode: milliseconds a batch waits for more deliveries after its first.
+    #[arg(long, env = "PARCEL_BATCH_WAIT_MS", requires = "batch_size")]
+    batch_wait: Option<u64>,
 }
 
 impl WorkerArgs {
@@ -109,6 +117,12 @@ impl WorkerArgs {
             retry_attempts: self.retry_attempts.max(1),
             max_deliveries: self.max_deliveries.max(1),
             max_body_bytes: self.max_body_bytes,
+            batch: match (self.batch_size, self.batch_wait) {
+                (Some(size), Some(wait)) => {
+                    BatchConfig::effective(size, Duration::from_millis(wait), self.prefetch)
+                }
+                _ => None,
+            },
             ..WorkerConfig::default()
         }
     }

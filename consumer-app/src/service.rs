@@ -225,6 +225,9 @@ struct Supervisor<S> {
 impl<S: ParcelStore> Supervisor<S> {
     async fn run(self, mut shutdown: watch::Receiver<bool>) -> Result<(), AppError> {
         let mut failures = 0;
+        if self.config.worker.batch.is_some() {
+            crate::batch::probe(self.inbox.store()).await?;
+        }
         loop {
             if *shutdown.borrow() {
                 return Ok(());
@@ -340,6 +343,7 @@ impl<S: ParcelStore> Supervisor<S> {
                 tally: Arc::clone(&self.tally),
                 faults: Arc::clone(&self.faults),
                 dead_letter_channel,
+                acks: self.config.worker.batch.map(|_| crate::batch::tracker()),
             },
         ))
     }
@@ -375,6 +379,15 @@ where
         .await
         .map_err(|e| AppError::broker(format!("consume {queue}"), e))?;
     let permits = Arc::new(Semaphore::new(worker.config.concurrency.max(1)));
+    if let Some(batch) = worker.config.batch {
+        let wanted = batch.size.saturating_mul(worker.config.concurrency.max(1));
+        if usize::from(worker.config.prefetch) < wanted {
+            tracing::warn!(%queue, prefetch = worker.config.prefetch, batch_size = batch.size,
+                concurrency = worker.config.concurrency,
+                "prefetch below batch size × concurrency: batches will run short");
+        }
+        tracing::info!(%queue, batch_size = batch.size, batch_wait = ?batch.wait, "batched mode");
+    }
     let mut in_flight = JoinSet::new();
 
     let failure = loop {
@@ -397,13 +410,34 @@ where
             next = consumer.next() => next,
         };
         match next {
-            Some(Ok(delivery)) => {
-                let worker = worker.clone();
-                in_flight.spawn(async move {
-                    worker.process(delivery).await;
-                    drop(permit);
-                });
-            }
+            Some(Ok(delivery)) => match (worker.config.batch, &worker.acks) {
+                (Some(batch), Some(tracker)) => {
+                    let (deliveries, failed) = crate::batch::collect(
+                        delivery,
+                        &mut consumer,
+                        batch,
+                        tracker,
+                        &mut shutdown,
+                        &queue,
+                    )
+                    .await;
+                    let worker = worker.clone();
+                    in_flight.spawn(async move {
+                        worker.process_batch(deliveries).await;
+                        drop(permit);
+                    });
+                    if let Some(error) = failed {
+                        break Some(error);
+                    }
+                }
+                _ => {
+                    let worker = worker.clone();
+                    in_flight.spawn(async move {
+                        worker.process(delivery).await;
+                        drop(permit);
+                    });
+                }
+            },
             Some(Err(error)) => break Some(AppError::broker(format!("consuming {queue}"), error)),
             None => {
                 break Some(AppError::Unavailable(format!(

@@ -34,6 +34,9 @@ pub struct RoleTally {
     pub redelivered_processed: AtomicU64,
     /// Downstream calls that failed after commit.
     pub downstream_failed: AtomicU64,
+    /// Batches committed in batched mode (each with one or more
+    /// messages; see [`crate::batch`]).
+    pub batches: AtomicU64,
     dead_lettered: Mutex<BTreeMap<String, u64>>,
 }
 

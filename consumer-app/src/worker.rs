@@ -52,6 +52,7 @@ use lapin::{BasicProperties, Channel};
 
 use crate::AppError;
 use crate::amqp::{Publisher, backoff};
+use crate::batch::{AckTracker, BatchConfig, Settle};
 use crate::consumers::{ParcelConsumer, Role};
 use crate::effects::ParcelEffects;
 use crate::error::chain;
@@ -82,6 +83,9 @@ pub struct WorkerConfig {
     pub max_deliveries: u32,
     /// The largest body accepted.
     pub max_body_bytes: usize,
+    /// Batched mode (`None`: one transaction per delivery, the default).
+    /// See [`crate::batch`].
+    pub batch: Option<BatchConfig>,
 }
 
 impl Default for WorkerConfig {
@@ -94,6 +98,7 @@ impl Default for WorkerConfig {
             retry_base_delay: Duration::from_millis(100),
             max_deliveries: 10,
             max_body_bytes: 64 * 1024,
+            batch: None,
         }
     }
 }
@@ -109,6 +114,9 @@ pub(crate) struct Worker<S, C> {
     pub(crate) faults: Arc<Faults>,
     /// A channel in confirm mode, for dead-letter publishes.
     pub(crate) dead_letter_channel: Channel,
+    /// Batched mode: the consuming channel's unsettled tags, through which
+    /// every settle goes (see [`crate::batch`]); `None` per message.
+    pub(crate) acks: Option<Arc<AckTracker>>,
 }
 
 impl<S, C> Clone for Worker<S, C> {
@@ -122,6 +130,7 @@ impl<S, C> Clone for Worker<S, C> {
             tally: Arc::clone(&self.tally),
             faults: Arc::clone(&self.faults),
             dead_letter_channel: self.dead_letter_channel.clone(),
+            acks: self.acks.clone(),
         }
     }
 }
@@ -312,8 +321,27 @@ where
         }
     }
 
+    /// Settles one delivery, through the tracker in batched mode.
+    async fn settle(&self, delivery: &Delivery, how: Settle) -> Result<bool, lapin::Error> {
+        if let Some(tracker) = &self.acks {
+            return tracker.settle(delivery, how).await;
+        }
+        match how {
+            Settle::Ack => delivery.ack(BasicAckOptions::default()).await,
+            Settle::Requeue => {
+                delivery
+                    .nack(BasicNackOptions {
+                        multiple: false,
+                        requeue: true,
+                    })
+                    .await
+            }
+            Settle::Reject => delivery.reject(BasicRejectOptions { requeue: false }).await,
+        }
+    }
+
     async fn ack(&self, delivery: &Delivery, key: &InboxKey) {
-        if let Err(error) = delivery.ack(BasicAckOptions::default()).await {
+        if let Err(error) = self.settle(delivery, Settle::Ack).await {
             // The channel is gone: the broker redelivers, and the inbox
             // answers Duplicate because the transaction committed.
             tracing::warn!(message_id = %key.message_id, consumer = %key.consumer, error = %error,
@@ -321,18 +349,14 @@ where
         }
     }
 
-    async fn requeue(&self, delivery: &Delivery, key: &InboxKey) {
-        let options = BasicNackOptions {
-            multiple: false,
-            requeue: true,
-        };
-        if let Err(error) = delivery.nack(options).await {
+    pub(crate) async fn requeue(&self, delivery: &Delivery, key: &InboxKey) {
+        if let Err(error) = self.settle(delivery, Settle::Requeue).await {
             tracing::warn!(message_id = %key.message_id, consumer = %key.consumer, error = %error,
                 "nack failed; the broker redelivers when the channel closes");
         }
     }
 
-    async fn dead_letter(
+    pub(crate) async fn dead_letter(
         &self,
         delivery: &Delivery,
         message_id: Option<&str>,
@@ -363,7 +387,7 @@ where
         .await;
         let recorded_reason = match published {
             Ok(()) => {
-                if let Err(error) = delivery.ack(BasicAckOptions::default()).await {
+                if let Err(error) = self.settle(delivery, Settle::Ack).await {
                     // Published but not acked: the redelivery will be
                     // dead-lettered again (bad input) or find its row.
                     tracing::warn!(error = %error, "ack after dead-letter publish failed");
@@ -373,7 +397,7 @@ where
             Err(error) => {
                 tracing::warn!(error = %chain(&error), reason,
                     "dead-letter publish failed; rejecting into the queue's dead-letter exchange without the reason");
-                if let Err(error) = delivery.reject(BasicRejectOptions { requeue: false }).await {
+                if let Err(error) = self.settle(delivery, Settle::Reject).await {
                     tracing::warn!(error = %error, "reject failed; the broker will redeliver");
                     return;
                 }

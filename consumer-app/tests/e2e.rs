@@ -78,6 +78,7 @@ fn worker_config() -> WorkerConfig {
         retry_base_delay: Duration::from_millis(5),
         max_deliveries: 5,
         max_body_bytes: 1024,
+        batch: None,
     }
 }
 
