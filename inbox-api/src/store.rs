@@ -186,25 +186,19 @@ pub trait InboxTransaction: Send {
     ///
     /// # Errors
     /// Store failures.
-    async fn savepoint(&mut self) -> Result<(), InboxError> {
-        Err(unsupported("savepoint"))
-    }
+    async fn savepoint(&mut self) -> Result<(), InboxError>;
 
     /// Undoes every write since the newest savepoint and drops it.
     ///
     /// # Errors
     /// Store failures, or [`InboxError::InvalidArgument`] without a savepoint.
-    async fn rollback_to_savepoint(&mut self) -> Result<(), InboxError> {
-        Err(unsupported("rollback_to_savepoint"))
-    }
+    async fn rollback_to_savepoint(&mut self) -> Result<(), InboxError>;
 
     /// Keeps the writes since the newest savepoint and drops it.
     ///
     /// # Errors
     /// Store failures, or [`InboxError::InvalidArgument`] without a savepoint.
-    async fn release_savepoint(&mut self) -> Result<(), InboxError> {
-        Err(unsupported("release_savepoint"))
-    }
+    async fn release_savepoint(&mut self) -> Result<(), InboxError>;
 
     /// Gives back a claim this transaction made `Fresh` (deletes its
     /// uncommitted row), so that a message whose work failed in a batch is
@@ -214,10 +208,7 @@ pub trait InboxTransaction: Send {
     /// # Errors
     /// Store failures, or [`InboxError::InvalidArgument`] for a key this
     /// transaction does not hold.
-    async fn unclaim(&mut self, key: &InboxKey) -> Result<(), InboxError> {
-        let _ = key;
-        Err(unsupported("unclaim"))
-    }
+    async fn unclaim(&mut self, key: &InboxKey) -> Result<(), InboxError>;
 
     /// Makes the claims and the business writes durable, together.
     ///
@@ -259,12 +250,5 @@ impl<S: InboxStore> InboxStore for Arc<S> {
         batch_size: u32,
     ) -> Result<u64, InboxError> {
         (**self).purge_processed_before(cutoff, batch_size).await
-    }
-}
-
-/// The answer of a store that has not implemented batched mode yet.
-fn unsupported(operation: &str) -> InboxError {
-    InboxError::InvalidArgument {
-        message: format!("this store does not support `{operation}` (batched mode)"),
     }
 }
