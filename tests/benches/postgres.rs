@@ -23,17 +23,35 @@
 //! interleaved in short slices so that drift on a shared machine spreads
 //! over all columns alike.
 //!
-//! Run: `cargo bench -p inbox-conformance --bench postgres`.
+//! The same run also measures, into one report (`docs/benchmark.md` and
+//! the chart `docs/benchmark.svg`, ratios to the bare baselines of this
+//! run):
+//!
+//! - (f)–(i) batched mode: `Inbox::handle_batch` over K = 10 and 100 new
+//!   messages per transaction, sqlx and diesel (diesel's rows are skipped
+//!   if its store refuses savepoints);
+//! - the memory store through `Inbox::handle`, on one core (a
+//!   current-thread runtime on its own thread);
+//! - end to end through RabbitMQ (`support/e2e.rs`): bare consume+ack with
+//!   no database, against the app (`consumer_app::service`) per message
+//!   and batched (K = 100), draining a pre-published queue;
+//! - cleanup at scale (`support/cleanup.rs`): 1,000,000 expired rows purged
+//!   in batches of 10,000, with the claim latency beside it.
+//!
+//! Run: `cargo bench -p inbox-conformance --bench postgres` (PostgreSQL
+//! and RabbitMQ up: `bash .ci/services.sh`).
 //! `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`),
 //! `INBOX_BENCH_SECS` (seconds per cell, default 2), `INBOX_BENCH_TASKS`
-//! (default `1,4,16`).
+//! (default `1,4,16`), `INBOX_BENCH_E2E_EVENTS` (events per end-to-end
+//! cell, default 3000), `INBOX_BENCH_CLEANUP_ROWS` (default 1,000,000; 0
+//! skips the cleanup run).
 
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use inbox_api::{ConsumerName, Handled, Inbox, InboxError, InboxKey, MessageId};
+use inbox_api::{BatchItem, ConsumerName, Handled, Inbox, InboxError, InboxKey, MessageId};
 use inbox_backend_sqlx::sqlx::{self, PgPool, postgres::PgPoolOptions};
 use inbox_backend_sqlx::{SqlxStore, classify};
 
@@ -69,6 +87,10 @@ enum Variant {
     Article,
     DieselBareTx,
     DieselInbox,
+    /// (b) in batched mode: `Inbox::handle_batch` over K new messages.
+    SqlxBatch(usize),
+    /// (e) in batched mode.
+    DieselBatch(usize),
 }
 
 impl Variant {
@@ -82,11 +104,15 @@ impl Variant {
 
     fn header(self) -> &'static str {
         match self {
-            Self::BareTx => "(a) bare tx",
-            Self::Inbox => "(b) inbox (sqlx)",
-            Self::Article => "(c) article",
-            Self::DieselBareTx => "(d) bare tx (diesel)",
-            Self::DieselInbox => "(e) inbox (diesel)",
+            Self::BareTx => "(a) bare tx, business write only (sqlx)",
+            Self::Inbox => "(b) inbox per message (sqlx)",
+            Self::Article => "(c) article's check-then-insert (sqlx)",
+            Self::DieselBareTx => "(d) bare tx, business write only (diesel)",
+            Self::DieselInbox => "(e) inbox per message (diesel)",
+            Self::SqlxBatch(10) => "(f) inbox batched K=10 (sqlx)",
+            Self::SqlxBatch(_) => "(g) inbox batched K=100 (sqlx)",
+            Self::DieselBatch(10) => "(h) inbox batched K=10 (diesel)",
+            Self::DieselBatch(_) => "(i) inbox batched K=100 (diesel)",
         }
     }
 }
@@ -100,10 +126,55 @@ struct Bench {
 }
 
 impl Bench {
+    /// Handles one delivery of `key` (batched variants: of `key` and K - 1
+    /// more new messages); how many messages' work ran.
+    async fn deliver(&self, variant: Variant, key: &InboxKey) -> Result<u64, InboxError> {
+        match variant {
+            Variant::SqlxBatch(k) => {
+                let keys = batch_keys(key, k);
+                let items = self
+                    .inbox
+                    .handle_batch(&keys, async |tx, i| {
+                        sqlx::query(BUSINESS)
+                            .bind(keys[i].message_id.as_uuid())
+                            .bind(PAYLOAD)
+                            .execute(tx.conn())
+                            .await
+                            .map_err(classify)?;
+                        Ok::<_, InboxError>(())
+                    })
+                    .await?;
+                return Ok(processed(&items));
+            }
+            Variant::DieselBatch(k) => {
+                use inbox_backend_diesel::diesel_async::RunQueryDsl as _;
+                let keys = batch_keys(key, k);
+                let items = self
+                    .diesel
+                    .handle_batch(&keys, async |tx, i| {
+                        diesel::insert_into(bench_events::table)
+                            .values((
+                                bench_events::message_id.eq(keys[i].message_id.as_uuid()),
+                                bench_events::payload.eq(PAYLOAD),
+                            ))
+                            .execute(tx.conn())
+                            .await
+                            .map_err(classify_diesel)?;
+                        Ok::<_, InboxError>(())
+                    })
+                    .await?;
+                return Ok(processed(&items));
+            }
+            _ => {}
+        }
+        self.deliver_one(variant, key).await.map(u64::from)
+    }
+
     /// Handles one delivery of `key`; `true` when its work ran.
-    async fn deliver(&self, variant: Variant, key: &InboxKey) -> Result<bool, InboxError> {
+    async fn deliver_one(&self, variant: Variant, key: &InboxKey) -> Result<bool, InboxError> {
         let id = key.message_id.as_uuid();
         match variant {
+            Variant::SqlxBatch(_) | Variant::DieselBatch(_) => Ok(false),
             Variant::BareTx => {
                 let mut tx = self.pool.begin().await.map_err(classify)?;
                 sqlx::query(BUSINESS)
@@ -203,6 +274,20 @@ impl Bench {
     }
 }
 
+/// `key` and `k - 1` new messages of the same consumer.
+fn batch_keys(key: &InboxKey, k: usize) -> Vec<InboxKey> {
+    std::iter::once(key.clone())
+        .chain((1..k).map(|_| InboxKey::new(MessageId::new_v7(), key.consumer.clone())))
+        .collect()
+}
+
+fn processed<T, E>(items: &[BatchItem<T, E>]) -> u64 {
+    items
+        .iter()
+        .filter(|i| matches!(i, BatchItem::Processed(_)))
+        .count() as u64
+}
+
 /// What a slice did.
 #[derive(Clone, Copy, Debug, Default)]
 struct Tally {
@@ -239,10 +324,9 @@ async fn run_slice(
                     let deliveries = (0..copies).map(|_| bench.deliver(variant, &key));
                     for result in futures::future::join_all(deliveries).await {
                         match result {
-                            Ok(true) => {
-                                processed.fetch_add(1, Ordering::Relaxed);
+                            Ok(n) => {
+                                processed.fetch_add(n, Ordering::Relaxed);
                             }
-                            Ok(false) => {}
                             // A single delivery of a new message must not
                             // fail; a racing copy may (that is the point).
                             Err(error) if copies == 1 => panic!("{variant:?} failed: {error:?}"),
@@ -371,67 +455,350 @@ async fn setup(url: &str, schema: &str, pool_size: u32) -> Result<Arc<Bench>, In
     }))
 }
 
-async fn bench(url: &str, schema: &str) -> Result<String, InboxError> {
+#[path = "support/chart.rs"]
+mod chart;
+#[path = "support/cleanup.rs"]
+mod cleanup;
+#[path = "support/e2e.rs"]
+mod e2e;
+
+use e2e::{BoxError, E2e};
+
+/// The batched variants, measured in the same interleaved slices.
+const BATCHED: [Variant; 4] = [
+    Variant::SqlxBatch(10),
+    Variant::SqlxBatch(100),
+    Variant::DieselBatch(10),
+    Variant::DieselBatch(100),
+];
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".to_owned())
+}
+
+/// Claim+commit/s of the memory store through `Inbox::handle` (one put as
+/// the business write), `tasks` tasks on one current-thread runtime on a
+/// thread of its own: one core.
+fn memory_rate(tasks: usize, secs: f64) -> Result<f64, BoxError> {
+    use inbox_backend_memory::MemoryStore;
+    let run = move || -> Result<f64, BoxError> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        rt.block_on(async move {
+            let inbox = Arc::new(Inbox::new(MemoryStore::new()));
+            let consumer = ConsumerName::new("bench")?;
+            let started = Instant::now();
+            let deadline = started + Duration::from_secs_f64(secs);
+            let workers: Vec<_> = (0..tasks)
+                .map(|_| {
+                    let (inbox, consumer) = (Arc::clone(&inbox), consumer.clone());
+                    tokio::spawn(async move {
+                        let mut done = 0_u64;
+                        while Instant::now() < deadline {
+                            for _ in 0..64 {
+                                let key = InboxKey::new(MessageId::new_v7(), consumer.clone());
+                                let handled = inbox
+                                    .handle(&key, async |tx| {
+                                        tx.put(format!("effect/{done}"), PAYLOAD.as_bytes());
+                                        Ok::<_, InboxError>(())
+                                    })
+                                    .await?;
+                                done += u64::from(matches!(handled, Handled::Processed(())));
+                            }
+                        }
+                        Ok::<_, InboxError>(done)
+                    })
+                })
+                .collect();
+            let mut total = 0;
+            for worker in workers {
+                total += worker.await??;
+            }
+            Ok::<f64, BoxError>(total as f64 / started.elapsed().as_secs_f64())
+        })
+    };
+    std::thread::spawn(run)
+        .join()
+        .map_err(|_| -> BoxError { "memory bench thread panicked".into() })?
+}
+
+/// Whether the diesel backend runs batched mode (it may not have landed).
+async fn diesel_batches(bench: &Bench) -> bool {
+    let key = InboxKey::new(MessageId::new_v7(), bench.consumer.clone());
+    match bench.deliver(Variant::DieselBatch(2), &key).await {
+        Ok(_) => true,
+        Err(error) => {
+            eprintln!("diesel batched mode unavailable, its rows are skipped: {error}");
+            false
+        }
+    }
+}
+
+/// One row of the report.
+struct Row {
+    label: String,
+    rates: Vec<Option<f64>>,
+    /// The row whose rates this one is divided by.
+    baseline: Option<usize>,
+}
+
+fn fmt_rate(rate: Option<f64>) -> String {
+    rate.map_or_else(|| "n/a".to_owned(), |r| format!("{r:.0}"))
+}
+
+fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    Some(a? / b?).filter(|r| r.is_finite())
+}
+
+fn min_ratio(a: &[Option<f64>], b: &[Option<f64>]) -> Option<f64> {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| ratio(*x, *y))
+        .collect::<Option<Vec<f64>>>()
+        .and_then(|v| v.into_iter().reduce(f64::min))
+}
+
+async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
     let secs = env_secs();
     let tasks = env_tasks();
     let pool_size = u32::try_from(tasks.iter().copied().max().unwrap_or(16))
         .unwrap_or(16)
         .max(16)
         + 1;
+    let load_before = load_average();
     let bench = setup(url, schema, pool_size).await?;
+    let diesel_batched = diesel_batches(&bench).await;
+    let mut variants: Vec<Variant> = Variant::ALL.to_vec();
+    variants.extend(
+        BATCHED
+            .iter()
+            .filter(|v| diesel_batched || !matches!(v, Variant::DieselBatch(_))),
+    );
 
     // Warm up: connections, prepared statements, caches.
-    for variant in Variant::ALL {
+    for &variant in &variants {
         run_slice(&bench, variant, 4, 1, Duration::from_millis(300)).await;
     }
 
-    let col = |v: Variant| Variant::ALL.iter().position(|x| *x == v).unwrap_or(0);
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "\nPostgreSQL {} (fsync={}, synchronous_commit={}), pool {pool_size}, \
-         {secs} s per cell in interleaved slices of about {} ms, {} cores\n",
+        "PostgreSQL {} (fsync={}, synchronous_commit={}), pool {pool_size}, \
+         {secs} s per cell in interleaved slices of about {} ms, {} cores, \
+         load average at start {load_before}.\n",
         setting(&bench.pool, "server_version").await,
         setting(&bench.pool, "fsync").await,
         setting(&bench.pool, "synchronous_commit").await,
         SLICE.as_millis(),
         std::thread::available_parallelism().map_or(0, |n| n.get()),
     );
-    let _ = writeln!(out, "Every message new and delivered once:\n");
-    let _ = write!(out, "| tasks |");
-    for variant in Variant::ALL {
-        let _ = write!(out, " {} msg/s |", variant.header());
-    }
-    let _ = writeln!(out, " b/a | b/c | e/d | e/b |");
-    let _ = write!(out, "|---:|");
-    for _ in Variant::ALL {
-        let _ = write!(out, "---:|");
-    }
-    let _ = writeln!(out, "---:|---:|---:|---:|");
+
+    // Every message new and delivered once.
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
     for &n in &tasks {
-        let rates = measure(&bench, &Variant::ALL, n, 1, secs).await;
-        eprintln!("{n:>2} tasks, single deliveries: {rates:.0?}");
-        let _ = write!(out, "| {n} |");
-        for (rate, _) in &rates {
-            let _ = write!(out, " {rate:.0} |");
+        let cell = measure(&bench, &variants, n, 1, secs).await;
+        eprintln!("{n:>2} tasks, single deliveries: {cell:.0?}");
+        for (i, (rate, _)) in cell.into_iter().enumerate() {
+            rates[i].push(rate);
         }
-        let (a, b, c, d, e) = (
-            rates[col(Variant::BareTx)].0,
-            rates[col(Variant::Inbox)].0,
-            rates[col(Variant::Article)].0,
-            rates[col(Variant::DieselBareTx)].0,
-            rates[col(Variant::DieselInbox)].0,
-        );
-        let _ = writeln!(
-            out,
-            " {:.2} | {:.2} | {:.2} | {:.2} |",
-            b / a,
-            b / c,
-            e / d,
-            e / b
-        );
+    }
+    let of = |v: Variant| -> Vec<Option<f64>> {
+        variants.iter().position(|x| *x == v).map_or_else(
+            || vec![None; tasks.len()],
+            |i| rates[i].iter().map(|r| Some(*r)).collect(),
+        )
+    };
+    let mut memory = Vec::new();
+    for &n in &tasks {
+        let rate = memory_rate(n, secs)?;
+        eprintln!("{n:>2} tasks, memory store on one core: {rate:.0}");
+        memory.push(Some(rate));
     }
 
+    // End to end through RabbitMQ.
+    let e2e_events = std::env::var("INBOX_BENCH_E2E_EVENTS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(3000);
+    let app_schema = format!("{schema}_app");
+    let app_store = e2e::store(url, &app_schema, pool_size).await?;
+    let modes = [E2e::Bare, E2e::PerMessage, E2e::Batched(100)];
+    let mut e2e_rates = vec![Vec::new(); modes.len()];
+    let e2e_result: Result<(), BoxError> = async {
+        for &n in &tasks {
+            for (m, &mode) in modes.iter().enumerate() {
+                let prefix = format!("{schema}.{m}.{n}.");
+                let rate = e2e::cell(mode, n, e2e_events, &app_store, &prefix).await?;
+                eprintln!("{n:>2} tasks, end to end {mode:?}: {rate:.0} deliveries/s");
+                e2e_rates[m].push(Some(rate));
+            }
+        }
+        Ok::<(), BoxError>(())
+    }
+    .await;
+    let _ = consumer_app::store::ParcelStore::drop_schema(&app_store).await;
+    if let Err(error) = e2e_result {
+        eprintln!("end-to-end rows skipped (is RabbitMQ running?): {error}");
+        for r in &mut e2e_rates {
+            r.resize(tasks.len(), None);
+        }
+    }
+
+    let rows = vec![
+        Row {
+            label: Variant::BareTx.header().into(),
+            rates: of(Variant::BareTx),
+            baseline: None,
+        },
+        Row {
+            label: Variant::DieselBareTx.header().into(),
+            rates: of(Variant::DieselBareTx),
+            baseline: None,
+        },
+        Row {
+            label: Variant::Inbox.header().into(),
+            rates: of(Variant::Inbox),
+            baseline: Some(0),
+        },
+        Row {
+            label: Variant::DieselInbox.header().into(),
+            rates: of(Variant::DieselInbox),
+            baseline: Some(1),
+        },
+        Row {
+            label: Variant::SqlxBatch(10).header().into(),
+            rates: of(Variant::SqlxBatch(10)),
+            baseline: Some(0),
+        },
+        Row {
+            label: Variant::SqlxBatch(100).header().into(),
+            rates: of(Variant::SqlxBatch(100)),
+            baseline: Some(0),
+        },
+        Row {
+            label: Variant::DieselBatch(10).header().into(),
+            rates: of(Variant::DieselBatch(10)),
+            baseline: Some(1),
+        },
+        Row {
+            label: Variant::DieselBatch(100).header().into(),
+            rates: of(Variant::DieselBatch(100)),
+            baseline: Some(1),
+        },
+        Row {
+            label: Variant::Article.header().into(),
+            rates: of(Variant::Article),
+            baseline: Some(0),
+        },
+        Row {
+            label: "memory store, Inbox::handle, 1 core".into(),
+            rates: memory,
+            baseline: None,
+        },
+        Row {
+            label: "RabbitMQ bare consume+ack, no database".into(),
+            rates: e2e_rates[0].clone(),
+            baseline: None,
+        },
+        Row {
+            label: "RabbitMQ + app per message (sqlx)".into(),
+            rates: e2e_rates[1].clone(),
+            baseline: Some(10),
+        },
+        Row {
+            label: "RabbitMQ + app batched K=100 (sqlx)".into(),
+            rates: e2e_rates[2].clone(),
+            baseline: Some(10),
+        },
+    ];
+
+    let _ = write!(out, "| messages/s | ");
+    for n in &tasks {
+        let _ = write!(out, "{n} task{} | ", if *n == 1 { "" } else { "s" });
+    }
+    for n in &tasks {
+        let _ = write!(out, "ratio @{n} | ");
+    }
+    let _ = writeln!(out, "ratio to |");
+    let _ = writeln!(
+        out,
+        "|---|{}{}---|",
+        "---:|".repeat(tasks.len()),
+        "---:|".repeat(tasks.len())
+    );
+    for row in &rows {
+        let _ = write!(out, "| {} | ", row.label);
+        for rate in &row.rates {
+            let _ = write!(out, "{} | ", fmt_rate(*rate));
+        }
+        for (c, rate) in row.rates.iter().enumerate() {
+            let r = row.baseline.and_then(|b| ratio(*rate, rows[b].rates[c]));
+            let _ = write!(
+                out,
+                "{} | ",
+                r.map_or_else(|| "".to_owned(), |r| format!("{r:.2}"))
+            );
+        }
+        let _ = writeln!(
+            out,
+            "{} |",
+            row.baseline.map_or("", |b| rows[b].label.as_str())
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\nEnd-to-end rows: {e2e_events} events pre-published to the app's topic exchange, each routed \
+         to both consumers' queues; rate = deliveries acked per second over both queues; \
+         tasks = consumers per queue (bare) or the app's concurrency per queue (prefetch \
+         max(32, 4 × tasks) per message, 100 × tasks batched, batch wait 20 ms)."
+    );
+
+    // Targets, from this run.
+    let check = |ok: Option<bool>| match ok {
+        Some(true) => "met",
+        Some(false) => "MISSED",
+        None => "not measured",
+    };
+    let mut targets = String::new();
+    let _ = writeln!(
+        targets,
+        "\n### Targets (worst ratio over the concurrencies of this run)\n"
+    );
+    let _ = writeln!(targets, "| target | worst ratio | |\n|---|---:|---|");
+    for (name, a, b, want) in [
+        ("batched K=100 ≥ 8 × per message (sqlx)", 5, 2, 8.0),
+        ("batched K=100 ≥ 8 × per message (diesel)", 7, 3, 8.0),
+        (
+            "end-to-end batched ≥ 0.5 × bare RabbitMQ consume+ack",
+            12,
+            10,
+            0.5,
+        ),
+        ("per-message inbox ≥ 0.80 × bare tx (sqlx)", 2, 0, 0.8),
+        ("per-message inbox ≥ 0.80 × bare tx (diesel)", 3, 1, 0.8),
+    ] {
+        let r = min_ratio(&rows[a].rates, &rows[b].rates);
+        let _ = writeln!(
+            targets,
+            "| {name} | {} | {} |",
+            r.map_or_else(|| "n/a".to_owned(), |r| format!("{r:.2}")),
+            check(r.map(|r| r >= want))
+        );
+    }
+    let best_memory = rows[9].rates.iter().flatten().copied().reduce(f64::max);
+    let _ = writeln!(
+        targets,
+        "| memory ≥ 1,000,000 claim+commit/s on one core | {} /s (best) | {} |",
+        fmt_rate(best_memory),
+        check(best_memory.map(|m| m >= 1_000_000.0))
+    );
+    out.push_str(&targets);
+
+    let _ = writeln!(out);
     // A redelivery racing the first delivery: the case the inbox exists for.
     // Two connections per task, so at most half the pool's tasks; (a) is left
     // out, it has no deduplication to race.
@@ -462,8 +829,40 @@ async fn bench(url: &str, schema: &str) -> Result<String, InboxError> {
             e / b
         );
     }
+
+    // Cleanup at scale.
+    let rows_env = std::env::var("INBOX_BENCH_CLEANUP_ROWS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(1_000_000);
+    let mut cleanup_md = String::new();
+    if rows_env > 0 {
+        let result = cleanup::run(
+            bench.inbox.store(),
+            rows_env,
+            10_000,
+            Duration::from_secs_f64(secs.max(1.0) * 2.0),
+        )
+        .await?;
+        eprintln!("cleanup: {result:?}");
+        cleanup_md = result.markdown();
+    }
+    let _ = writeln!(out, "\nLoad average at the end: {}.", load_average());
+
+    let chart_rows: Vec<chart::Bars> = rows
+        .iter()
+        .map(|r| chart::Bars {
+            label: r.label.clone(),
+            rates: r.rates.clone(),
+        })
+        .collect();
+    let svg = chart::svg(
+        "Inbox throughput, messages/s (one run)",
+        &tasks,
+        &chart_rows,
+    )?;
     bench.pool.close().await;
-    Ok(out)
+    Ok((format!("{out}\n{cleanup_md}"), svg))
 }
 
 fn main() {
@@ -480,14 +879,16 @@ fn main() {
         .expect("tokio runtime");
     let result = rt.block_on(bench(&url, &schema));
 
-    // Drop the schema whatever happened.
+    // Drop the schemas whatever happened.
     rt.block_on(async {
         match PgPoolOptions::new().max_connections(1).connect(&url).await {
             Ok(admin) => {
                 // `schema` is built above from digits and hex only.
-                let drop = format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE");
-                if let Err(error) = sqlx::query(&drop).execute(&admin).await {
-                    eprintln!("could not drop {schema}: {error}");
+                for name in [schema.clone(), format!("{schema}_app")] {
+                    let drop = format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE");
+                    if let Err(error) = sqlx::query(&drop).execute(&admin).await {
+                        eprintln!("could not drop {name}: {error}");
+                    }
                 }
             }
             Err(error) => eprintln!("could not drop {schema}: {error}"),
@@ -495,11 +896,28 @@ fn main() {
     });
 
     match result {
-        Ok(table) => println!("{table}"),
+        Ok((report, svg)) => {
+            println!("{report}");
+            // Into the workspace's docs/, for the README.
+            let docs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs");
+            let md = format!(
+                "# Benchmark\n\n\
+                 One run of `cargo bench -p inbox-conformance --bench postgres` \
+                 (PostgreSQL and RabbitMQ on localhost; the chart is \
+                 [benchmark.svg](benchmark.svg)).\n\n![messages/s](benchmark.svg)\n\n{report}"
+            );
+            let written = std::fs::create_dir_all(&docs)
+                .and_then(|()| std::fs::write(docs.join("benchmark.md"), md))
+                .and_then(|()| std::fs::write(docs.join("benchmark.svg"), svg));
+            match written {
+                Ok(()) => eprintln!("wrote {}/benchmark.md and benchmark.svg", docs.display()),
+                Err(error) => eprintln!("could not write {}: {error}", docs.display()),
+            }
+        }
         Err(error) => {
             eprintln!(
                 "benchmark failed: {error}: {:?}\n(is PostgreSQL running at DATABASE_URL?)",
-                std::error::Error::source(&error)
+                std::error::Error::source(&*error)
             );
             std::process::exit(1);
         }
