@@ -904,7 +904,8 @@ fn main() {
                 "# Benchmark\n\n\
                  One run of `cargo bench -p inbox-conformance --bench postgres` \
                  (PostgreSQL and RabbitMQ on localhost; the chart is \
-                 [benchmark.svg](benchmark.svg)).\n\n![messages/s](benchmark.svg)\n\n{report}"
+                 [benchmark.svg](benchmark.svg); what bounds the missed targets: \
+                 [benchmark-notes.md](benchmark-notes.md)).\n\n![messages/s](benchmark.svg)\n\n{report}"
             );
             let written = std::fs::create_dir_all(&docs)
                 .and_then(|()| std::fs::write(docs.join("benchmark.md"), md))
