@@ -66,6 +66,11 @@ fn chaos_diesel_exactly_once() {
 
 /// The harness can fail: with the claim committed in its own transaction, a
 /// kill between that commit and the work's loses the effect for good.
+///
+/// The window is made wide on purpose (50 ms of work per message, publishing
+/// slower than the consumers drain, so every fault lands on busy consumers):
+/// with the default 5 ms a quiet machine can finish a small run between the
+/// faults and the broken store goes unnoticed by luck.
 #[cfg(feature = "fault-injection")]
 #[test]
 fn chaos_catches_a_broken_inbox() {
@@ -79,7 +84,11 @@ fn chaos_catches_a_broken_inbox() {
         "--events",
         "600",
         "--kills",
-        "4",
+        "6",
+        "--work-delay-ms",
+        "50",
+        "--publish-rate",
+        "100",
         "--seed",
         "7",
         "--always-clean",
