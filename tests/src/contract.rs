@@ -84,6 +84,23 @@ async fn expect_no_trace<H: Harness>(h: &H, store: &H::Store, key: &InboxKey) ->
     Ok(())
 }
 
+/// After a failed or abandoned attempt left no trace, a redelivery through
+/// the middleware runs the work, without waiting on the dead attempt.
+async fn redelivery_is_processed<H: Harness>(
+    h: &H,
+    inbox: &Inbox<H::Store>,
+    key: &InboxKey,
+    what: &str,
+) -> Outcome {
+    let handled = without_waiting(
+        what,
+        inbox.handle(key, async |tx| h.record_effect(tx, key).await),
+    )
+    .await??;
+    check_eq!(handled, Handled::Processed(()), "{what}");
+    expect_processed_once(h, inbox.store(), key).await
+}
+
 /// Contract 1: a first claim is `Fresh`, every later one `Duplicate`.
 pub async fn claim_is_fresh_then_duplicate<H: Harness>(h: &H) -> Outcome {
     let store = h.fresh_store().await;
@@ -473,13 +490,7 @@ pub async fn handle_rolls_back_on_work_error<H: Harness>(h: &H) -> Outcome {
         "the work's error must come back as it was: {failed:?}"
     );
     expect_no_trace(h, &store, &key).await?;
-    let handled = without_waiting(
-        "the redelivery after a failed work",
-        inbox.handle(&key, async |tx| h.record_effect(tx, &key).await),
-    )
-    .await??;
-    check_eq!(handled, Handled::Processed(()), "redelivery");
-    expect_processed_once(h, &store, &key).await
+    redelivery_is_processed(h, &inbox, &key, "the redelivery after a failed work").await
 }
 
 /// The middleware's future dropped mid-work (a crash, a timeout) rolls back.
@@ -506,13 +517,7 @@ pub async fn handle_rolls_back_when_cancelled<H: Harness>(h: &H) -> Outcome {
         }
     }
     expect_no_trace(h, &store, &key).await?;
-    let handled = without_waiting(
-        "the redelivery after a cancelled handle",
-        inbox.handle(&key, async |tx| h.record_effect(tx, &key).await),
-    )
-    .await??;
-    check_eq!(handled, Handled::Processed(()), "redelivery");
-    expect_processed_once(h, &store, &key).await
+    redelivery_is_processed(h, &inbox, &key, "the redelivery after a cancelled handle").await
 }
 
 /// Contract 1 and 2 under load: many concurrent first deliveries of one key
