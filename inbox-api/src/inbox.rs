@@ -262,11 +262,21 @@ impl<S: InboxStore> Inbox<S> {
     /// one transaction with one claim statement and one COMMIT.
     ///
     /// Per-message transactions cap throughput at one commit per message;
-    /// this pays one per batch. The guarantee stays per message: each fresh
-    /// message's work runs inside its own savepoint, so a failing message is
-    /// rolled back alone (its claim too, through
-    /// [`InboxTransaction::unclaim`]) while the rest of the batch commits.
-    /// `work` gets the transaction and the message's index in `keys`.
+    /// this pays one per batch. The guarantee stays per message: a failing
+    /// message is rolled back alone (its claim too) while the rest of the
+    /// batch commits. `work` gets the transaction and the message's index in
+    /// `keys`.
+    ///
+    /// The batch first runs optimistically, without savepoints: a savepoint
+    /// costs a round trip per message and, in PostgreSQL, a subtransaction
+    /// (above 64 per transaction they slow every session's snapshots). Only
+    /// when a message's work fails is that attempt rolled back whole and the
+    /// batch run again, this time each fresh message inside its own savepoint
+    /// ([`InboxTransaction::savepoint`]), the failed message not run again
+    /// but given back ([`InboxTransaction::unclaim`]) with its first error.
+    /// So `work` may run twice for a message whose batch had to be rerun;
+    /// only the committed run has effects, as long as the work keeps its
+    /// effects inside the transaction (the rule of the whole crate).
     ///
     /// Returns one [`BatchItem`] per key, in order, once the batch has
     /// committed: acknowledge `Processed` and `Duplicate` items then, not
@@ -309,72 +319,119 @@ impl<S: InboxStore> Inbox<S> {
                 }
                 E::from(error)
             };
+            let work_failed = |key: &InboxKey| {
+                metrics::counter!(names::FAILED,
+                    "consumer" => key.consumer.as_str().to_owned(),
+                    "stage" => "work",
+                    "retryable" => "unknown")
+                .increment(1);
+            };
 
-            let mut tx = self
-                .store
-                .begin()
-                .await
-                .map_err(|e| store_failed("begin", e))?;
-            let claims = tx
-                .claim_batch(keys)
-                .await
-                .map_err(|e| store_failed("claim", e))?;
-            if claims.len() != keys.len() {
-                return Err(store_failed(
-                    "claim",
-                    InboxError::InvalidArgument {
-                        message: format!(
-                            "claim_batch answered {} claims for {} keys",
-                            claims.len(),
-                            keys.len()
-                        ),
-                    },
-                ));
-            }
+            // Messages whose work failed in the optimistic attempt, with
+            // their error: the rerun gives their claims back unrun.
+            let mut failed_before: HashMap<usize, E> = HashMap::new();
+            let mut with_savepoints = false;
+            let items = loop {
+                let mut tx = self
+                    .store
+                    .begin()
+                    .await
+                    .map_err(|e| store_failed("begin", e))?;
+                let claims = tx
+                    .claim_batch(keys)
+                    .await
+                    .map_err(|e| store_failed("claim", e))?;
+                if claims.len() != keys.len() {
+                    return Err(store_failed(
+                        "claim",
+                        InboxError::InvalidArgument {
+                            message: format!(
+                                "claim_batch answered {} claims for {} keys",
+                                claims.len(),
+                                keys.len()
+                            ),
+                        },
+                    ));
+                }
 
-            let mut items: Vec<BatchItem<T, E>> = Vec::with_capacity(keys.len());
-            let mut fresh_at: HashMap<&InboxKey, usize> = HashMap::new();
-            let mut processed: Vec<InboxKey> = Vec::new();
-            for (index, (key, claim)) in keys.iter().zip(&claims).enumerate() {
-                if *claim == Claim::Duplicate {
-                    // A later copy of a key fresh earlier in this batch
-                    // follows its first copy, which is decided by now.
-                    items.push(match fresh_at.get(key) {
-                        Some(&first) if !matches!(items[first], BatchItem::Processed(_)) => {
-                            BatchItem::Redeliver
+                let mut items: Vec<BatchItem<T, E>> = Vec::with_capacity(keys.len());
+                let mut fresh_at: HashMap<&InboxKey, usize> = HashMap::new();
+                let mut processed: Vec<InboxKey> = Vec::new();
+                let mut first_failure: Option<(usize, E)> = None;
+                for (index, (key, claim)) in keys.iter().zip(&claims).enumerate() {
+                    if *claim == Claim::Duplicate {
+                        // A later copy of a key fresh earlier in this batch
+                        // follows its first copy, which is decided by now.
+                        items.push(match fresh_at.get(key) {
+                            Some(&first) if !matches!(items[first], BatchItem::Processed(_)) => {
+                                BatchItem::Redeliver
+                            }
+                            _ => BatchItem::Duplicate,
+                        });
+                        continue;
+                    }
+                    fresh_at.insert(key, index);
+                    if let Some(error) = failed_before.remove(&index) {
+                        tx.unclaim(key).await.map_err(|e| store_failed("work", e))?;
+                        items.push(BatchItem::Failed(error));
+                        continue;
+                    }
+                    if !with_savepoints {
+                        match work(&mut tx, index).await {
+                            Ok(value) => {
+                                processed.push(key.clone());
+                                items.push(BatchItem::Processed(value));
+                            }
+                            Err(error) => {
+                                first_failure = Some((index, error));
+                                break;
+                            }
                         }
-                        _ => BatchItem::Duplicate,
-                    });
+                        continue;
+                    }
+                    tx.savepoint().await.map_err(|e| store_failed("work", e))?;
+                    match work(&mut tx, index).await {
+                        Ok(value) => {
+                            tx.release_savepoint()
+                                .await
+                                .map_err(|e| store_failed("work", e))?;
+                            processed.push(key.clone());
+                            items.push(BatchItem::Processed(value));
+                        }
+                        Err(error) => {
+                            tx.rollback_to_savepoint()
+                                .await
+                                .map_err(|e| store_failed("work", e))?;
+                            tx.unclaim(key).await.map_err(|e| store_failed("work", e))?;
+                            work_failed(key);
+                            items.push(BatchItem::Failed(error));
+                        }
+                    }
+                }
+
+                if let Some((index, error)) = first_failure {
+                    // Without savepoints the failure cannot be undone alone
+                    // (and in PostgreSQL a failed statement aborts the whole
+                    // transaction): drop this attempt, rerun with savepoints.
+                    if let Err(rollback) = tx.rollback().await {
+                        tracing::debug!(error = %rollback,
+                            "rollback of the optimistic batch attempt failed");
+                    }
+                    work_failed(&keys[index]);
+                    metrics::counter!(names::BATCH_RERUNS).increment(1);
+                    tracing::debug!(message_id = %keys[index].message_id,
+                        consumer = %keys[index].consumer, batch = keys.len(),
+                        "work failed in an optimistic batch; rerunning with savepoints");
+                    failed_before.insert(index, error);
+                    with_savepoints = true;
                     continue;
                 }
-                fresh_at.insert(key, index);
-                tx.savepoint().await.map_err(|e| store_failed("work", e))?;
-                match work(&mut tx, index).await {
-                    Ok(value) => {
-                        tx.release_savepoint()
-                            .await
-                            .map_err(|e| store_failed("work", e))?;
-                        processed.push(key.clone());
-                        items.push(BatchItem::Processed(value));
-                    }
-                    Err(error) => {
-                        tx.rollback_to_savepoint()
-                            .await
-                            .map_err(|e| store_failed("work", e))?;
-                        tx.unclaim(key).await.map_err(|e| store_failed("work", e))?;
-                        metrics::counter!(names::FAILED,
-                            "consumer" => key.consumer.as_str().to_owned(),
-                            "stage" => "work",
-                            "retryable" => "unknown")
-                        .increment(1);
-                        items.push(BatchItem::Failed(error));
-                    }
-                }
-            }
-            tx.mark_processed_batch(&processed)
-                .await
-                .map_err(|e| store_failed("commit", e))?;
-            tx.commit().await.map_err(|e| store_failed("commit", e))?;
+                tx.mark_processed_batch(&processed)
+                    .await
+                    .map_err(|e| store_failed("commit", e))?;
+                tx.commit().await.map_err(|e| store_failed("commit", e))?;
+                break items;
+            };
 
             let elapsed = started.elapsed().as_secs_f64();
             for (key, item) in keys.iter().zip(&items) {

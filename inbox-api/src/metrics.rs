@@ -11,6 +11,7 @@
 //! | `inbox_duplicates_discarded_total` | counter | `consumer` | [`crate::Inbox::handle`], on `Duplicate` |
 //! | `inbox_failed_total` | counter | `consumer`, `stage` (`begin`, `claim`, `work`, `commit`), `retryable` (`true`, `false`, `unknown` for the work's own errors) | [`crate::Inbox::handle`] |
 //! | `inbox_handle_duration_seconds` | histogram | `consumer`, `outcome` (`processed`, `duplicate`, `failed`) | [`crate::Inbox::handle`] |
+//! | `inbox_batch_reruns_total` | counter | none | [`crate::Inbox::handle_batch`], when a work failure makes it rerun a batch with savepoints |
 //! | `inbox_purged_rows_total` | counter | none | [`crate::InboxStore::purge_processed_before`] |
 //! | `inbox_dead_lettered_total` | counter | `consumer`, `reason` | the consuming application |
 //! | `inbox_rows` | gauge | none | the consuming application (periodic count) |
@@ -23,6 +24,9 @@ pub const DUPLICATES_DISCARDED: &str = "inbox_duplicates_discarded_total";
 pub const FAILED: &str = "inbox_failed_total";
 /// Wall time of one [`crate::Inbox::handle`] call, begin to commit.
 pub const HANDLE_DURATION: &str = "inbox_handle_duration_seconds";
+/// Batches rerun with a savepoint per message after a work failure in the
+/// optimistic attempt ([`crate::Inbox::handle_batch`]).
+pub const BATCH_RERUNS: &str = "inbox_batch_reruns_total";
 /// Rows deleted by cleanup.
 pub const PURGED_ROWS: &str = "inbox_purged_rows_total";
 /// Deliveries sent to a dead-letter queue (recorded by the application).
@@ -46,6 +50,10 @@ pub fn describe() {
         HANDLE_DURATION,
         Unit::Seconds,
         "Time from begin to commit of one delivery"
+    );
+    describe_counter!(
+        BATCH_RERUNS,
+        "Batches rerun with savepoints after a message's work failed"
     );
     describe_counter!(PURGED_ROWS, "Processed inbox rows deleted by cleanup");
     describe_counter!(
