@@ -12,9 +12,10 @@
 //!   store error (begin, claim, commit) ─► the whole batch: retried, then requeued / capped
 //! ```
 //!
-//! The guarantee is the per-message one: each message's work runs in its own
-//! savepoint, so one failing message rolls back alone (its claim too) and the
-//! rest of the batch commits; nothing is acked before the commit.
+//! The guarantee is the per-message one: one failing message rolls back
+//! alone (its claim too) and the rest of the batch commits; nothing is acked
+//! before the commit. (`handle_batch` runs a batch without savepoints first
+//! and reruns it with one per message only after a failure; see its docs.)
 //!
 //! **Multiple-ack.** `basic.ack(tag, multiple = true)` settles *every*
 //! unsettled delivery of the channel up to `tag`, including those of other
