@@ -43,7 +43,7 @@
 //! `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`),
 //! `INBOX_BENCH_SECS` (seconds per cell, default 2), `INBOX_BENCH_TASKS`
 //! (default `1,4,16`), `INBOX_BENCH_E2E_EVENTS` (events per end-to-end
-//! cell, default 3000), `INBOX_BENCH_CLEANUP_ROWS` (default 1,000,000; 0
+//! cell, default 10,000), `INBOX_BENCH_CLEANUP_ROWS` (default 1,000,000; 0
 //! skips the cleanup run).
 
 use std::fmt::Write as _;
@@ -623,7 +623,7 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
         .filter(|n| *n > 0)
-        .unwrap_or(3000);
+        .unwrap_or(10_000);
     let app_schema = format!("{schema}_app");
     let app_store = e2e::store(url, &app_schema, pool_size).await?;
     let modes = [E2e::Bare, E2e::PerMessage, E2e::Batched(100)];
@@ -754,7 +754,7 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
         "\nEnd-to-end rows: {e2e_events} events pre-published to the app's topic exchange, each routed \
          to both consumers' queues; rate = deliveries acked per second over both queues; \
          tasks = consumers per queue (bare) or the app's concurrency per queue (prefetch \
-         max(32, 4 × tasks) per message, 100 × tasks batched, batch wait 20 ms)."
+         max(32, 4 × tasks) per message, 2 × 100 × tasks batched so that the next batch arrives while one commits, batch wait 20 ms)."
     );
 
     // Targets, from this run.

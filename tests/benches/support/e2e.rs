@@ -122,7 +122,7 @@ pub(crate) async fn cell(
         }
         E2e::PerMessage | E2e::Batched(_) => {
             let prefetch = match mode {
-                E2e::Batched(k) => u16::try_from(k * tasks).unwrap_or(u16::MAX),
+                E2e::Batched(k) => u16::try_from(2 * k * tasks).unwrap_or(u16::MAX),
                 _ => u16::try_from((4 * tasks).max(32)).unwrap_or(u16::MAX),
             };
             let batch = match mode {
