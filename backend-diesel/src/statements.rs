@@ -65,6 +65,7 @@ impl KeyColumns {
 /// overlapping batches take their row locks in the same order and cannot
 /// deadlock), `ON CONFLICT DO NOTHING`, `RETURNING` the keys inserted. A key
 /// repeated in the batch conflicts with its own first copy and is skipped.
+/// Each row carries `processed_at = now()`, as the single claim does.
 pub(crate) struct ClaimBatch(pub(crate) KeyColumns);
 
 impl QueryId for ClaimBatch {
@@ -79,7 +80,8 @@ impl Query for ClaimBatch {
 impl QueryFragment<Pg> for ClaimBatch {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql(
-            "INSERT INTO inbox_messages (id, consumer_type) SELECT id, consumer_type FROM ",
+            "INSERT INTO inbox_messages (id, consumer_type, processed_at) \
+             SELECT id, consumer_type, now() FROM ",
         );
         self.0.walk(&mut out)?;
         out.push_sql(

@@ -223,11 +223,16 @@ impl InboxTransaction for DieselTransaction {
     /// key wait for this transaction); none → a committed row (or this
     /// transaction's own) exists → `Duplicate`. A unique violation can never
     /// surface, so a duplicate is never an error.
+    ///
+    /// The row carries `processed_at = CURRENT_TIMESTAMP` (PostgreSQL's
+    /// `now()`, the transaction's start): it becomes visible only at COMMIT,
+    /// together with the work, so a committed row is a processed message.
     async fn claim(&mut self, key: &InboxKey) -> Result<Claim, InboxError> {
         let inserted = diesel::insert_into(inbox_messages::table)
             .values((
                 inbox_messages::id.eq(key.message_id.as_uuid()),
                 inbox_messages::consumer_type.eq(key.consumer.as_str()),
+                inbox_messages::processed_at.eq(diesel::dsl::now),
             ))
             .on_conflict_do_nothing()
             .execute(self.conn())

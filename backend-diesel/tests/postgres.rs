@@ -1126,7 +1126,7 @@ async fn hot_statements_are_prepared_once_per_connection() {
     for start in [
         "INSERT INTO \"inbox_messages\"",
         "UPDATE inbox_messages SET processed_at",
-        "INSERT INTO inbox_messages (id, consumer_type) SELECT",
+        "INSERT INTO inbox_messages (id, consumer_type, processed_at) SELECT",
         "UPDATE inbox_messages m SET processed_at",
     ] {
         let n = prepared.iter().filter(|s| s.starts_with(start)).count();

@@ -30,10 +30,10 @@
 //!   wakes waiters. Rollback, or dropping an unfinished transaction (a
 //!   panic, a cancelled future), releases its claims and discards its
 //!   writes synchronously: no trace is left.
-//! - **Timestamps** come from a [`Clock`]: `received_at` at claim,
-//!   `processed_at` at [`mark_processed`](inbox_api::InboxTransaction::mark_processed)
-//!   (only for a key this transaction claimed `Fresh`). A [`ManualClock`]
-//!   makes retention tests instant.
+//! - **Timestamps** come from a [`Clock`]: a `Fresh` claim records both
+//!   `received_at` and `processed_at`, which become visible with the commit
+//!   (a committed row is a processed message). A [`ManualClock`] makes
+//!   retention tests instant.
 //! - **Cleanup** deletes only committed, processed rows older than the
 //!   cutoff, at most `limit` per batch, through a per-shard index on
 //!   `processed_at`, one shard lock at a time.

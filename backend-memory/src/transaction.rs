@@ -17,7 +17,9 @@ pub(crate) struct OwnClaim {
     pub(crate) key: InboxKey,
     /// Cached so commit and release need not hash the key again.
     pub(crate) shard: usize,
-    /// Set by `mark_processed`, written at commit.
+    /// The store clock at the claim, written at commit: the row becomes
+    /// visible only then, with the work, so a committed row is processed.
+    /// Always `Some`; an `Option` because the row's column is.
     pub(crate) processed_at: Option<DateTime<Utc>>,
 }
 
@@ -154,6 +156,9 @@ impl fmt::Debug for MemoryTransaction {
 impl InboxTransaction for MemoryTransaction {
     /// Inserts a pending row for `key`, or finds out why it cannot.
     ///
+    /// A `Fresh` claim records the store clock as both `received_at` and
+    /// `processed_at`; both become visible with the commit.
+    ///
     /// Waiting does not block a thread: the claim sleeps on the holder's
     /// notification, taken under the shard lock, then takes the lock again
     /// and retries, exactly like Postgres re-checking a conflicting tuple
@@ -171,7 +176,7 @@ impl InboxTransaction for MemoryTransaction {
                     self.claims.push(OwnClaim {
                         key: key.clone(),
                         shard,
-                        processed_at: None,
+                        processed_at: Some(now),
                     });
                     return Ok(Claim::Fresh);
                 }

@@ -45,7 +45,9 @@
 //!   key's unique index until the holder ends, then sees its committed row
 //!   (`Duplicate`) or inserts its own (`Fresh`). No check-then-insert, no
 //!   unique violation for a duplicate.
-//! - **Processed**: `processed_at = now()` in the same transaction.
+//! - **Processed**: the claim's INSERT sets `processed_at = now()` (the
+//!   transaction's start). The row becomes visible only at COMMIT, with the
+//!   work, so a committed row is a processed message.
 //! - **Batched mode** ([`inbox_api::Inbox::handle_batch`]): one
 //!   `INSERT … SELECT unnest(…) ON CONFLICT DO NOTHING RETURNING` claims a
 //!   whole batch, keys in sorted order so overlapping batches cannot
@@ -84,8 +86,12 @@ pub use sqlx;
 /// without the source tree.
 static MIGRATOR: Migrator = sqlx::migrate!("../migrations");
 
-const CLAIM: &str =
-    "INSERT INTO inbox_messages (id, consumer_type) VALUES ($1, $2) ON CONFLICT DO NOTHING";
+/// The claim records `processed_at` itself: the row only becomes visible at
+/// COMMIT, together with the work, so a committed row is a processed
+/// message. `now()` is the transaction's start, like `received_at`'s
+/// default.
+const CLAIM: &str = "INSERT INTO inbox_messages (id, consumer_type, processed_at) \
+     VALUES ($1, $2, now()) ON CONFLICT DO NOTHING";
 
 const MARK_PROCESSED: &str =
     "UPDATE inbox_messages SET processed_at = now() WHERE id = $1 AND consumer_type = $2";
@@ -94,9 +100,11 @@ const MARK_PROCESSED: &str =
 /// sorted order (bytewise, like `InboxKey`'s `Ord`), so two overlapping
 /// batches take their row locks in one global order and cannot deadlock.
 /// A key repeated in the batch conflicts with its own first copy and is
-/// skipped; `RETURNING` names the keys that were inserted.
-const CLAIM_BATCH: &str = "INSERT INTO inbox_messages (id, consumer_type) \
-     SELECT id, consumer_type FROM unnest($1::uuid[], $2::text[]) AS k(id, consumer_type) \
+/// skipped; `RETURNING` names the keys that were inserted. `processed_at`
+/// as in [`CLAIM`].
+const CLAIM_BATCH: &str = "INSERT INTO inbox_messages (id, consumer_type, processed_at) \
+     SELECT id, consumer_type, now() \
+     FROM unnest($1::uuid[], $2::text[]) AS k(id, consumer_type) \
      ORDER BY id, consumer_type COLLATE \"C\" \
      ON CONFLICT DO NOTHING RETURNING id, consumer_type";
 
