@@ -21,7 +21,7 @@
 //!   40P01), and that transaction is aborted.
 //! - **Distinct keys never wait on each other.** Rows live in 64 shards
 //!   chosen by key hash, each behind its own short-lived mutex; the hot path
-//!   (begin, claim, write, mark, commit) takes no global lock and never
+//!   (begin, claim, write, commit) takes no global lock and never
 //!   holds a lock across an `.await`.
 //! - **All or nothing.** Business writes ([`MemoryTransaction::put`],
 //!   [`MemoryTransaction::delete`]) are buffered in the transaction; commit

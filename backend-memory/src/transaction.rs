@@ -49,14 +49,13 @@ pub struct MemoryTransaction {
     savepoints: Vec<Savepoint>,
 }
 
-/// What a savepoint restores: the buffered writes as they were, which
-/// claims existed, and their processed marks.
+/// What a savepoint restores: the buffered writes as they were, and which
+/// claims existed.
 #[derive(Debug)]
 struct Savepoint {
     /// A copy, not a journal: batches are small and writes few per message.
     writes: HashMap<String, Write>,
     claims: usize,
-    processed_at: Vec<Option<DateTime<Utc>>>,
 }
 
 impl MemoryTransaction {
@@ -202,37 +201,16 @@ impl InboxTransaction for MemoryTransaction {
         }
     }
 
-    /// Records the processing time now (the store clock at this call), to
-    /// be written with the commit.
-    ///
-    /// Set at call time rather than at commit because that is when the work
-    /// was done, and because it keeps the timestamp deterministic under a
-    /// [`crate::ManualClock`].
-    async fn mark_processed(&mut self, key: &InboxKey) -> Result<(), InboxError> {
-        self.ensure_open()?;
-        let now = self.shared.clock.now();
-        match self.claims.iter_mut().rev().find(|claim| claim.key == *key) {
-            Some(claim) => {
-                claim.processed_at = Some(now);
-                Ok(())
-            }
-            None => Err(InboxError::InvalidArgument {
-                message: format!("cannot mark {key} processed: this transaction did not claim it"),
-            }),
-        }
-    }
-
     async fn savepoint(&mut self) -> Result<(), InboxError> {
         self.ensure_open()?;
         self.savepoints.push(Savepoint {
             writes: self.writes.clone(),
             claims: self.claims.len(),
-            processed_at: self.claims.iter().map(|c| c.processed_at).collect(),
         });
         Ok(())
     }
 
-    /// Restores the writes and marks, and releases the claims made since
+    /// Restores the writes, and releases the claims made since
     /// the newest savepoint (waking their waiters at once: nothing of theirs
     /// can commit any more).
     async fn rollback_to_savepoint(&mut self) -> Result<(), InboxError> {
@@ -244,9 +222,6 @@ impl InboxTransaction for MemoryTransaction {
             .split_off(savepoint.claims.min(self.claims.len()));
         for claim in &later {
             self.release_one(claim);
-        }
-        for (claim, processed_at) in self.claims.iter_mut().zip(savepoint.processed_at) {
-            claim.processed_at = processed_at;
         }
         Ok(())
     }
@@ -276,7 +251,6 @@ impl InboxTransaction for MemoryTransaction {
         for savepoint in &mut self.savepoints {
             if savepoint.claims > position {
                 savepoint.claims -= 1;
-                savepoint.processed_at.remove(position);
             }
         }
         Ok(())
