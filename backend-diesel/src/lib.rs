@@ -18,8 +18,8 @@
 //!   unnest(…)` claims the batch in key order, each message's work runs in a
 //!   savepoint of its own, a failed message's claim is deleted again.
 //! - The hot statements are prepared once per connection (diesel re-prepares
-//!   its UPDATEs and `sql_query`s on every call, so those few are written as
-//!   fixed query fragments); prefer diesel's DSL over `sql_query` for the
+//!   its UPDATEs, hand-built `INSERT … SELECT`s and `sql_query`s on every
+//!   call, so the batch claim is written as a fixed query fragment); prefer diesel's DSL over `sql_query` for the
 //!   consumer's own hot writes for the same reason.
 //! - [`classify`] turns diesel errors into [`inbox_api::InboxError`]s that
 //!   say retry or dead-letter, the same table as the sqlx backend.

@@ -1,42 +1,23 @@
-//! The hot statements whose SQL diesel's DSL cannot express or would not
-//! cache, as query fragments diesel-async prepares once per connection.
+//! The hot statement whose SQL diesel's DSL cannot express or would not
+//! cache (the batch claim), as a query fragment diesel-async prepares once
+//! per connection.
 //!
 //! diesel marks every UPDATE, every `INSERT … SELECT` built by hand and every
 //! `sql_query` unsafe to cache, so diesel-async prepares them anew on every
-//! call: a round trip and a parse of their own per message (measured: with
-//! the mark as a DSL UPDATE the diesel inbox ran at 0.74 of the sqlx inbox at
-//! 16 tasks). The SQL of these fragments never varies, so a static
-//! [`QueryId`] lets the statement cache keep them, like the claim's INSERT.
-//! Their tables and columns are those of [`crate::schema`]; the SQL text is
+//! call: a round trip and a parse of their own per message (measured on the
+//! processed-mark UPDATE the inbox used to run: as a DSL UPDATE the diesel
+//! inbox ran at 0.74 of the sqlx inbox at 16 tasks). The SQL of this
+//! fragment never varies, so a static [`QueryId`] lets the statement cache
+//! keep it, like the claim's INSERT.
+//! Its table and columns are those of [`crate::schema`]; the SQL text is
 //! the sqlx backend's.
 
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::result::QueryResult;
-use diesel::sql_types::{Array, Text, Uuid, Varchar};
+use diesel::sql_types::{Array, Text, Uuid};
 
-/// `UPDATE … SET processed_at = now()` for one key.
-pub(crate) struct MarkProcessed<'a> {
-    pub(crate) id: &'a uuid::Uuid,
-    pub(crate) consumer: &'a str,
-}
-
-impl QueryId for MarkProcessed<'_> {
-    type QueryId = MarkProcessed<'static>;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl QueryFragment<Pg> for MarkProcessed<'_> {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql("UPDATE inbox_messages SET processed_at = now() WHERE id = ");
-        out.push_bind_param::<Uuid, _>(self.id)?;
-        out.push_sql(" AND consumer_type = ");
-        out.push_bind_param::<Varchar, _>(self.consumer)?;
-        Ok(())
-    }
-}
-
-/// The keys as the two parallel arrays the batch statements unnest.
+/// The keys as the two parallel arrays the batch claim unnests.
 pub(crate) struct KeyColumns {
     pub(crate) ids: Vec<uuid::Uuid>,
     pub(crate) consumers: Vec<String>,
@@ -65,6 +46,7 @@ impl KeyColumns {
 /// overlapping batches take their row locks in the same order and cannot
 /// deadlock), `ON CONFLICT DO NOTHING`, `RETURNING` the keys inserted. A key
 /// repeated in the batch conflicts with its own first copy and is skipped.
+/// Each row carries `processed_at = now()`, as the single claim does.
 pub(crate) struct ClaimBatch(pub(crate) KeyColumns);
 
 impl QueryId for ClaimBatch {
@@ -79,30 +61,14 @@ impl Query for ClaimBatch {
 impl QueryFragment<Pg> for ClaimBatch {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql(
-            "INSERT INTO inbox_messages (id, consumer_type) SELECT id, consumer_type FROM ",
+            "INSERT INTO inbox_messages (id, consumer_type, processed_at) \
+             SELECT id, consumer_type, now() FROM ",
         );
         self.0.walk(&mut out)?;
         out.push_sql(
             " ORDER BY id, consumer_type COLLATE \"C\" \
              ON CONFLICT DO NOTHING RETURNING id, consumer_type::text",
         );
-        Ok(())
-    }
-}
-
-/// Marks a batch of keys processed in one statement.
-pub(crate) struct MarkProcessedBatch(pub(crate) KeyColumns);
-
-impl QueryId for MarkProcessedBatch {
-    type QueryId = MarkProcessedBatch;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl QueryFragment<Pg> for MarkProcessedBatch {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql("UPDATE inbox_messages m SET processed_at = now() FROM ");
-        self.0.walk(&mut out)?;
-        out.push_sql(" WHERE m.id = k.id AND m.consumer_type = k.consumer_type");
         Ok(())
     }
 }

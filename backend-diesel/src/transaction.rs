@@ -13,7 +13,7 @@ use inbox_api::{Claim, ConsumerName, InboxError, InboxKey, InboxTransaction, Mes
 
 use crate::error::{classify, is_unrecognised};
 use crate::schema::inbox_messages;
-use crate::statements::{ClaimBatch, KeyColumns, MarkProcessed, MarkProcessedBatch};
+use crate::statements::{ClaimBatch, KeyColumns};
 
 pub(crate) use crate::store::PooledConnection as Pooled;
 
@@ -44,7 +44,7 @@ pub struct DieselTransaction {
     /// commit/rollback/drop, after the connection was handed back or closed.
     conn: Option<Pooled>,
     /// Keys this transaction holds (claimed `Fresh`, not unclaimed): the
-    /// only ones it may mark or unclaim.
+    /// only ones it may unclaim.
     claimed: HashSet<InboxKey>,
     /// Changes to `claimed` made while a savepoint is open, oldest first,
     /// so that rolling back to a savepoint can undo them.
@@ -223,11 +223,16 @@ impl InboxTransaction for DieselTransaction {
     /// key wait for this transaction); none → a committed row (or this
     /// transaction's own) exists → `Duplicate`. A unique violation can never
     /// surface, so a duplicate is never an error.
+    ///
+    /// The row carries `processed_at = CURRENT_TIMESTAMP` (PostgreSQL's
+    /// `now()`, the transaction's start): it becomes visible only at COMMIT,
+    /// together with the work, so a committed row is a processed message.
     async fn claim(&mut self, key: &InboxKey) -> Result<Claim, InboxError> {
         let inserted = diesel::insert_into(inbox_messages::table)
             .values((
                 inbox_messages::id.eq(key.message_id.as_uuid()),
                 inbox_messages::consumer_type.eq(key.consumer.as_str()),
+                inbox_messages::processed_at.eq(diesel::dsl::now),
             ))
             .on_conflict_do_nothing()
             .execute(self.conn())
@@ -241,30 +246,6 @@ impl InboxTransaction for DieselTransaction {
             Ok(n) => Err(InboxError::Store {
                 retryable: false,
                 source: format!("claim inserted {n} rows for one key").into(),
-            }),
-            Err(error) => Err(self.refine(error).await),
-        }
-    }
-
-    async fn mark_processed(&mut self, key: &InboxKey) -> Result<(), InboxError> {
-        if !self.claimed.contains(key) {
-            // Updating a row this transaction did not claim would touch
-            // another delivery's committed row, or nothing.
-            return Err(InboxError::InvalidArgument {
-                message: format!("mark_processed: {key} was not claimed by this transaction"),
-            });
-        }
-        let updated = MarkProcessed {
-            id: key.message_id.as_uuid(),
-            consumer: key.consumer.as_str(),
-        }
-        .execute(self.conn())
-        .await;
-        match updated {
-            Ok(1) => Ok(()),
-            // The consumer's own writes deleted the claim.
-            Ok(_) => Err(InboxError::InvalidArgument {
-                message: format!("mark_processed: no inbox row for {key} in this transaction"),
             }),
             Err(error) => Err(self.refine(error).await),
         }
@@ -304,29 +285,6 @@ impl InboxTransaction for DieselTransaction {
             }
         }
         Ok(claims)
-    }
-
-    async fn mark_processed_batch(&mut self, keys: &[InboxKey]) -> Result<(), InboxError> {
-        if let Some(key) = keys.iter().find(|k| !self.claimed.contains(*k)) {
-            return Err(InboxError::InvalidArgument {
-                message: format!("mark_processed: {key} was not claimed by this transaction"),
-            });
-        }
-        let distinct: HashSet<&InboxKey> = keys.iter().collect();
-        if distinct.is_empty() {
-            return Ok(());
-        }
-        let expected = distinct.len();
-        let updated = MarkProcessedBatch(KeyColumns::of(distinct))
-            .execute(self.conn())
-            .await;
-        match updated {
-            Ok(n) if n == expected => Ok(()),
-            Ok(n) => Err(InboxError::InvalidArgument {
-                message: format!("mark_processed_batch: {n} of {expected} claimed rows found"),
-            }),
-            Err(error) => Err(self.refine(error).await),
-        }
     }
 
     async fn savepoint(&mut self) -> Result<(), InboxError> {

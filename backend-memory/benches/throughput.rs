@@ -22,7 +22,7 @@ use uuid::Uuid;
 /// What one message costs in each scenario.
 #[derive(Clone, Copy, Debug)]
 enum Scenario {
-    /// begin, claim (Fresh), one put, mark_processed, commit: by hand.
+    /// begin, claim (Fresh), one put, commit: by hand.
     Raw,
     /// The same through `Inbox::handle` (metrics and tracing calls included,
     /// with no recorder or subscriber installed).
@@ -34,8 +34,8 @@ enum Scenario {
 impl Scenario {
     fn label(self) -> &'static str {
         match self {
-            Self::Raw => "begin, claim Fresh, put, mark_processed, commit",
-            Self::Handle => "`Inbox::handle` (claim, put, mark, commit)",
+            Self::Raw => "begin, claim Fresh, put, commit",
+            Self::Handle => "`Inbox::handle` (claim, put, commit)",
             Self::Duplicate => "redelivery: begin, claim Duplicate, rollback",
         }
     }
@@ -115,7 +115,6 @@ async fn worker(
                 let claim = tx.claim(&key).await.expect("claim");
                 assert_eq!(claim, Claim::Fresh);
                 tx.put(format!("effect/{task}/{n}"), b"done".as_slice());
-                tx.mark_processed(&key).await.expect("mark");
                 tx.commit().await.expect("commit");
             }
             Scenario::Handle => {

@@ -21,7 +21,7 @@
 //!   40P01), and that transaction is aborted.
 //! - **Distinct keys never wait on each other.** Rows live in 64 shards
 //!   chosen by key hash, each behind its own short-lived mutex; the hot path
-//!   (begin, claim, write, mark, commit) takes no global lock and never
+//!   (begin, claim, write, commit) takes no global lock and never
 //!   holds a lock across an `.await`.
 //! - **All or nothing.** Business writes ([`MemoryTransaction::put`],
 //!   [`MemoryTransaction::delete`]) are buffered in the transaction; commit
@@ -30,10 +30,10 @@
 //!   wakes waiters. Rollback, or dropping an unfinished transaction (a
 //!   panic, a cancelled future), releases its claims and discards its
 //!   writes synchronously: no trace is left.
-//! - **Timestamps** come from a [`Clock`]: `received_at` at claim,
-//!   `processed_at` at [`mark_processed`](inbox_api::InboxTransaction::mark_processed)
-//!   (only for a key this transaction claimed `Fresh`). A [`ManualClock`]
-//!   makes retention tests instant.
+//! - **Timestamps** come from a [`Clock`]: a `Fresh` claim records both
+//!   `received_at` and `processed_at`, which become visible with the commit
+//!   (a committed row is a processed message). A [`ManualClock`] makes
+//!   retention tests instant.
 //! - **Cleanup** deletes only committed, processed rows older than the
 //!   cutoff, at most `limit` per batch, through a per-shard index on
 //!   `processed_at`, one shard lock at a time.

@@ -63,7 +63,7 @@ pub(crate) enum Slot {
     Committed {
         /// When the claim was made.
         received_at: DateTime<Utc>,
-        /// When the work was marked done, if it was.
+        /// When the message was processed: recorded by its claim.
         processed_at: Option<DateTime<Utc>>,
     },
 }

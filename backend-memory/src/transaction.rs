@@ -17,7 +17,9 @@ pub(crate) struct OwnClaim {
     pub(crate) key: InboxKey,
     /// Cached so commit and release need not hash the key again.
     pub(crate) shard: usize,
-    /// Set by `mark_processed`, written at commit.
+    /// The store clock at the claim, written at commit: the row becomes
+    /// visible only then, with the work, so a committed row is processed.
+    /// Always `Some`; an `Option` because the row's column is.
     pub(crate) processed_at: Option<DateTime<Utc>>,
 }
 
@@ -47,14 +49,13 @@ pub struct MemoryTransaction {
     savepoints: Vec<Savepoint>,
 }
 
-/// What a savepoint restores: the buffered writes as they were, which
-/// claims existed, and their processed marks.
+/// What a savepoint restores: the buffered writes as they were, and which
+/// claims existed.
 #[derive(Debug)]
 struct Savepoint {
     /// A copy, not a journal: batches are small and writes few per message.
     writes: HashMap<String, Write>,
     claims: usize,
-    processed_at: Vec<Option<DateTime<Utc>>>,
 }
 
 impl MemoryTransaction {
@@ -154,6 +155,9 @@ impl fmt::Debug for MemoryTransaction {
 impl InboxTransaction for MemoryTransaction {
     /// Inserts a pending row for `key`, or finds out why it cannot.
     ///
+    /// A `Fresh` claim records the store clock as both `received_at` and
+    /// `processed_at`; both become visible with the commit.
+    ///
     /// Waiting does not block a thread: the claim sleeps on the holder's
     /// notification, taken under the shard lock, then takes the lock again
     /// and retries, exactly like Postgres re-checking a conflicting tuple
@@ -171,7 +175,7 @@ impl InboxTransaction for MemoryTransaction {
                     self.claims.push(OwnClaim {
                         key: key.clone(),
                         shard,
-                        processed_at: None,
+                        processed_at: Some(now),
                     });
                     return Ok(Claim::Fresh);
                 }
@@ -197,37 +201,16 @@ impl InboxTransaction for MemoryTransaction {
         }
     }
 
-    /// Records the processing time now (the store clock at this call), to
-    /// be written with the commit.
-    ///
-    /// Set at call time rather than at commit because that is when the work
-    /// was done, and because it keeps the timestamp deterministic under a
-    /// [`crate::ManualClock`].
-    async fn mark_processed(&mut self, key: &InboxKey) -> Result<(), InboxError> {
-        self.ensure_open()?;
-        let now = self.shared.clock.now();
-        match self.claims.iter_mut().rev().find(|claim| claim.key == *key) {
-            Some(claim) => {
-                claim.processed_at = Some(now);
-                Ok(())
-            }
-            None => Err(InboxError::InvalidArgument {
-                message: format!("cannot mark {key} processed: this transaction did not claim it"),
-            }),
-        }
-    }
-
     async fn savepoint(&mut self) -> Result<(), InboxError> {
         self.ensure_open()?;
         self.savepoints.push(Savepoint {
             writes: self.writes.clone(),
             claims: self.claims.len(),
-            processed_at: self.claims.iter().map(|c| c.processed_at).collect(),
         });
         Ok(())
     }
 
-    /// Restores the writes and marks, and releases the claims made since
+    /// Restores the writes, and releases the claims made since
     /// the newest savepoint (waking their waiters at once: nothing of theirs
     /// can commit any more).
     async fn rollback_to_savepoint(&mut self) -> Result<(), InboxError> {
@@ -239,9 +222,6 @@ impl InboxTransaction for MemoryTransaction {
             .split_off(savepoint.claims.min(self.claims.len()));
         for claim in &later {
             self.release_one(claim);
-        }
-        for (claim, processed_at) in self.claims.iter_mut().zip(savepoint.processed_at) {
-            claim.processed_at = processed_at;
         }
         Ok(())
     }
@@ -271,7 +251,6 @@ impl InboxTransaction for MemoryTransaction {
         for savepoint in &mut self.savepoints {
             if savepoint.claims > position {
                 savepoint.claims -= 1;
-                savepoint.processed_at.remove(position);
             }
         }
         Ok(())

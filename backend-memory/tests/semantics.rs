@@ -111,7 +111,6 @@ async fn reclaim_in_the_same_transaction_is_duplicate_and_does_not_wait() {
         .await
         .expect("must not wait on itself");
     assert_eq!(again.unwrap(), Claim::Duplicate);
-    tx.mark_processed(&k).await.unwrap();
     tx.commit().await.unwrap();
     assert_eq!(store.inbox_len(), 1);
 }
@@ -265,8 +264,7 @@ async fn distinct_keys_do_not_wait_on_each_other() {
 async fn lookup_sees_only_committed_rows_and_never_waits() {
     let store = MemoryStore::new();
     let k = key("c");
-    let (_, mut holder) = claim(&store, &k).await;
-    holder.mark_processed(&k).await.unwrap();
+    let (_, holder) = claim(&store, &k).await;
     let found = timeout(PROBE, store.lookup(&k)).await.expect("no wait");
     assert_eq!(found.unwrap(), None);
     holder.commit().await.unwrap();
@@ -309,7 +307,7 @@ async fn crossed_claims_are_a_deadlock_that_aborts_one_transaction() {
 
     // The aborted transaction refuses further work and cannot commit.
     assert!(matches!(
-        b.mark_processed(&k2).await,
+        b.savepoint().await,
         Err(InboxError::Conflict { .. })
     ));
     assert!(
@@ -345,7 +343,6 @@ async fn racing_deliveries_with_crashes_commit_each_effect_once() {
                         0 if attempt < 3 => drop(tx),
                         1 if attempt < 3 => tx.rollback().await.unwrap(),
                         _ => {
-                            tx.mark_processed(&k).await.unwrap();
                             tx.commit().await.unwrap();
                             return;
                         }
@@ -390,7 +387,6 @@ async fn claim_and_writes_become_visible_together_at_commit() {
     let other = store.begin().await.unwrap();
     assert_eq!(other.get("effect/1"), None);
 
-    tx.mark_processed(&k).await.unwrap();
     tx.commit().await.unwrap();
     assert_eq!(other.get("effect/1"), Some(b"a".to_vec()), "read committed");
     assert_eq!(
@@ -419,7 +415,6 @@ async fn readers_never_see_half_a_commit() {
                     assert_eq!(tx.claim(&k).await.unwrap(), Claim::Fresh);
                     tx.put(format!("effect/{}", k.message_id), "e");
                     tx.put(format!("audit/{}", k.message_id), "a");
-                    tx.mark_processed(&k).await.unwrap();
                     tx.commit().await.unwrap();
                 }
             })
@@ -536,66 +531,38 @@ async fn scan_prefix_filters_and_sorts() {
     assert_eq!(store.scan_prefix("").len(), 5);
 }
 
-// --- timestamps and processed marks ----------------------------------------
-
-#[tokio::test]
-async fn mark_processed_only_for_a_key_claimed_fresh_here() {
-    let store = MemoryStore::new();
-    let k = key("c");
-    let mut tx = store.begin().await.unwrap();
-    let err = tx.mark_processed(&k).await.unwrap_err();
-    assert!(matches!(err, InboxError::InvalidArgument { .. }), "{err}");
-    assert!(!err.is_retryable());
-    assert_eq!(tx.claim(&k).await.unwrap(), Claim::Fresh);
-    tx.commit().await.unwrap();
-
-    // A duplicate claim does not make the key this transaction's.
-    let (dup, mut tx) = claim(&store, &k).await;
-    assert_eq!(dup, Claim::Duplicate);
-    assert!(matches!(
-        tx.mark_processed(&k).await,
-        Err(InboxError::InvalidArgument { .. })
-    ));
-    // The failed mark did not poison the transaction.
-    tx.put("still", "usable");
-    tx.commit().await.unwrap();
-    assert_eq!(store.get("still"), Some(b"usable".to_vec()));
-}
+// --- timestamps ---------------------------------------------------------------
 
 #[tokio::test]
 async fn timestamps_come_from_the_store_clock() {
     let clock = Arc::new(ManualClock::new(t0()));
     let store = MemoryStore::with_clock(clock.clone());
-    let (marked, unmarked) = (key("c"), key("c"));
+    let (first, second) = (key("c"), key("c"));
 
     let mut tx = store.begin().await.unwrap();
-    assert_eq!(tx.claim(&marked).await.unwrap(), Claim::Fresh);
+    assert_eq!(tx.claim(&first).await.unwrap(), Claim::Fresh);
     clock.advance(Duration::from_secs(5));
-    assert_eq!(tx.claim(&unmarked).await.unwrap(), Claim::Fresh);
-    clock.advance(Duration::from_secs(5));
-    tx.mark_processed(&marked).await.unwrap();
+    assert_eq!(tx.claim(&second).await.unwrap(), Claim::Fresh);
     clock.advance(Duration::from_secs(5));
     tx.commit().await.unwrap();
 
-    let row = store.lookup(&marked).await.unwrap().unwrap();
+    // The claim records both, at its own time, not at the commit's.
+    let row = store.lookup(&first).await.unwrap().unwrap();
     assert_eq!(row.received_at, t0());
-    assert_eq!(row.processed_at, Some(t0() + TimeDelta::seconds(10)));
-    let row = store.lookup(&unmarked).await.unwrap().unwrap();
+    assert_eq!(row.processed_at, Some(t0()));
+    let row = store.lookup(&second).await.unwrap().unwrap();
     assert_eq!(row.received_at, t0() + TimeDelta::seconds(5));
-    assert_eq!(row.processed_at, None, "committed without a mark");
+    assert_eq!(row.processed_at, Some(t0() + TimeDelta::seconds(5)));
 }
 
 // --- cleanup -----------------------------------------------------------------
 
-/// Commits one claim of a new key, marked processed or not, at the clock's
-/// current time.
-async fn commit_row(store: &MemoryStore, processed: bool) -> InboxKey {
+/// Commits one claim of a new key (processed, as every committed claim)
+/// at the clock's current time.
+async fn commit_row(store: &MemoryStore) -> InboxKey {
     let k = key("c");
-    let (claim, mut tx) = claim(store, &k).await;
+    let (claim, tx) = claim(store, &k).await;
     assert_eq!(claim, Claim::Fresh);
-    if processed {
-        tx.mark_processed(&k).await.expect("mark");
-    }
     tx.commit().await.expect("commit");
     k
 }
@@ -607,16 +574,15 @@ async fn purge_deletes_only_old_processed_rows_in_bounded_batches() {
 
     let mut old = Vec::new();
     for _ in 0..5 {
-        old.push(commit_row(&store, true).await);
+        old.push(commit_row(&store).await);
     }
-    let unprocessed = commit_row(&store, false).await;
-    // Claimed and marked long ago, but never committed: not a row yet.
+    // Claimed (and so stamped processed) long ago, but never committed: not
+    // a row yet.
     let in_flight = key("c");
-    let (_, mut holder) = claim(&store, &in_flight).await;
-    holder.mark_processed(&in_flight).await.unwrap();
+    let (_, holder) = claim(&store, &in_flight).await;
 
     clock.advance(Duration::from_secs(3600));
-    let recent = commit_row(&store, true).await;
+    let recent = commit_row(&store).await;
     let cutoff = t0() + TimeDelta::seconds(60);
 
     let err = store.purge_processed_batch(cutoff, 0).await.unwrap_err();
@@ -630,13 +596,12 @@ async fn purge_deletes_only_old_processed_rows_in_bounded_batches() {
     for k in &old {
         assert_eq!(store.lookup(k).await.unwrap(), None);
     }
-    assert!(store.lookup(&unprocessed).await.unwrap().is_some());
     assert!(store.lookup(&recent).await.unwrap().is_some());
 
     // The in-flight claim was untouched and still commits; only then is
     // it old enough to go.
     holder.commit().await.unwrap();
-    assert_eq!(store.inbox_len(), 3);
+    assert_eq!(store.inbox_len(), 2);
     assert_eq!(store.purge_processed_before(cutoff, 10).await.unwrap(), 1);
     assert_eq!(store.lookup(&in_flight).await.unwrap(), None);
 
@@ -649,7 +614,7 @@ async fn purge_before_loops_batches_over_many_rows() {
     let clock = Arc::new(ManualClock::new(t0()));
     let store = MemoryStore::with_clock(clock.clone());
     for _ in 0..1_000 {
-        commit_row(&store, true).await;
+        commit_row(&store).await;
         clock.advance(Duration::from_millis(1));
     }
     let cutoff = t0() + TimeDelta::milliseconds(900);

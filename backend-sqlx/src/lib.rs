@@ -2,11 +2,12 @@
 //!
 //! [`SqlxStore`] keeps the inbox in the table `inbox_messages` of one schema
 //! and hands the consumer a [`SqlxTransaction`]: the claim of the message,
-//! the consumer's own writes (through [`SqlxTransaction::conn`]) and the
-//! processed mark share one PostgreSQL transaction, so they commit together
-//! or not at all. That shared fate is the whole point: an inbox kept in
-//! another transaction (or another database) than the business writes
-//! cannot tell a crash before the work from a crash after it.
+//! which also records it processed, and the consumer's own writes (through
+//! [`SqlxTransaction::conn`]) share one PostgreSQL transaction, so they
+//! commit together or not at all. That shared fate is the whole point: an
+//! inbox kept in another transaction (or another database) than the
+//! business writes cannot tell a crash before the work from a crash after
+//! it.
 //!
 //! ```no_run
 //! use inbox_api::{ConsumerName, Handled, Inbox, InboxError, InboxKey, MessageId};
@@ -45,7 +46,9 @@
 //!   key's unique index until the holder ends, then sees its committed row
 //!   (`Duplicate`) or inserts its own (`Fresh`). No check-then-insert, no
 //!   unique violation for a duplicate.
-//! - **Processed**: `processed_at = now()` in the same transaction.
+//! - **Processed**: the claim's INSERT sets `processed_at = now()` (the
+//!   transaction's start). The row becomes visible only at COMMIT, with the
+//!   work, so a committed row is a processed message.
 //! - **Batched mode** ([`inbox_api::Inbox::handle_batch`]): one
 //!   `INSERT … SELECT unnest(…) ON CONFLICT DO NOTHING RETURNING` claims a
 //!   whole batch, keys in sorted order so overlapping batches cannot
@@ -84,25 +87,24 @@ pub use sqlx;
 /// without the source tree.
 static MIGRATOR: Migrator = sqlx::migrate!("../migrations");
 
-const CLAIM: &str =
-    "INSERT INTO inbox_messages (id, consumer_type) VALUES ($1, $2) ON CONFLICT DO NOTHING";
-
-const MARK_PROCESSED: &str =
-    "UPDATE inbox_messages SET processed_at = now() WHERE id = $1 AND consumer_type = $2";
+/// The claim records `processed_at` itself: the row only becomes visible at
+/// COMMIT, together with the work, so a committed row is a processed
+/// message. `now()` is the transaction's start, like `received_at`'s
+/// default.
+const CLAIM: &str = "INSERT INTO inbox_messages (id, consumer_type, processed_at) \
+     VALUES ($1, $2, now()) ON CONFLICT DO NOTHING";
 
 /// Batched claim: the keys arrive as two parallel arrays and are inserted in
 /// sorted order (bytewise, like `InboxKey`'s `Ord`), so two overlapping
 /// batches take their row locks in one global order and cannot deadlock.
 /// A key repeated in the batch conflicts with its own first copy and is
-/// skipped; `RETURNING` names the keys that were inserted.
-const CLAIM_BATCH: &str = "INSERT INTO inbox_messages (id, consumer_type) \
-     SELECT id, consumer_type FROM unnest($1::uuid[], $2::text[]) AS k(id, consumer_type) \
+/// skipped; `RETURNING` names the keys that were inserted. `processed_at`
+/// as in [`CLAIM`].
+const CLAIM_BATCH: &str = "INSERT INTO inbox_messages (id, consumer_type, processed_at) \
+     SELECT id, consumer_type, now() \
+     FROM unnest($1::uuid[], $2::text[]) AS k(id, consumer_type) \
      ORDER BY id, consumer_type COLLATE \"C\" \
      ON CONFLICT DO NOTHING RETURNING id, consumer_type";
-
-const MARK_PROCESSED_BATCH: &str = "UPDATE inbox_messages m SET processed_at = now() \
-     FROM unnest($1::uuid[], $2::text[]) AS k(id, consumer_type) \
-     WHERE m.id = k.id AND m.consumer_type = k.consumer_type";
 
 const UNCLAIM: &str = "DELETE FROM inbox_messages WHERE id = $1 AND consumer_type = $2";
 
@@ -361,8 +363,8 @@ impl InboxStore for SqlxStore {
 #[derive(Debug)]
 pub struct SqlxTransaction {
     tx: sqlx::Transaction<'static, Postgres>,
-    /// Keys this transaction claimed `Fresh`, so that marking any other key
-    /// is refused instead of touching a row someone else committed.
+    /// Keys this transaction claimed `Fresh`, so that unclaiming any other
+    /// key is refused instead of deleting a row someone else committed.
     claimed: HashSet<InboxKey>,
     /// Changes to `claimed` made while a savepoint is open, oldest first,
     /// so that rolling back to a savepoint can undo them.
@@ -428,25 +430,6 @@ impl InboxTransaction for SqlxTransaction {
         }
     }
 
-    async fn mark_processed(&mut self, key: &InboxKey) -> Result<(), InboxError> {
-        if !self.claimed.contains(key) {
-            return Err(not_claimed(key));
-        }
-        let updated = sqlx::query(MARK_PROCESSED)
-            .bind(key.message_id.as_uuid())
-            .bind(key.consumer.as_str())
-            .execute(&mut *self.tx)
-            .await
-            .map_err(classify)?
-            .rows_affected();
-        if updated == 0 {
-            // Only the consumer's own writes on `conn()` could have removed
-            // the row this transaction inserted.
-            return Err(not_claimed(key));
-        }
-        Ok(())
-    }
-
     async fn claim_batch(&mut self, keys: &[InboxKey]) -> Result<Vec<Claim>, InboxError> {
         if keys.is_empty() {
             return Ok(Vec::new());
@@ -477,40 +460,6 @@ impl InboxTransaction for SqlxTransaction {
             }
         }
         Ok(claims)
-    }
-
-    async fn mark_processed_batch(&mut self, keys: &[InboxKey]) -> Result<(), InboxError> {
-        if let Some(key) = keys.iter().find(|k| !self.claimed.contains(*k)) {
-            return Err(not_claimed(key));
-        }
-        let distinct: HashSet<&InboxKey> = keys.iter().collect();
-        if distinct.is_empty() {
-            return Ok(());
-        }
-        let distinct: Vec<InboxKey> = distinct.into_iter().cloned().collect();
-        let (ids, consumers) = columns(&distinct);
-        // Not a cached prepared statement: planned for a small table, its
-        // generic plan is a Seq Scan with a hash join that PostgreSQL keeps
-        // as the inbox grows (found by the benchmark, reproduced in psql:
-        // 60 ms per batch at 300,000 rows). Unnamed, it is planned with the
-        // actual arrays every time and walks the primary key.
-        let updated = sqlx::query(MARK_PROCESSED_BATCH)
-            .persistent(false)
-            .bind(ids)
-            .bind(consumers)
-            .execute(&mut *self.tx)
-            .await
-            .map_err(classify)?
-            .rows_affected();
-        if updated != distinct.len() as u64 {
-            return Err(InboxError::InvalidArgument {
-                message: format!(
-                    "mark_processed_batch: {updated} of {} claimed rows found",
-                    distinct.len()
-                ),
-            });
-        }
-        Ok(())
     }
 
     async fn savepoint(&mut self) -> Result<(), InboxError> {
@@ -622,12 +571,6 @@ fn no_savepoint() -> InboxError {
     }
 }
 
-fn not_claimed(key: &InboxKey) -> InboxError {
-    InboxError::InvalidArgument {
-        message: format!("mark_processed({key}): the key was not claimed by this transaction"),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -644,7 +587,7 @@ mod tests {
             assert_send(&store.begin());
             assert_send(&store.lookup(key));
             assert_send(&tx.claim(key));
-            assert_send(&tx.mark_processed(key));
+            assert_send(&tx.unclaim(key));
         }
         let _ = check;
     }

@@ -220,7 +220,6 @@ async fn harness_commit_lost_is_real() {
         let mut tx = store.begin().await.expect("begin");
         assert_eq!(tx.claim(&key).await.expect("claim"), Claim::Fresh);
         h.record_effect(&mut tx, &key).await.expect("work");
-        tx.mark_processed(&key).await.expect("mark");
         let outcome = h.commit_lost(&store, tx, commit_happens).await;
         assert_eq!(outcome, Some(commit_happens));
         let durable = store.lookup(&key).await.expect("lookup").is_some();

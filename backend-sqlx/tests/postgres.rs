@@ -94,7 +94,6 @@ async fn two_connections_claiming_one_key_get_exactly_one_fresh() {
                 let claim = tx.claim(&key).await.expect("claim");
                 match claim {
                     Claim::Fresh => {
-                        tx.mark_processed(&key).await.expect("mark");
                         tx.commit().await.expect("commit");
                     }
                     Claim::Duplicate => tx.rollback().await.expect("rollback"),
@@ -142,7 +141,6 @@ async fn blocked_claim(commit_first: bool) {
     assert_eq!(blockers, vec![a_pid], "B is blocked by A and only A");
 
     if commit_first {
-        a.mark_processed(&key).await.expect("mark");
         a.commit().await.expect("commit A");
     } else {
         a.rollback().await.expect("rollback A");
@@ -157,8 +155,6 @@ async fn blocked_claim(commit_first: bool) {
         b.rollback().await.expect("rollback B");
     } else {
         assert_eq!(claim, Claim::Fresh, "after A rolled back");
-        let mut b = b;
-        b.mark_processed(&key).await.expect("mark B");
         b.commit().await.expect("commit B");
     }
     let row = store.lookup(&key).await.expect("lookup");
@@ -227,8 +223,8 @@ async fn killed_after_claim_then_redelivered_once() {
     assert_processed_once(&store, &key).await;
 }
 
-/// The connection is killed after the work and the processed mark, before
-/// COMMIT: the effect vanishes with the claim; the redelivery runs it once.
+/// The connection is killed after the work, before COMMIT: the effect
+/// vanishes with the claim; the redelivery runs it once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_after_work_then_redelivered_once() {
     let store = fresh_store(4).await;
@@ -237,7 +233,6 @@ async fn killed_after_work_then_redelivered_once() {
     let mut tx = store.begin().await.expect("begin");
     assert_eq!(tx.claim(&key).await.expect("claim"), Claim::Fresh);
     record_effect(&mut tx, &key).await.expect("work");
-    tx.mark_processed(&key).await.expect("mark");
     common::kill(&store, tx).await;
     assert_no_trace(&store, &key).await;
     assert_eq!(redeliver(&store, &key).await, Handled::Processed(()));
@@ -294,7 +289,6 @@ async fn killed_during_commit_then_redelivered_once() {
     let mut tx = store.begin().await.expect("begin");
     assert_eq!(tx.claim(&key).await.expect("claim"), Claim::Fresh);
     record_effect(&mut tx, &key).await.expect("work");
-    tx.mark_processed(&key).await.expect("mark");
     let pid = backend_pid(&mut tx).await.expect("pid");
     let commit = tokio::spawn(tx.commit());
     eventually(
@@ -347,7 +341,6 @@ async fn commit_answer_lost_then_redelivery_is_duplicate() {
     let mut tx = relayed.begin().await.expect("begin");
     assert_eq!(tx.claim(&key).await.expect("claim"), Claim::Fresh);
     record_effect(&mut tx, &key).await.expect("work");
-    tx.mark_processed(&key).await.expect("mark");
     let port = common::client_port(&mut tx).await.expect("relayed port");
 
     relay.swallow_answers(port);
@@ -388,7 +381,6 @@ async fn kill_racing_commit_then_redelivery_settles_to_one_effect() {
         let mut tx = store.begin().await.expect("begin");
         assert_eq!(tx.claim(&key).await.expect("claim"), Claim::Fresh);
         record_effect(&mut tx, &key).await.expect("work");
-        tx.mark_processed(&key).await.expect("mark");
         let pid = backend_pid(&mut tx).await.expect("pid");
         let mut killer = store.pool().acquire().await.expect("killer connection");
         // Vary who goes first: the kill sent first, together, or a little
@@ -752,15 +744,9 @@ async fn overlapping_batches_in_opposite_orders_do_not_deadlock() {
                 let mut tx = store.begin().await.expect("begin");
                 barrier.wait().await;
                 let claims = tx.claim_batch(&batch).await?;
-                let fresh: Vec<InboxKey> = batch
-                    .iter()
-                    .zip(&claims)
-                    .filter(|(_, c)| **c == Claim::Fresh)
-                    .map(|(k, _)| k.clone())
-                    .collect();
-                tx.mark_processed_batch(&fresh).await?;
+                let fresh = claims.iter().filter(|c| **c == Claim::Fresh).count();
                 tx.commit().await?;
-                Ok::<_, InboxError>(fresh.len())
+                Ok::<_, InboxError>(fresh)
             })
         });
         let mut fresh = 0;
@@ -779,7 +765,8 @@ async fn overlapping_batches_in_opposite_orders_do_not_deadlock() {
 }
 
 /// A batch of 100 keys is claimed by the one `INSERT … unnest` statement
-/// (not key by key, as the trait's default does) and marked in one go.
+/// (not key by key, as the trait's default does), which also records
+/// `processed_at`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_of_100_keys_is_claimed_by_one_unnest_insert() {
     let store = fresh_store(2).await;
@@ -798,7 +785,6 @@ async fn a_batch_of_100_keys_is_claimed_by_one_unnest_insert() {
         last.starts_with("INSERT INTO inbox_messages") && last.contains("unnest"),
         "{last}"
     );
-    tx.mark_processed_batch(&keys).await.expect("mark batch");
     tx.commit().await.expect("commit");
     assert_eq!(
         common::count(&store, "inbox_messages WHERE processed_at IS NOT NULL").await,
@@ -832,7 +818,7 @@ async fn nested_savepoints_with_deferred_release_keep_sql_semantics() {
     // Rolling back the outer one undoes the released inner work and claim.
     tx.rollback_to_savepoint().await.expect("rollback outer");
     let error = tx
-        .mark_processed(&undone_with_parent)
+        .unclaim(&undone_with_parent)
         .await
         .expect_err("the claim was rolled back");
     assert!(matches!(error, InboxError::InvalidArgument { .. }));
@@ -853,12 +839,14 @@ async fn nested_savepoints_with_deferred_release_keep_sql_semantics() {
     tx.savepoint().await.expect("third");
     tx.unclaim(&later).await.expect("unclaim");
     tx.rollback_to_savepoint().await.expect("rollback third");
-    tx.mark_processed(&later).await.expect("held again");
-    record_effect(&mut tx, &later).await.expect("work");
+    // Held again: it can be given back (and is taken again at once).
+    tx.savepoint().await.expect("fourth");
+    tx.unclaim(&later).await.expect("held again");
+    tx.rollback_to_savepoint().await.expect("rollback fourth");
 
     // A savepoint released and never followed by another: COMMIT covers it.
     tx.savepoint().await.expect("last");
-    tx.mark_processed(&kept).await.expect("mark kept");
+    record_effect(&mut tx, &later).await.expect("work");
     tx.release_savepoint().await.expect("release last");
     tx.commit().await.expect("commit");
 

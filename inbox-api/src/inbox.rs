@@ -1,4 +1,5 @@
-//! The idempotency middleware: begin, claim, work, mark processed, commit.
+//! The idempotency middleware: begin, claim (which records the message
+//! processed), work, commit.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -107,10 +108,10 @@ impl<S: InboxStore> Inbox<S> {
     /// Runs `work` exactly once per `key`, however often the message is
     /// delivered.
     ///
-    /// In one transaction: claim `key` (the first write), run `work` with the
-    /// transaction so its writes share the claim's fate, mark the row
-    /// processed, commit. Returns [`Handled::Duplicate`] without running
-    /// `work` when this consumer already processed the message.
+    /// In one transaction: claim `key` (the first write, which also records
+    /// `processed_at`), run `work` with the transaction so its writes share
+    /// the claim's fate, commit. Returns [`Handled::Duplicate`] without
+    /// running `work` when this consumer already processed the message.
     ///
     /// Acknowledge the delivery only after this returns `Ok`. If `work`
     /// returns an error the transaction is rolled back (the claim with it, so
@@ -246,9 +247,6 @@ impl<S: InboxStore> Inbox<S> {
                 }
             };
 
-            tx.mark_processed(key)
-                .await
-                .map_err(|e| store_failed("commit", e))?;
             tx.commit().await.map_err(|e| store_failed("commit", e))?;
 
             metrics::counter!(names::PROCESSED, "consumer" => consumer.clone()).increment(1);
@@ -356,7 +354,6 @@ impl<S: InboxStore> Inbox<S> {
 
                 let mut items: Vec<BatchItem<T, E>> = Vec::with_capacity(keys.len());
                 let mut fresh_at: HashMap<&InboxKey, usize> = HashMap::new();
-                let mut processed: Vec<InboxKey> = Vec::new();
                 let mut first_failure: Option<(usize, E)> = None;
                 for (index, (key, claim)) in keys.iter().zip(&claims).enumerate() {
                     if *claim == Claim::Duplicate {
@@ -379,7 +376,6 @@ impl<S: InboxStore> Inbox<S> {
                     if !with_savepoints {
                         match work(&mut tx, index).await {
                             Ok(value) => {
-                                processed.push(key.clone());
                                 items.push(BatchItem::Processed(value));
                             }
                             Err(error) => {
@@ -395,7 +391,6 @@ impl<S: InboxStore> Inbox<S> {
                             tx.release_savepoint()
                                 .await
                                 .map_err(|e| store_failed("work", e))?;
-                            processed.push(key.clone());
                             items.push(BatchItem::Processed(value));
                         }
                         Err(error) => {
@@ -426,9 +421,6 @@ impl<S: InboxStore> Inbox<S> {
                     with_savepoints = true;
                     continue;
                 }
-                tx.mark_processed_batch(&processed)
-                    .await
-                    .map_err(|e| store_failed("commit", e))?;
                 tx.commit().await.map_err(|e| store_failed("commit", e))?;
                 break items;
             };

@@ -27,8 +27,11 @@ pub struct InboxRecord {
     pub key: InboxKey,
     /// When the claim was made (store clock).
     pub received_at: DateTime<Utc>,
-    /// When the work was marked processed, in the same transaction. `None`
-    /// only for rows a caller committed without marking them.
+    /// When the message was processed: recorded by the claim, in the same
+    /// transaction as the work, so every committed row is processed. Always
+    /// `Some` for rows written by this version; an `Option` because the
+    /// column stays nullable (rows written before the claim recorded it may
+    /// lack it).
     pub processed_at: Option<DateTime<Utc>>,
 }
 
@@ -45,8 +48,9 @@ pub struct InboxRecord {
 /// 3. The inbox row and the business writes commit together or not at all; a
 ///    transaction dropped without commit leaves no trace.
 /// 4. The key is `(message, consumer)`.
-/// 5. `processed_at` is set inside the transaction, and cleanup deletes
-///    processed rows in bounded batches.
+/// 5. `processed_at` is set inside the transaction, by the claim itself
+///    (the row becomes visible only at COMMIT, with the work), and cleanup
+///    deletes processed rows in bounded batches.
 /// 6. Every error is classified retryable or permanent.
 #[async_trait]
 pub trait InboxStore: Send + Sync + 'static {
@@ -78,7 +82,8 @@ pub trait InboxStore: Send + Sync + 'static {
     ///
     /// Bounded so that cleanup never holds locks long enough to stall the
     /// claims running beside it, and so several instances cleaning at once
-    /// do not fail each other. Rows never marked processed are kept.
+    /// do not fail each other. Rows without `processed_at` (possible only
+    /// for rows written before the claim recorded it) are kept.
     ///
     /// # Errors
     /// [`InboxError::InvalidArgument`] when `limit` is zero; otherwise as the
@@ -124,6 +129,12 @@ pub trait InboxTransaction: Send {
     /// Claims `key` for this transaction: the first write of the
     /// transaction, one atomic insert-or-nothing.
     ///
+    /// A `Fresh` claim records `processed_at` too (the store's clock at the
+    /// claim; in Postgres `now()`, i.e. the transaction's start). The row
+    /// only becomes visible at COMMIT, together with the work, so a
+    /// committed row means a processed message; there is no separate
+    /// marking step.
+    ///
     /// Waits while another open transaction holds the key. Claiming a key
     /// this transaction already holds answers `Duplicate`.
     ///
@@ -131,23 +142,15 @@ pub trait InboxTransaction: Send {
     /// Store failures only; a duplicate is [`Claim::Duplicate`], not an error.
     async fn claim(&mut self, key: &InboxKey) -> Result<Claim, InboxError>;
 
-    /// Sets `processed_at` on a key this transaction claimed, so cleanup can
-    /// later find it.
-    ///
-    /// # Errors
-    /// Store failures, or [`InboxError::InvalidArgument`] for a key this
-    /// transaction did not claim.
-    async fn mark_processed(&mut self, key: &InboxKey) -> Result<(), InboxError>;
-
     /// Claims every key in one round trip (batched mode), answering one
     /// [`Claim`] per key, in order.
     ///
-    /// Same semantics as [`InboxTransaction::claim`] for each key. A key that
-    /// occurs twice in `keys` is `Fresh` at most once, at its first
-    /// occurrence. Postgres backends use one `INSERT … SELECT unnest(…) ON
-    /// CONFLICT DO NOTHING RETURNING`, taking the keys in sorted order so
-    /// that two overlapping batches lock in the same order. The default
-    /// claims one by one.
+    /// Same semantics as [`InboxTransaction::claim`] for each key, including
+    /// the `processed_at` a `Fresh` claim records. A key that occurs twice in
+    /// `keys` is `Fresh` at most once, at its first occurrence. Postgres
+    /// backends use one `INSERT … SELECT unnest(…) ON CONFLICT DO NOTHING
+    /// RETURNING`, taking the keys in sorted order so that two overlapping
+    /// batches lock in the same order. The default claims one by one.
     ///
     /// # Errors
     /// As [`InboxTransaction::claim`]; on error the transaction must be
@@ -163,18 +166,6 @@ pub trait InboxTransaction: Send {
             claims[index] = self.claim(&keys[index]).await?;
         }
         Ok(claims)
-    }
-
-    /// Sets `processed_at` on every key, in one round trip where the backend
-    /// can. The default marks one by one.
-    ///
-    /// # Errors
-    /// As [`InboxTransaction::mark_processed`].
-    async fn mark_processed_batch(&mut self, keys: &[InboxKey]) -> Result<(), InboxError> {
-        for key in keys {
-            self.mark_processed(key).await?;
-        }
-        Ok(())
     }
 
     /// Opens a savepoint: the writes made after it can be undone alone with

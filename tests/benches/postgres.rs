@@ -4,7 +4,7 @@
 //! - (a) a bare transaction doing only the business write: BEGIN, one
 //!   INSERT, COMMIT. The limit any inbox is measured against.
 //! - (b) the inbox: `Inbox::handle` on the sqlx backend around the same
-//!   write (BEGIN, claim, write, mark processed, COMMIT).
+//!   write (BEGIN, claim (which sets `processed_at`), write, COMMIT).
 //! - (c) the article's algorithm ported: BEGIN, `SELECT EXISTS` on the inbox
 //!   table, plain INSERT into it, the write, COMMIT. Its table has the same
 //!   definition as (b)'s, so only the algorithm differs.

@@ -25,8 +25,8 @@ pub enum Broken {
     /// Commits the claim in a transaction of its own before the work: a
     /// crash after the claim loses the message for good.
     ClaimInOwnTransaction,
-    /// Does the work first and claims at the end, keeping the work even when
-    /// the late claim finds a duplicate.
+    /// Does the work first and claims at the end, just before COMMIT,
+    /// keeping the work even when the late claim finds a duplicate.
     WorkBeforeClaim,
     /// Treats a key claimed by another *open* transaction as done instead of
     /// waiting for it: if that transaction rolls back, the message is lost.
@@ -96,7 +96,8 @@ pub struct BrokenTransaction<S: InboxStore> {
     inner: S::Transaction,
     store: BrokenStore<S>,
     held: HeldKeys,
-    /// Keys whose claim was skipped or made elsewhere: no marking here.
+    /// Keys whose claim was skipped or made elsewhere: nothing to unclaim
+    /// here.
     not_claimed_here: Vec<InboxKey>,
     /// Keys whose claim [`Broken::WorkBeforeClaim`] postponed.
     deferred: Vec<InboxKey>,
@@ -106,6 +107,16 @@ impl<S: InboxStore> BrokenTransaction<S> {
     /// The correct transaction underneath, for business writes.
     pub fn inner_mut(&mut self) -> &mut S::Transaction {
         &mut self.inner
+    }
+
+    /// [`Broken::WorkBeforeClaim`]'s late claims, made just before COMMIT:
+    /// whatever they answer, the work is already in this transaction and
+    /// will commit.
+    async fn claim_late(&mut self) -> Result<(), InboxError> {
+        for key in std::mem::take(&mut self.deferred) {
+            let _ = self.inner.claim(&key).await?;
+        }
+        Ok(())
     }
 }
 
@@ -159,7 +170,6 @@ impl<S: InboxStore + Clone> InboxTransaction for BrokenTransaction<S> {
                 let mut own = self.store.inner.begin().await?;
                 let claim = own.claim(key).await?;
                 if claim == Claim::Fresh {
-                    own.mark_processed(key).await?;
                     own.commit().await?;
                 } else {
                     own.rollback().await?;
@@ -186,21 +196,6 @@ impl<S: InboxStore + Clone> InboxTransaction for BrokenTransaction<S> {
         }
     }
 
-    async fn mark_processed(&mut self, key: &InboxKey) -> Result<(), InboxError> {
-        if self.deferred.contains(key) {
-            // The late claim: whatever it answers, the work is already in
-            // this transaction and will commit.
-            if self.inner.claim(key).await? == Claim::Fresh {
-                self.inner.mark_processed(key).await?;
-            }
-            return Ok(());
-        }
-        if self.not_claimed_here.contains(key) {
-            return Ok(());
-        }
-        self.inner.mark_processed(key).await
-    }
-
     async fn savepoint(&mut self) -> Result<(), InboxError> {
         self.inner.savepoint().await
     }
@@ -221,7 +216,8 @@ impl<S: InboxStore + Clone> InboxTransaction for BrokenTransaction<S> {
         self.inner.unclaim(key).await
     }
 
-    async fn commit(self) -> Result<(), InboxError> {
+    async fn commit(mut self) -> Result<(), InboxError> {
+        self.claim_late().await?;
         self.inner.commit().await
     }
 
@@ -276,9 +272,13 @@ impl<H: Harness> Harness for BrokenHarness<H> {
     async fn commit_lost(
         &self,
         store: &Self::Store,
-        tx: TxOf<Self>,
+        mut tx: TxOf<Self>,
         commit_happens: bool,
     ) -> Option<bool> {
+        // The late claims come before the COMMIT, as in `commit`.
+        if tx.claim_late().await.is_err() {
+            return Some(false);
+        }
         let BrokenTransaction { inner, held, .. } = tx;
         let outcome = self
             .inner

@@ -42,12 +42,11 @@ pub async fn row_of<H: Harness>(h: &H, store: &H::Store, key: &InboxKey) -> Opti
         .find(|r| r.key == *key)
 }
 
-/// Claims, records one effect, marks processed and commits.
+/// Claims, records one effect and commits.
 pub async fn process_once<H: Harness>(h: &H, store: &H::Store, key: &InboxKey) -> Outcome {
     let mut tx = store.begin().await?;
     check_eq!(tx.claim(key).await?, Claim::Fresh, "first claim of {key}");
     h.record_effect(&mut tx, key).await?;
-    tx.mark_processed(key).await?;
     tx.commit().await?;
     Ok(())
 }
@@ -133,7 +132,6 @@ pub async fn claim_twice_in_one_transaction_is_duplicate<H: Harness>(h: &H) -> O
         "second claim in the same transaction"
     );
     h.record_effect(&mut tx, &key).await?;
-    tx.mark_processed(&key).await?;
     tx.commit().await?;
     check_eq!(h.inbox_rows(&store).await.len(), 1, "rows");
     expect_processed_once(h, &store, &key).await
@@ -147,7 +145,6 @@ pub async fn rollback_leaves_no_trace<H: Harness>(h: &H) -> Outcome {
     let mut tx = store.begin().await?;
     check_eq!(tx.claim(&key).await?, Claim::Fresh, "claim");
     h.record_effect(&mut tx, &key).await?;
-    tx.mark_processed(&key).await?;
     tx.rollback().await?;
     expect_no_trace(h, &store, &key).await?;
     process_once(h, &store, &key).await?;
@@ -160,7 +157,6 @@ async fn crash_leaves_no_trace<H: Harness>(h: &H, kind: CrashKind) -> Outcome {
     let mut tx = store.begin().await?;
     check_eq!(tx.claim(&key).await?, Claim::Fresh, "claim");
     h.record_effect(&mut tx, &key).await?;
-    tx.mark_processed(&key).await?;
     h.crash(&store, tx, kind).await;
     expect_no_trace(h, &store, &key).await?;
     // The redelivery must not wait on the dead transaction's claim.
@@ -210,7 +206,6 @@ async fn concurrent_claim<H: Harness>(h: &H, ending: Ending) -> Outcome {
 
     match ending {
         Ending::Commit => {
-            a.mark_processed(&key).await?;
             a.commit().await?;
         }
         Ending::Rollback => a.rollback().await?,
@@ -230,7 +225,6 @@ async fn concurrent_claim<H: Harness>(h: &H, ending: Ending) -> Outcome {
                 "B's claim after A ended with {ending:?}"
             );
             h.record_effect(&mut b_tx, &key).await?;
-            b_tx.mark_processed(&key).await?;
             b_tx.commit().await?;
         }
     }
@@ -292,7 +286,6 @@ pub async fn scope_is_per_consumer<H: Harness>(h: &H) -> Outcome {
     )
     .await??;
     h.record_effect(&mut a, &notify).await?;
-    a.mark_processed(&notify).await?;
     a.commit().await?;
 
     expect_processed_once(h, &store, &notify).await?;
@@ -309,7 +302,6 @@ pub async fn business_write_commits_with_claim<H: Harness>(h: &H) -> Outcome {
     let mut tx = store.begin().await?;
     check_eq!(tx.claim(&key).await?, Claim::Fresh, "claim");
     h.record_effect(&mut tx, &key).await?;
-    tx.mark_processed(&key).await?;
     expect_no_trace(h, &store, &key).await?;
     check!(
         store.lookup(&key).await?.is_none(),
@@ -319,53 +311,46 @@ pub async fn business_write_commits_with_claim<H: Harness>(h: &H) -> Outcome {
     expect_processed_once(h, &store, &key).await
 }
 
-/// Contract 5: `processed_at` is set inside the transaction; a claim
-/// committed without marking keeps it empty.
+/// Contract 5: `processed_at` is set inside the transaction, by the claim
+/// itself: a claim that commits, alone or in a batch, with or without the
+/// middleware, leaves a row with `processed_at` at or after `received_at`.
 pub async fn processed_at_is_set_in_the_transaction<H: Harness>(h: &H) -> Outcome {
     let store = h.fresh_store().await;
     let inbox = Inbox::new(store.clone());
-    let key = new_key("c1");
+    let handled_key = new_key("c1");
     let handled = inbox
-        .handle(&key, async |tx| h.record_effect(tx, &key).await)
+        .handle(&handled_key, async |tx| {
+            h.record_effect(tx, &handled_key).await
+        })
         .await?;
     check_eq!(handled, Handled::Processed(()), "handle");
-    let row = row_of(h, &store, &key).await;
-    let Some(row) = row else {
-        return Err(Failure::new(format!("no row for {key}")));
-    };
-    let Some(processed_at) = row.processed_at else {
-        return Err(Failure::new(format!("processed_at not set: {row:?}")));
-    };
-    check!(
-        processed_at >= row.received_at,
-        "processed_at {processed_at} before received_at {}",
-        row.received_at
-    );
 
-    let unmarked = new_key("c1");
+    let (claimed, batched) = (new_key("c1"), new_key("c1"));
     let mut tx = store.begin().await?;
-    check_eq!(tx.claim(&unmarked).await?, Claim::Fresh, "claim");
+    check_eq!(tx.claim(&claimed).await?, Claim::Fresh, "claim");
+    check_eq!(
+        tx.claim_batch(std::slice::from_ref(&batched)).await?,
+        vec![Claim::Fresh],
+        "batch claim"
+    );
     tx.commit().await?;
-    let row = row_of(h, &store, &unmarked).await;
-    check!(
-        row.as_ref().is_some_and(|r| r.processed_at.is_none()),
-        "a committed claim that was never marked must keep processed_at empty: {row:?}"
-    );
-    Ok(())
-}
 
-/// Marking a key the transaction did not claim is a permanent error.
-pub async fn mark_processed_requires_a_claim<H: Harness>(h: &H) -> Outcome {
-    let store = h.fresh_store().await;
-    let key = new_key("c1");
-    let mut tx = store.begin().await?;
-    let result = tx.mark_processed(&key).await;
-    check!(
-        matches!(&result, Err(e) if !e.is_retryable()),
-        "mark_processed of an unclaimed key must fail permanently, got {result:?}"
-    );
-    tx.rollback().await?;
-    expect_no_trace(h, &store, &key).await
+    for key in [&handled_key, &claimed, &batched] {
+        let Some(row) = row_of(h, &store, key).await else {
+            return Err(Failure::new(format!("no row for {key}")));
+        };
+        let Some(processed_at) = row.processed_at else {
+            return Err(Failure::new(format!(
+                "a committed claim must record processed_at: {row:?}"
+            )));
+        };
+        check!(
+            processed_at >= row.received_at,
+            "processed_at {processed_at} before received_at {}",
+            row.received_at
+        );
+    }
+    Ok(())
 }
 
 /// `lookup` reads committed state without waiting for open transactions.
@@ -380,7 +365,6 @@ pub async fn lookup_does_not_wait<H: Harness>(h: &H) -> Outcome {
         "lookup returned an uncommitted row: {seen:?}"
     );
     h.record_effect(&mut tx, &key).await?;
-    tx.mark_processed(&key).await?;
     tx.commit().await?;
     let seen = store.lookup(&key).await?;
     check!(
@@ -392,17 +376,13 @@ pub async fn lookup_does_not_wait<H: Harness>(h: &H) -> Outcome {
 }
 
 /// Contract 5: cleanup deletes processed rows older than the cutoff, in
-/// batches of the given size, and keeps unprocessed and recent rows.
+/// batches of the given size, and keeps recent rows.
 pub async fn purge_deletes_old_processed_rows_in_batches<H: Harness>(h: &H) -> Outcome {
     let store = h.fresh_store().await;
     let old: Vec<InboxKey> = (0..3).map(|_| new_key("c1")).collect();
     for key in &old {
         process_once(h, &store, key).await?;
     }
-    let unmarked = new_key("c1");
-    let mut tx = store.begin().await?;
-    check_eq!(tx.claim(&unmarked).await?, Claim::Fresh, "claim");
-    tx.commit().await?;
 
     h.age_rows(&store, Duration::from_secs(10 * 24 * 3600))
         .await;
@@ -417,16 +397,13 @@ pub async fn purge_deletes_old_processed_rows_in_batches<H: Harness>(h: &H) -> O
     let again = store.purge_processed_before(cutoff, 2).await?;
     check_eq!(again, 0, "nothing left to purge");
 
-    let mut left: Vec<InboxKey> = h
+    let left: Vec<InboxKey> = h
         .inbox_rows(&store)
         .await
         .into_iter()
         .map(|r| r.key)
         .collect();
-    left.sort();
-    let mut expected = vec![unmarked, recent];
-    expected.sort();
-    check_eq!(left, expected, "rows left after purge");
+    check_eq!(left, vec![recent], "rows left after purge");
     Ok(())
 }
 
@@ -570,7 +547,6 @@ pub async fn claim_batch_answers_each_key_in_order<H: Harness>(h: &H) -> Outcome
     for key in [&a, &b] {
         h.record_effect(&mut tx, key).await?;
     }
-    tx.mark_processed_batch(&[a.clone(), b.clone()]).await?;
     tx.commit().await?;
     for key in [&a, &b, &done] {
         expect_processed_once(h, &store, key).await?;
@@ -598,12 +574,10 @@ pub async fn claim_batch_waits_for_pending_keys<H: Harness>(h: &H) -> Outcome {
         stays_pending(h, &mut b).await,
         "a batch claim including {held} returned while A still held it"
     );
-    a.mark_processed(&held).await?;
     a.commit().await?;
     let (mut b_tx, claims) = without_waiting("the batch claim after A committed", b).await??;
     check_eq!(claims, vec![Claim::Fresh, Claim::Duplicate], "batch claims");
     h.record_effect(&mut b_tx, &free).await?;
-    b_tx.mark_processed(&free).await?;
     b_tx.commit().await?;
     expect_processed_once(h, &store, &free).await?;
     expect_processed_once(h, &store, &held).await
@@ -626,7 +600,6 @@ pub async fn savepoint_rolls_back_only_later_writes<H: Harness>(h: &H) -> Outcom
     h.record_effect(&mut tx, &undone).await?;
     tx.rollback_to_savepoint().await?;
     tx.unclaim(&undone).await?;
-    tx.mark_processed(&kept).await?;
     tx.commit().await?;
     expect_processed_once(h, &store, &kept).await?;
     expect_no_trace(h, &store, &undone).await?;
@@ -671,7 +644,6 @@ pub async fn unclaim_gives_the_key_back<H: Harness>(h: &H) -> Outcome {
     let (mut b_tx, claim) = without_waiting("B's claim after A gave the key back", b).await??;
     check_eq!(claim, Claim::Fresh, "B's claim after unclaim");
     h.record_effect(&mut b_tx, &given_back).await?;
-    b_tx.mark_processed(&given_back).await?;
     b_tx.commit().await?;
     expect_processed_once(h, &store, &given_back).await?;
     expect_no_trace(h, &store, &kept).await

@@ -182,7 +182,6 @@ macro_rules! __with_contract_tests {
             scope_is_per_consumer,
             business_write_commits_with_claim,
             processed_at_is_set_in_the_transaction,
-            mark_processed_requires_a_claim,
             lookup_does_not_wait,
             purge_deletes_old_processed_rows_in_batches,
             purge_rejects_zero_batch,

@@ -256,9 +256,6 @@ async fn deliver<H: Harness>(
             if let Err(error) = work(h, &mut tx, key).await {
                 return on_error(key, error);
             }
-            if let Err(error) = tx.mark_processed(key).await {
-                return on_error(key, error);
-            }
             let _unknown_to_the_consumer = h.commit_lost(store, tx, commit_happens).await;
             Ok(Ack::Redeliver)
         }
@@ -350,7 +347,6 @@ async fn deliver_batch<H: Harness>(
                 h.crash(store, tx, kind).await;
                 return all(Ack::Redeliver);
             }
-            let mut fresh = Vec::new();
             for (key, claim) in keys.iter().zip(claims) {
                 if claim != Claim::Fresh {
                     continue;
@@ -363,13 +359,9 @@ async fn deliver_batch<H: Harness>(
                 if let Err(error) = worked.await {
                     return on_batch_error(error);
                 }
-                fresh.push(key.clone());
             }
             match fault {
                 Fault::CommitLost { commit_happens } => {
-                    if let Err(error) = tx.mark_processed_batch(&fresh).await {
-                        return on_batch_error(error);
-                    }
                     let _unknown_to_the_consumer = h.commit_lost(store, tx, commit_happens).await;
                 }
                 Fault::CrashAfterWork(kind) => h.crash(store, tx, kind).await,
