@@ -4,12 +4,13 @@ use std::collections::BTreeSet;
 use std::collections::btree_map::BTreeMap;
 use std::collections::hash_map::{Entry, HashMap};
 use std::fmt;
-use std::hash::{BuildHasher, Hash, RandomState};
+use std::hash::{BuildHasher, Hash};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use foldhash::fast::RandomState;
 use inbox_api::{InboxError, InboxKey, InboxRecord, InboxStore};
 use tokio_sync::sync::Notify;
 
@@ -36,6 +37,13 @@ const PURGE_CHUNK: usize = 256;
 pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
+
+/// The hash map of this crate: foldhash instead of SipHash, which took a
+/// third of the time of a claim and commit. Each map gets its own random
+/// seed; foldhash resists the casual collision attack a seeded hash does,
+/// not a determined one studying the process (see its docs), which is
+/// enough for a store whose keys come from the application's own producers.
+pub(crate) type Map<K, V> = HashMap<K, V, RandomState>;
 
 /// Keeps each shard's lock on its own cache lines, so that two cores
 /// working on neighbouring shards do not slow each other down.
@@ -72,7 +80,7 @@ pub(crate) enum Slot {
 #[derive(Debug, Default)]
 pub(crate) struct InboxShard {
     /// Every row, pending or committed.
-    rows: HashMap<InboxKey, Slot>,
+    rows: Map<InboxKey, Slot>,
     /// Committed rows that are processed, oldest first: the memory twin of
     /// the SQL partial index on `processed_at`, so cleanup finds its rows
     /// without scanning the shard.
@@ -226,7 +234,7 @@ impl InboxShard {
 }
 
 /// One shard of the business key-value space: committed values only.
-pub(crate) type KvShard = HashMap<String, Vec<u8>>;
+pub(crate) type KvShard = Map<String, Vec<u8>>;
 
 /// A buffered business write: a value, or `None` for a delete.
 pub(crate) type Write = Option<Vec<u8>>;
@@ -247,7 +255,7 @@ impl Shared {
     fn new(clock: Arc<dyn Clock>) -> Self {
         Self {
             clock,
-            hasher: RandomState::new(),
+            hasher: RandomState::default(),
             inbox: (0..SHARDS).map(|_| Padded::default()).collect(),
             kv: (0..SHARDS).map(|_| Padded::default()).collect(),
             next_tx: AtomicU64::new(1),
@@ -311,7 +319,7 @@ impl Shared {
         &self,
         owner: TxId,
         mut claims: Vec<crate::transaction::OwnClaim>,
-        writes: HashMap<String, Write>,
+        writes: Map<String, Write>,
     ) {
         claims.sort_unstable_by_key(|claim| claim.shard);
         let mut writes: Vec<(usize, String, Write)> = writes

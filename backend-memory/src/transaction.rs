@@ -1,6 +1,5 @@
 //! The transaction: claims held as pending rows, writes buffered until commit.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
@@ -9,7 +8,7 @@ use chrono::{DateTime, Utc};
 use inbox_api::{Claim, InboxError, InboxKey, InboxTransaction};
 
 use crate::deadlock::{Aborted, TxId};
-use crate::store::{ClaimAttempt, Shared, Write};
+use crate::store::{ClaimAttempt, Map, Shared, Write};
 
 /// A key this transaction claimed `Fresh`, and so holds.
 #[derive(Debug)]
@@ -38,7 +37,7 @@ pub struct MemoryTransaction {
     id: TxId,
     /// Usually one; searched linearly, newest first.
     claims: Vec<OwnClaim>,
-    writes: HashMap<String, Write>,
+    writes: Map<String, Write>,
     /// Set when a claim was refused as a deadlock: Postgres aborts the whole
     /// transaction then, and so do we (claims released, writes dropped);
     /// only rollback or drop remain useful.
@@ -52,7 +51,7 @@ pub struct MemoryTransaction {
 #[derive(Debug)]
 struct Savepoint {
     /// A copy, not a journal: batches are small and writes few per message.
-    writes: HashMap<String, Write>,
+    writes: Map<String, Write>,
     claims: usize,
     processed_at: Vec<Option<DateTime<Utc>>>,
 }
@@ -64,7 +63,7 @@ impl MemoryTransaction {
             shared,
             id,
             claims: Vec::new(),
-            writes: HashMap::new(),
+            writes: Map::default(),
             aborted: false,
             savepoints: Vec::new(),
         }
