@@ -76,6 +76,7 @@
 
 mod clock;
 mod deadlock;
+mod processed;
 mod store;
 mod transaction;
 

@@ -1,6 +1,5 @@
 //! The shared state: sharded inbox rows, sharded business key-value space.
 
-use std::collections::BTreeSet;
 use std::collections::btree_map::BTreeMap;
 use std::collections::hash_map::{Entry, HashMap};
 use std::fmt;
@@ -16,6 +15,7 @@ use tokio_sync::sync::Notify;
 
 use crate::clock::{Clock, SystemClock};
 use crate::deadlock::{TxId, WaitGraph};
+use crate::processed::ProcessedIndex;
 use crate::transaction::MemoryTransaction;
 
 /// Shards per map. Distinct keys contend only when they hash to the same
@@ -84,7 +84,7 @@ pub(crate) struct InboxShard {
     /// Committed rows that are processed, oldest first: the memory twin of
     /// the SQL partial index on `processed_at`, so cleanup finds its rows
     /// without scanning the shard.
-    processed: BTreeSet<(DateTime<Utc>, InboxKey)>,
+    processed: ProcessedIndex,
     /// How many rows are committed (the rest are pending).
     committed: usize,
 }
