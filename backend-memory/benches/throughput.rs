@@ -8,6 +8,11 @@
 //! instead. Each scenario gets a fresh store; every task uses its own keys,
 //! so tasks never wait on each other's claims.
 //!
+//! The one-core rows also give messages per second of the thread's own CPU
+//! time (Linux' `/proc/thread-self/schedstat`): on a shared machine that
+//! figure moves less than the wall-clock rate when other processes take
+//! the core away.
+//!
 //! `INBOX_BENCH_ONLY=text` runs only the rows whose id (printed in the
 //! table, e.g. `raw/1-core/1`, `handle/2-workers/2`) contains `text`: to
 //! profile one scenario, `INBOX_BENCH_ONLY=handle/1-core perf record …`.
@@ -180,6 +185,15 @@ struct Row {
     tasks: u64,
     messages: u64,
     elapsed: Duration,
+    /// CPU time of the thread that ran it all, when known (one core only).
+    cpu: Option<Duration>,
+}
+
+/// The CPU time this thread has used so far (Linux only).
+fn thread_cpu_time() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    let nanos = stat.split_whitespace().next()?.parse().ok()?;
+    Some(Duration::from_nanos(nanos))
 }
 
 impl Row {
@@ -201,15 +215,20 @@ fn run_one_core(scenario: Scenario, stop: Budget) -> Row {
     if let Scenario::Duplicate = scenario {
         runtime.block_on(seed_duplicates(inbox.store(), 0));
     }
+    let cpu_before = thread_cpu_time();
     let started = Instant::now();
     let messages = runtime.block_on(worker(scenario, Arc::clone(&inbox), 0, stop));
     let elapsed = started.elapsed();
+    let cpu = thread_cpu_time()
+        .zip(cpu_before)
+        .map(|(after, before)| after.saturating_sub(before));
     Row {
         scenario,
         flavour: Flavour::OneCore,
         tasks: 1,
         messages,
         elapsed,
+        cpu,
     }
 }
 
@@ -249,6 +268,7 @@ fn run(runtime: &tokio::runtime::Runtime, scenario: Scenario, tasks: u64, stop: 
         tasks,
         messages,
         elapsed: started.elapsed(),
+        cpu: None,
     }
 }
 
@@ -277,21 +297,27 @@ fn main() {
          1-core: a current-thread runtime, 2-workers: a multi-threaded one)"
     );
     println!();
-    println!("| scenario | row | tasks | messages | seconds | messages/s |");
-    println!("|---|---|---:|---:|---:|---:|");
+    println!("| scenario | row | tasks | messages | seconds | messages/s | per CPU-second |");
+    println!("|---|---|---:|---:|---:|---:|---:|");
     for row in &rows {
         let seconds = row.elapsed.as_secs_f64();
         // Precision loss is irrelevant for a rate printed without decimals.
         #[allow(clippy::cast_precision_loss)]
-        let rate = row.messages as f64 / seconds;
+        let rate = |seconds: f64| row.messages as f64 / seconds;
+        let per_cpu = row
+            .cpu
+            .filter(|cpu| !cpu.is_zero())
+            .map(|cpu| format!("{:.0}", rate(cpu.as_secs_f64())))
+            .unwrap_or_default();
         println!(
-            "| {} | `{}` | {} | {} | {:.3} | {:.0} |",
+            "| {} | `{}` | {} | {} | {:.3} | {:.0} | {} |",
             row.scenario.label(),
             row.id(),
             row.tasks,
             row.messages,
             seconds,
-            rate
+            rate(seconds),
+            per_cpu,
         );
     }
 }
