@@ -79,6 +79,7 @@ mod deadlock;
 mod processed;
 mod store;
 mod transaction;
+mod writes;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use store::{MemoryStore, Snapshot};

@@ -11,12 +11,14 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use foldhash::fast::RandomState;
 use inbox_api::{InboxError, InboxKey, InboxRecord, InboxStore};
+use smallvec::SmallVec;
 use tokio_sync::sync::Notify;
 
 use crate::clock::{Clock, SystemClock};
 use crate::deadlock::{TxId, WaitGraph};
 use crate::processed::ProcessedIndex;
-use crate::transaction::MemoryTransaction;
+use crate::transaction::{Claims, MemoryTransaction};
+use crate::writes::Writes;
 
 /// Shards per map. Distinct keys contend only when they hash to the same
 /// shard, and then only for the few instructions of a map operation; 64
@@ -315,31 +317,28 @@ impl Shared {
     /// so two commits can never deadlock and no reader that locks shards in
     /// that order sees half of a commit. Waiters are woken after the locks
     /// are released, so they do not wake into a held lock.
-    pub(crate) fn commit(
-        &self,
-        owner: TxId,
-        mut claims: Vec<crate::transaction::OwnClaim>,
-        writes: Map<String, Write>,
-    ) {
+    pub(crate) fn commit(&self, owner: TxId, mut claims: Claims, writes: Writes) {
+        // Inline lists: a message's transaction (one claim, a write or two,
+        // so one or two shards of each kind) commits without allocating.
         claims.sort_unstable_by_key(|claim| claim.shard);
-        let mut writes: Vec<(usize, String, Write)> = writes
+        let mut writes: SmallVec<[(usize, String, Write); 2]> = writes
             .into_iter()
             .map(|(key, value)| (self.kv_shard_of(&key), key, value))
             .collect();
         writes.sort_unstable_by_key(|write| write.0);
 
-        let mut inbox_guards: Vec<_> = claims
+        let mut inbox_guards: SmallVec<[_; 2]> = claims
             .chunk_by(|a, b| a.shard == b.shard)
             .filter_map(|group| group.first())
             .map(|claim| self.lock_inbox(claim.shard))
             .collect();
-        let mut kv_guards: Vec<_> = writes
+        let mut kv_guards: SmallVec<[_; 2]> = writes
             .chunk_by(|a, b| a.0 == b.0)
             .filter_map(|group| group.first())
             .map(|write| self.lock_kv(write.0))
             .collect();
 
-        let mut wake = Vec::new();
+        let mut wake: SmallVec<[Arc<Notify>; 1]> = SmallVec::new();
         for (group, shard) in claims
             .chunk_by(|a, b| a.shard == b.shard)
             .zip(inbox_guards.iter_mut())
