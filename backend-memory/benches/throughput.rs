@@ -1,10 +1,21 @@
 //! Claim-and-commit throughput of the memory store, as a Markdown table.
 //!
 //! `cargo bench -p inbox-backend-memory` runs each scenario for
-//! `INBOX_BENCH_SECONDS` (default 1.5) on a tokio multi-threaded runtime
-//! with 2 workers; `INBOX_BENCH_MESSAGES=N` runs exactly N messages per task
+//! `INBOX_BENCH_SECONDS` (default 1.5) on one core (a current-thread tokio
+//! runtime, one task: the figure issue 7's "≥ 1,000,000 claim+commit/s on
+//! one core" is about), then on a multi-threaded runtime with 2 workers and
+//! 1 or 2 tasks; `INBOX_BENCH_MESSAGES=N` runs exactly N messages per task
 //! instead. Each scenario gets a fresh store; every task uses its own keys,
 //! so tasks never wait on each other's claims.
+//!
+//! The one-core rows also give messages per second of the thread's own CPU
+//! time (Linux' `/proc/thread-self/schedstat`): on a shared machine that
+//! figure moves less than the wall-clock rate when other processes take
+//! the core away.
+//!
+//! `INBOX_BENCH_ONLY=text` runs only the rows whose id (printed in the
+//! table, e.g. `raw/1-core/1`, `handle/2-workers/2`) contains `text`: to
+//! profile one scenario, `INBOX_BENCH_ONLY=handle/1-core perf record …`.
 //!
 //! Run as a test (`cargo test --all-targets`, no `--bench` argument) it only
 //! does a short smoke run, so CI stays fast.
@@ -32,6 +43,14 @@ enum Scenario {
 }
 
 impl Scenario {
+    fn id(self) -> &'static str {
+        match self {
+            Self::Raw => "raw",
+            Self::Handle => "handle",
+            Self::Duplicate => "duplicate",
+        }
+    }
+
     fn label(self) -> &'static str {
         match self {
             Self::Raw => "begin, claim Fresh, put, commit",
@@ -141,11 +160,75 @@ async fn worker(
     n
 }
 
+/// Where the tasks run.
+#[derive(Clone, Copy, Debug)]
+enum Flavour {
+    /// A current-thread runtime on this thread: one core.
+    OneCore,
+    /// A multi-threaded runtime with 2 workers.
+    TwoWorkers,
+}
+
+impl Flavour {
+    fn id(self) -> &'static str {
+        match self {
+            Self::OneCore => "1-core",
+            Self::TwoWorkers => "2-workers",
+        }
+    }
+}
+
 struct Row {
     scenario: Scenario,
+    flavour: Flavour,
     tasks: u64,
     messages: u64,
     elapsed: Duration,
+    /// CPU time of the thread that ran it all, when known (one core only).
+    cpu: Option<Duration>,
+}
+
+/// The CPU time this thread has used so far (Linux only).
+fn thread_cpu_time() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    let nanos = stat.split_whitespace().next()?.parse().ok()?;
+    Some(Duration::from_nanos(nanos))
+}
+
+impl Row {
+    fn id(&self) -> String {
+        row_id(self.scenario, self.flavour, self.tasks)
+    }
+}
+
+fn row_id(scenario: Scenario, flavour: Flavour, tasks: u64) -> String {
+    format!("{}/{}/{tasks}", scenario.id(), flavour.id())
+}
+
+/// One task on a current-thread runtime: everything on this thread.
+fn run_one_core(scenario: Scenario, stop: Budget) -> Row {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("tokio runtime");
+    let inbox = Arc::new(Inbox::new(MemoryStore::new()));
+    if let Scenario::Duplicate = scenario {
+        runtime.block_on(seed_duplicates(inbox.store(), 0));
+    }
+    let cpu_before = thread_cpu_time();
+    let started = Instant::now();
+    let messages = runtime.block_on(worker(scenario, Arc::clone(&inbox), 0, stop));
+    let elapsed = started.elapsed();
+    let cpu = thread_cpu_time()
+        .zip(cpu_before)
+        .map(|(after, before)| after.saturating_sub(before));
+    Row {
+        scenario,
+        flavour: Flavour::OneCore,
+        tasks: 1,
+        messages,
+        elapsed,
+        cpu,
+    }
 }
 
 fn run(runtime: &tokio::runtime::Runtime, scenario: Scenario, tasks: u64, stop: Budget) -> Row {
@@ -180,9 +263,11 @@ fn run(runtime: &tokio::runtime::Runtime, scenario: Scenario, tasks: u64, stop: 
     });
     Row {
         scenario,
+        flavour: Flavour::TwoWorkers,
         tasks,
         messages,
         elapsed: started.elapsed(),
+        cpu: None,
     }
 }
 
@@ -192,32 +277,46 @@ fn main() {
         .worker_threads(2)
         .build()
         .expect("tokio runtime");
+    let only = std::env::var("INBOX_BENCH_ONLY").unwrap_or_default();
     let mut rows = Vec::new();
     for scenario in [Scenario::Raw, Scenario::Handle, Scenario::Duplicate] {
+        if row_id(scenario, Flavour::OneCore, 1).contains(&only) {
+            rows.push(run_one_core(scenario, stop));
+        }
         // Never more tasks than workers: each blocks one at the barrier.
         for tasks in [1, 2] {
-            rows.push(run(&runtime, scenario, tasks, stop));
+            if row_id(scenario, Flavour::TwoWorkers, tasks).contains(&only) {
+                rows.push(run(&runtime, scenario, tasks, stop));
+            }
         }
     }
     println!();
     println!(
-        "Memory store throughput ({stop:?} per task, 2 tokio workers, distinct keys per task)"
+        "Memory store throughput ({stop:?} per task, distinct keys per task; \
+         1-core: a current-thread runtime, 2-workers: a multi-threaded one)"
     );
     println!();
-    println!("| scenario | tasks | messages | seconds | messages/s |");
-    println!("|---|---:|---:|---:|---:|");
+    println!("| scenario | row | tasks | messages | seconds | messages/s | per CPU-second |");
+    println!("|---|---|---:|---:|---:|---:|---:|");
     for row in &rows {
         let seconds = row.elapsed.as_secs_f64();
         // Precision loss is irrelevant for a rate printed without decimals.
         #[allow(clippy::cast_precision_loss)]
-        let rate = row.messages as f64 / seconds;
+        let rate = |seconds: f64| row.messages as f64 / seconds;
+        let per_cpu = row
+            .cpu
+            .filter(|cpu| !cpu.is_zero())
+            .map(|cpu| format!("{:.0}", rate(cpu.as_secs_f64())))
+            .unwrap_or_default();
         println!(
-            "| {} | {} | {} | {:.3} | {:.0} |",
+            "| {} | `{}` | {} | {} | {:.3} | {:.0} | {} |",
             row.scenario.label(),
+            row.id(),
             row.tasks,
             row.messages,
             seconds,
-            rate
+            rate(seconds),
+            per_cpu,
         );
     }
 }

@@ -76,8 +76,10 @@
 
 mod clock;
 mod deadlock;
+mod processed;
 mod store;
 mod transaction;
+mod writes;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use store::{MemoryStore, Snapshot};

@@ -1,15 +1,16 @@
 //! The transaction: claims held as pending rows, writes buffered until commit.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use inbox_api::{Claim, InboxError, InboxKey, InboxTransaction};
+use smallvec::SmallVec;
 
 use crate::deadlock::{Aborted, TxId};
-use crate::store::{ClaimAttempt, Shared, Write};
+use crate::store::{ClaimAttempt, Shared};
+use crate::writes::Writes;
 
 /// A key this transaction claimed `Fresh`, and so holds.
 #[derive(Debug)]
@@ -22,6 +23,10 @@ pub(crate) struct OwnClaim {
     /// Always `Some`; an `Option` because the row's column is.
     pub(crate) processed_at: Option<DateTime<Utc>>,
 }
+
+/// The keys a transaction holds: inline for the usual one, so a message's
+/// transaction allocates nothing for it.
+pub(crate) type Claims = SmallVec<[OwnClaim; 1]>;
 
 /// An open transaction of a [`crate::MemoryStore`].
 ///
@@ -39,8 +44,8 @@ pub struct MemoryTransaction {
     shared: Arc<Shared>,
     id: TxId,
     /// Usually one; searched linearly, newest first.
-    claims: Vec<OwnClaim>,
-    writes: HashMap<String, Write>,
+    claims: Claims,
+    writes: Writes,
     /// Set when a claim was refused as a deadlock: Postgres aborts the whole
     /// transaction then, and so do we (claims released, writes dropped);
     /// only rollback or drop remain useful.
@@ -54,7 +59,7 @@ pub struct MemoryTransaction {
 #[derive(Debug)]
 struct Savepoint {
     /// A copy, not a journal: batches are small and writes few per message.
-    writes: HashMap<String, Write>,
+    writes: Writes,
     claims: usize,
 }
 
@@ -64,8 +69,8 @@ impl MemoryTransaction {
         Self {
             shared,
             id,
-            claims: Vec::new(),
-            writes: HashMap::new(),
+            claims: Claims::new(),
+            writes: Writes::default(),
             aborted: false,
             savepoints: Vec::new(),
         }
@@ -217,9 +222,8 @@ impl InboxTransaction for MemoryTransaction {
         self.ensure_open()?;
         let savepoint = self.savepoints.pop().ok_or_else(|| self.no_savepoint())?;
         self.writes = savepoint.writes;
-        let later = self
-            .claims
-            .split_off(savepoint.claims.min(self.claims.len()));
+        let keep = savepoint.claims.min(self.claims.len());
+        let later: Claims = self.claims.drain(keep..).collect();
         for claim in &later {
             self.release_one(claim);
         }

@@ -180,7 +180,8 @@ impl<S: InboxStore> Inbox<S> {
     {
         async move {
             let started = Instant::now();
-            let consumer = key.consumer.as_str().to_owned();
+            // Cloned per metric: a reference count, not a copy of the name.
+            let consumer = key.consumer.label();
             let fail = |stage: &'static str, retryable: &'static str| {
                 metrics::counter!(names::FAILED,
                     "consumer" => consumer.clone(),

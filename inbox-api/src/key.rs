@@ -140,6 +140,13 @@ impl ConsumerName {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The name as a metric label value: shares this name's allocation (a
+    /// reference count), where `as_str().to_owned()` copied it on every
+    /// message even with no metrics recorder installed.
+    pub(crate) fn label(&self) -> metrics::SharedString {
+        metrics::SharedString::from(Arc::clone(&self.0))
+    }
 }
 
 impl FromStr for ConsumerName {
@@ -268,6 +275,17 @@ mod tests {
             );
             assert!(!err.is_retryable());
         }
+    }
+
+    #[test]
+    fn consumer_label_shares_the_name() {
+        let name = ConsumerName::new("notification").unwrap();
+        let label = name.label();
+        assert_eq!(&*label, "notification");
+        assert!(
+            std::ptr::eq(label.as_ptr(), name.as_str().as_ptr()),
+            "a metric label must not copy the name"
+        );
     }
 
     #[test]
