@@ -226,7 +226,30 @@ impl<S: ParcelStore> Supervisor<S> {
     async fn run(self, mut shutdown: watch::Receiver<bool>) -> Result<(), AppError> {
         let mut failures = 0;
         if self.config.worker.batch.is_some() {
-            crate::batch::probe(self.inbox.store()).await?;
+            // A store without savepoints is refused for good; a store that
+            // cannot be reached right now (a restart, a killed backend) is
+            // asked again, as the consumers would retry their transactions.
+            loop {
+                match crate::batch::probe(self.inbox.store()).await {
+                    Ok(()) => break,
+                    Err(error) if error.is_retryable() => {
+                        failures += 1;
+                        let delay = backoff(
+                            Duration::from_millis(200),
+                            Duration::from_secs(10),
+                            failures,
+                        );
+                        tracing::warn!(error = %chain(&error), ?delay,
+                            "batched-mode probe of the store failed; retrying");
+                        tokio::select! {
+                            () = tokio::time::sleep(delay) => {}
+                            () = stopped(&mut shutdown) => return Ok(()),
+                        }
+                    }
+                    Err(error) => return Err(error),
+                }
+            }
+            failures = 0;
         }
         loop {
             if *shutdown.borrow() {
