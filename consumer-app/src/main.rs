@@ -100,7 +100,7 @@ struct WorkerArgs {
     #[arg(long, env = "PARCEL_MAX_BODY_BYTES", default_value_t = 64 * 1024)]
     max_body_bytes: usize,
     /// Batched mode: up to this many deliveries per transaction (needs
-    /// --batch-wait and a prefetch above 1; best with prefetch >= batch size × concurrency).
+    /// --batch-wait and a prefetch above 1; best with prefetch = 2 × batch size × concurrency, so the next batch arrives while one commits).
     #[arg(long, env = "PARCEL_BATCH_SIZE", requires = "batch_wait")]
     batch_size: Option<usize>,
     /// Batched mode: milliseconds a batch waits for more deliveries after its first.

@@ -1,5 +1,5 @@
-//! The chaos harness at CI size, per Postgres store, and against a
-//! deliberately broken store (which it must catch). Needs PostgreSQL and a
+//! The chaos harness at CI size, per Postgres store (sqlx also in batched
+//! mode), and against a deliberately broken store (which it must catch). Needs PostgreSQL and a
 //! local RabbitMQ with `rabbitmqctl` (`bash .ci/services.sh`).
 //!
 //! The runs are serialised: each already loads both cores.
@@ -57,6 +57,16 @@ fn chaos_sqlx_exactly_once() {
 }
 
 #[cfg(feature = "diesel")]
+/// Batched mode under the same faults: a kill -9, a terminated backend or a
+/// closed connection lands mid-batch, with optimistic batches rerun after a
+/// failure (`Inbox::handle_batch`).
+#[test]
+fn chaos_sqlx_batched_exactly_once() {
+    let (code, stdout) = chaos(&[&["--store", "sqlx", "--batch-size", "50"], CI].concat());
+    assert_eq!(code, Some(0), "{stdout}");
+    assert!(stdout.contains("RESULT: PASS"), "{stdout}");
+}
+
 #[test]
 fn chaos_diesel_exactly_once() {
     let (code, stdout) = chaos(&[&["--store", "diesel"], CI].concat());

@@ -63,6 +63,8 @@ use tokio::process::{Child, Command};
 /// Largest body the consumers accept in a chaos run (`--max-body-bytes`);
 /// the oversized class is just above it.
 const MAX_BODY: usize = 4096;
+/// Deliveries each consume process handles at once (per queue).
+const CONCURRENCY: u16 = 4;
 
 /// Chaos run: K consume processes, duplicates, bad input, kill -9, PostgreSQL
 /// backends terminated, AMQP connections closed; then exactly-once checked.
@@ -115,6 +117,10 @@ struct Cli {
     /// "killed mid-transaction" window).
     #[arg(long, default_value_t = 5)]
     work_delay_ms: u64,
+    /// Run the consumers in batched mode with this batch size (batch wait
+    /// 20 ms, prefetch 2 × size × concurrency); per-message mode without it.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(2..=1000))]
+    batch_size: Option<u16>,
     /// Seconds to wait for the queues to drain after the last publish.
     #[arg(long, default_value_t = 240)]
     drain_timeout_secs: u64,
@@ -442,6 +448,11 @@ impl<'a> Consumers<'a> {
                     source,
                 })
         };
+        // Batched: one batch in work and the next arriving, per worker.
+        let prefetch = self
+            .cli
+            .batch_size
+            .map_or(8, |size| size.saturating_mul(2 * CONCURRENCY));
         let mut command = Command::new(&self.binary);
         command
             .args([
@@ -463,9 +474,9 @@ impl<'a> Consumers<'a> {
                 "--cleanup-interval-secs",
                 "0",
                 "--concurrency",
-                "4",
+                &CONCURRENCY.to_string(),
                 "--prefetch",
-                "8",
+                &prefetch.to_string(),
                 "--max-deliveries",
                 "40",
                 "--max-body-bytes",
@@ -484,6 +495,9 @@ impl<'a> Consumers<'a> {
             .kill_on_drop(true);
         if let Some(kind) = &self.cli.broken {
             command.args(["--fault-broken-store", kind]);
+        }
+        if let Some(size) = self.cli.batch_size {
+            command.args(["--batch-size", &size.to_string(), "--batch-wait", "20"]);
         }
         Ok(command)
     }
