@@ -73,10 +73,9 @@ pub(crate) enum Slot {
     },
     /// Committed: a claim of this key is a duplicate.
     Committed {
-        /// When the claim was made.
+        /// When the claim was made, which is also when the message counts
+        /// as processed: the row became visible only with the work's commit.
         received_at: DateTime<Utc>,
-        /// When the message was processed: recorded by its claim.
-        processed_at: Option<DateTime<Utc>>,
     },
 }
 
@@ -149,12 +148,7 @@ impl InboxShard {
 
     /// Turns `owner`'s pending claim of `key` into a committed row, and
     /// hands back whom to wake.
-    pub(crate) fn commit_claim(
-        &mut self,
-        key: &InboxKey,
-        owner: TxId,
-        processed_at: Option<DateTime<Utc>>,
-    ) -> Option<Arc<Notify>> {
+    pub(crate) fn commit_claim(&mut self, key: &InboxKey, owner: TxId) -> Option<Arc<Notify>> {
         match self.rows.get_mut(key) {
             Some(slot @ Slot::Pending { .. }) => {
                 let Slot::Pending {
@@ -167,14 +161,10 @@ impl InboxShard {
                 };
                 debug_assert_eq!(*holder, owner, "only the holder commits a claim");
                 let waiters = waiters.take();
-                *slot = Slot::Committed {
-                    received_at: *received_at,
-                    processed_at,
-                };
+                let at = *received_at;
+                *slot = Slot::Committed { received_at: at };
                 self.committed += 1;
-                if let Some(at) = processed_at {
-                    self.processed.insert((at, key.clone()));
-                }
+                self.processed.insert((at, key.clone()));
                 waiters
             }
             other => {
@@ -224,13 +214,10 @@ impl InboxShard {
 
     fn record(key: &InboxKey, slot: &Slot) -> Option<InboxRecord> {
         match slot {
-            Slot::Committed {
-                received_at,
-                processed_at,
-            } => Some(InboxRecord {
+            Slot::Committed { received_at } => Some(InboxRecord {
                 key: key.clone(),
                 received_at: *received_at,
-                processed_at: *processed_at,
+                processed_at: Some(*received_at),
             }),
             Slot::Pending { .. } => None,
         }
@@ -346,7 +333,7 @@ impl Shared {
             .zip(inbox_guards.iter_mut())
         {
             for claim in group {
-                wake.extend(shard.commit_claim(&claim.key, owner, claim.processed_at));
+                wake.extend(shard.commit_claim(&claim.key, owner));
             }
         }
         for (group, shard) in writes
@@ -592,7 +579,7 @@ mod tests {
             let k = key();
             let at = t0 + chrono::TimeDelta::seconds(second);
             assert!(matches!(shard.try_claim(&k, 1, at), ClaimAttempt::Fresh));
-            assert!(shard.commit_claim(&k, 1, Some(at)).is_none());
+            assert!(shard.commit_claim(&k, 1).is_none());
         }
         let cutoff = t0 + chrono::TimeDelta::seconds(7);
         assert_eq!(shard.purge(cutoff, 3), 3);

@@ -4,7 +4,6 @@ use std::fmt;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use chrono::{DateTime, Utc};
 use inbox_api::{Claim, InboxError, InboxKey, InboxTransaction};
 use smallvec::SmallVec;
 
@@ -18,10 +17,6 @@ pub(crate) struct OwnClaim {
     pub(crate) key: InboxKey,
     /// Cached so commit and release need not hash the key again.
     pub(crate) shard: usize,
-    /// The store clock at the claim, written at commit: the row becomes
-    /// visible only then, with the work, so a committed row is processed.
-    /// Always `Some`; an `Option` because the row's column is.
-    pub(crate) processed_at: Option<DateTime<Utc>>,
 }
 
 /// The keys a transaction holds: inline for the usual one, so a message's
@@ -180,7 +175,6 @@ impl InboxTransaction for MemoryTransaction {
                     self.claims.push(OwnClaim {
                         key: key.clone(),
                         shard,
-                        processed_at: Some(now),
                     });
                     return Ok(Claim::Fresh);
                 }
