@@ -311,7 +311,7 @@ impl<S: InboxStore> Inbox<S> {
                     retryable = error.is_retryable(), "inbox store failed during a batch");
                 for key in keys {
                     metrics::counter!(names::FAILED,
-                        "consumer" => key.consumer.as_str().to_owned(),
+                        "consumer" => key.consumer.label(),
                         "stage" => stage,
                         "retryable" => if error.is_retryable() { "true" } else { "false" })
                     .increment(1);
@@ -320,7 +320,7 @@ impl<S: InboxStore> Inbox<S> {
             };
             let work_failed = |key: &InboxKey| {
                 metrics::counter!(names::FAILED,
-                    "consumer" => key.consumer.as_str().to_owned(),
+                    "consumer" => key.consumer.label(),
                     "stage" => "work",
                     "retryable" => "unknown")
                 .increment(1);
@@ -428,7 +428,7 @@ impl<S: InboxStore> Inbox<S> {
 
             let elapsed = started.elapsed().as_secs_f64();
             for (key, item) in keys.iter().zip(&items) {
-                let consumer = key.consumer.as_str().to_owned();
+                let consumer = key.consumer.label();
                 match item {
                     BatchItem::Processed(_) => {
                         metrics::counter!(names::PROCESSED, "consumer" => consumer.clone())
