@@ -207,6 +207,26 @@ pub fn spawn<S: ParcelStore>(
     })
 }
 
+/// Logs `error` and waits the backoff of the `failures`-th failure in a
+/// row; `false` when shutdown came first.
+async fn pause_after(
+    error: &AppError,
+    what: &'static str,
+    failures: u32,
+    shutdown: &mut watch::Receiver<bool>,
+) -> bool {
+    let delay = backoff(
+        Duration::from_millis(200),
+        Duration::from_secs(10),
+        failures,
+    );
+    tracing::warn!(error = %chain(error), ?delay, "{what}");
+    tokio::select! {
+        () = tokio::time::sleep(delay) => true,
+        () = stopped(shutdown) => false,
+    }
+}
+
 /// Resolves when `shutdown` turns true or its sender is gone.
 async fn stopped(shutdown: &mut watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|stop| *stop).await;
@@ -234,16 +254,9 @@ impl<S: ParcelStore> Supervisor<S> {
                     Ok(()) => break,
                     Err(error) if error.is_retryable() => {
                         failures += 1;
-                        let delay = backoff(
-                            Duration::from_millis(200),
-                            Duration::from_secs(10),
-                            failures,
-                        );
-                        tracing::warn!(error = %chain(&error), ?delay,
-                            "batched-mode probe of the store failed; retrying");
-                        tokio::select! {
-                            () = tokio::time::sleep(delay) => {}
-                            () = stopped(&mut shutdown) => return Ok(()),
+                        let what = "batched-mode probe of the store failed; retrying";
+                        if !pause_after(&error, what, failures, &mut shutdown).await {
+                            return Ok(());
                         }
                     }
                     Err(error) => return Err(error),
@@ -276,15 +289,9 @@ impl<S: ParcelStore> Supervisor<S> {
                 }
                 Err(error) => {
                     failures += 1;
-                    let delay = backoff(
-                        Duration::from_millis(200),
-                        Duration::from_secs(10),
-                        failures,
-                    );
-                    tracing::warn!(error = %chain(&error), ?delay, "consumer session ended; reconnecting");
-                    tokio::select! {
-                        () = tokio::time::sleep(delay) => {}
-                        () = stopped(&mut shutdown) => return Ok(()),
+                    let what = "consumer session ended; reconnecting";
+                    if !pause_after(&error, what, failures, &mut shutdown).await {
+                        return Ok(());
                     }
                 }
             }
