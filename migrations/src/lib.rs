@@ -1,0 +1,41 @@
+//! The PostgreSQL layer of the Inbox pattern that every driver shares.
+//!
+//! The sqlx and diesel backends differ only in how they send a statement
+//! and how they learn a failed statement's SQLSTATE. Everything else about
+//! PostgreSQL lives here, once:
+//!
+//! - [`MIGRATIONS`]: the schema, embedded from this crate's `*.sql` files,
+//!   and [`migrate()`], the runner both drivers use, with one ledger
+//!   ([`LEDGER_TABLE`]), checksums and an advisory lock. A schema migrated
+//!   through one driver is migrated for the other.
+//! - [`sql`]: every statement the inbox sends.
+//! - [`ErrorClass`]: the SQLSTATE table deciding retry or dead-letter.
+//! - [`SchemaName`]: the one validation of a schema name.
+//! - [`Claims`]: which keys a transaction holds, and the savepoint
+//!   statements of batched mode, as a state machine.
+//!
+//! It depends on no driver.
+//!
+//! ```
+//! use inbox_postgres::{ErrorClass, SchemaName, sql};
+//!
+//! let schema = SchemaName::new("parcels")?;
+//! assert_eq!(schema.quoted(), "\"parcels\"");
+//! assert!(sql::CLAIM.starts_with("INSERT INTO inbox_messages"));
+//! assert_eq!(ErrorClass::of_sqlstate("40P01"), ErrorClass::Conflict);
+//! # Ok::<(), inbox_api::InboxError>(())
+//! ```
+#![deny(missing_docs)]
+
+mod claims;
+mod migrate;
+mod schema_name;
+pub mod sql;
+mod sqlstate;
+
+pub use claims::{Claims, key_columns};
+pub use migrate::{
+    ADVISORY_LOCK_KEY, LEDGER_TABLE, MIGRATIONS, Migration, MigrationConnection, migrate, pending,
+};
+pub use schema_name::SchemaName;
+pub use sqlstate::{ErrorClass, classify_sqlstate};

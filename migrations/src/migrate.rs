@@ -1,0 +1,346 @@
+//! The schema's migrations and the one runner both drivers use.
+//!
+//! The migrations are the flat `<version>_<description>.sql` files next to
+//! this crate's manifest, embedded with `include_str!` so that every crate
+//! built on them packages and deploys without the source tree. The runner
+//! is driver-neutral: it decides every statement (transaction, advisory
+//! lock, schema, ledger, checksums) and a driver only executes them through
+//! [`MigrationConnection`]. A schema migrated through one driver is
+//! therefore migrated for the other too.
+//!
+//! # Databases migrated before the shared ledger
+//!
+//! Earlier versions kept two ledgers, sqlx's `_sqlx_migrations` and
+//! `inbox_diesel_migrations`. The runner reads neither: on such a schema it
+//! finds [`LEDGER_TABLE`] missing and applies every migration again. That is
+//! harmless because every migration is idempotent (`CREATE … IF NOT
+//! EXISTS`, `COMMENT ON`), which the test `migrations_are_idempotent`
+//! holds each file to; the old ledger tables are left alone.
+
+use async_trait::async_trait;
+use inbox_api::InboxError;
+
+use crate::SchemaName;
+
+/// One embedded migration file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Migration {
+    /// The `<version>` part of the file name.
+    pub version: i64,
+    /// The `<description>` part, underscores as spaces.
+    pub description: &'static str,
+    /// The file's contents.
+    pub sql: &'static str,
+}
+
+impl Migration {
+    /// FNV-1a over the file: detects an edited migration, nothing more (not
+    /// a security property, so no cryptographic hash is needed).
+    pub fn checksum(&self) -> i64 {
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for byte in self.sql.bytes() {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+        i64::from_ne_bytes(hash.to_ne_bytes())
+    }
+}
+
+/// The schema, in version order. A test checks this list against the
+/// directory, so a file added without an entry here fails the build's tests.
+pub static MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 20261202000001,
+        description: "create inbox messages",
+        sql: include_str!("../20261202000001_create_inbox_messages.sql"),
+    },
+    Migration {
+        version: 20261203000001,
+        description: "processed at set by the claim",
+        sql: include_str!("../20261203000001_processed_at_set_by_the_claim.sql"),
+    },
+];
+
+/// The ledger: one row per applied migration, in the store's schema.
+pub const LEDGER_TABLE: &str = "inbox_schema_migrations";
+
+/// Serialises concurrent runners (several instances starting at once) on
+/// one transaction-scoped advisory lock, released by COMMIT, ROLLBACK or a
+/// closed connection, so an interrupted runner cannot keep it. Any fixed
+/// key works.
+pub const ADVISORY_LOCK_KEY: i64 = 0x1b0c_d1e5;
+
+/// What the runner needs from a driver: a connection it may use for one
+/// transaction. Every statement it sends is parameterless.
+#[async_trait]
+pub trait MigrationConnection: Send {
+    /// Runs `sql` (one or more statements) over the simple query protocol.
+    async fn execute(&mut self, sql: &str) -> Result<(), InboxError>;
+
+    /// Runs a query whose rows are two `int8` columns.
+    async fn query_pairs(&mut self, sql: &str) -> Result<Vec<(i64, i64)>, InboxError>;
+
+    /// Runs a query of one row and one `text` column.
+    async fn query_text(&mut self, sql: &str) -> Result<Option<String>, InboxError>;
+}
+
+/// Creates `schema` if needed and applies the pending [`MIGRATIONS`] to it,
+/// in one transaction, serialised against other runners. Returns the
+/// versions applied (empty when up to date).
+///
+/// The connection's `search_path` must name `schema`. Close the connection
+/// afterwards if this future may have been dropped midway: it would still
+/// be inside the transaction.
+///
+/// # Errors
+/// [`InboxError::InvalidArgument`] when the connection does not use
+/// `schema`; [`InboxError::Schema`] when an applied migration's file
+/// changed; the driver's errors otherwise.
+pub async fn migrate<C: MigrationConnection>(
+    conn: &mut C,
+    schema: &SchemaName,
+) -> Result<Vec<i64>, InboxError> {
+    conn.execute("BEGIN").await?;
+    match apply(conn, schema).await {
+        Ok(applied) => {
+            conn.execute("COMMIT").await?;
+            if !applied.is_empty() {
+                tracing::info!(%schema, ?applied, "inbox schema migrated");
+            }
+            Ok(applied)
+        }
+        Err(error) => {
+            // The caller closes this connection on error anyway; the
+            // rollback is a courtesy to the server.
+            if let Err(rollback) = conn.execute("ROLLBACK").await {
+                tracing::debug!(error = %rollback, "rollback after a failed migration failed");
+            }
+            Err(error)
+        }
+    }
+}
+
+async fn apply<C: MigrationConnection>(
+    conn: &mut C,
+    schema: &SchemaName,
+) -> Result<Vec<i64>, InboxError> {
+    conn.execute(&format!(
+        "SELECT pg_advisory_xact_lock({ADVISORY_LOCK_KEY})"
+    ))
+    .await?;
+    // Look before creating: CREATE SCHEMA needs the CREATE privilege on the
+    // database even when the schema exists, which an application role on a
+    // provisioned schema often lacks. Under the lock, no other runner
+    // creates it in between.
+    conn.execute(&format!(
+        "DO $$ BEGIN \
+           IF NOT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = {literal}) THEN \
+             CREATE SCHEMA {quoted}; \
+           END IF; \
+         END $$",
+        literal = schema.literal(),
+        quoted = schema.quoted(),
+    ))
+    .await?;
+    // search_path is resolved per statement, so a schema created after
+    // connecting counts now.
+    let current = conn.query_text("SELECT current_schema()::text").await?;
+    if current.as_deref() != Some(schema.as_str()) {
+        return Err(InboxError::InvalidArgument {
+            message: format!(
+                "the connection uses schema {current:?}, not {:?}: its search_path must name \
+                 the store's schema",
+                schema.as_str()
+            ),
+        });
+    }
+    conn.execute(&format!(
+        "CREATE TABLE IF NOT EXISTS {LEDGER_TABLE} (
+             version     BIGINT      PRIMARY KEY,
+             description TEXT        NOT NULL,
+             checksum    BIGINT      NOT NULL,
+             applied_at  TIMESTAMPTZ NOT NULL DEFAULT now()
+         )"
+    ))
+    .await?;
+    let applied = conn
+        .query_pairs(&format!("SELECT version, checksum FROM {LEDGER_TABLE}"))
+        .await?;
+    let mut newly = Vec::new();
+    for migration in pending(&applied, schema)? {
+        conn.execute(migration.sql).await?;
+        // Version and checksum are integers, the description comes from a
+        // file name of this crate (a test keeps it to [a-z0-9 ]).
+        conn.execute(&format!(
+            "INSERT INTO {LEDGER_TABLE} (version, description, checksum) VALUES ({}, '{}', {})",
+            migration.version,
+            migration.description,
+            migration.checksum()
+        ))
+        .await?;
+        tracing::info!(%schema, version = migration.version,
+            description = migration.description, "applied migration");
+        newly.push(migration.version);
+    }
+    Ok(newly)
+}
+
+/// The migrations not yet in the ledger, given its `(version, checksum)`
+/// rows, in order.
+///
+/// # Errors
+/// [`InboxError::Schema`] when a recorded checksum differs from the
+/// embedded file's: the database may not match the code, so refuse loudly.
+pub fn pending(
+    applied: &[(i64, i64)],
+    schema: &SchemaName,
+) -> Result<Vec<&'static Migration>, InboxError> {
+    let mut pending = Vec::new();
+    for migration in MIGRATIONS {
+        match applied.iter().find(|(v, _)| *v == migration.version) {
+            Some((_, recorded)) if *recorded == migration.checksum() => {}
+            Some(_) => {
+                return Err(InboxError::Schema {
+                    source: format!(
+                        "migration {} ({}) was applied to schema {schema} with different \
+                         contents; migrations must not be edited once applied",
+                        migration.version, migration.description
+                    )
+                    .into(),
+                });
+            }
+            None => pending.push(migration),
+        }
+    }
+    Ok(pending)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn schema() -> SchemaName {
+        SchemaName::new("inbox").expect("valid")
+    }
+
+    #[test]
+    fn the_list_is_the_directory() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut files: Vec<String> = std::fs::read_dir(dir)
+            .expect("the crate directory")
+            .map(|entry| {
+                entry
+                    .expect("an entry")
+                    .file_name()
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .filter(|name| name.ends_with(".sql"))
+            .collect();
+        files.sort();
+        let listed: Vec<String> = MIGRATIONS
+            .iter()
+            .map(|m| format!("{}_{}.sql", m.version, m.description.replace(' ', "_")))
+            .collect();
+        assert_eq!(files, listed);
+        for (file, migration) in files.iter().zip(MIGRATIONS) {
+            let text = std::fs::read_to_string(dir.join(file)).expect("readable");
+            assert_eq!(text, migration.sql, "{file}");
+        }
+    }
+
+    #[test]
+    fn migrations_are_ordered_and_quotable() {
+        assert!(MIGRATIONS.windows(2).all(|w| w[0].version < w[1].version));
+        for m in MIGRATIONS {
+            assert!(
+                m.description
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b' '),
+                "{m:?}"
+            );
+            // The runner applies every pending file inside one transaction.
+            assert!(
+                !m.sql.trim_start().starts_with("-- no-transaction"),
+                "{m:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn migrations_are_idempotent() {
+        // Re-applying under a new ledger must be harmless (see the module
+        // docs): every DDL statement says IF NOT EXISTS, or is a COMMENT.
+        for m in MIGRATIONS {
+            let code: String = m
+                .sql
+                .lines()
+                .filter(|line| !line.trim_start().starts_with("--"))
+                .collect::<Vec<_>>()
+                .join("\n");
+            // String literals may hold semicolons: blank them out ('' is
+            // an escaped quote, which toggling twice handles).
+            let mut quoted = false;
+            let code: String = code
+                .chars()
+                .map(|c| {
+                    if c == '\'' {
+                        quoted = !quoted;
+                    }
+                    if quoted { ' ' } else { c }
+                })
+                .collect();
+            for statement in code.split(';').map(str::trim).filter(|s| !s.is_empty()) {
+                let upper = statement.to_ascii_uppercase();
+                let ok = upper.starts_with("COMMENT ON ")
+                    || (upper.starts_with("CREATE ") && upper.contains(" IF NOT EXISTS "));
+                assert!(ok, "migration {} is not idempotent: {statement}", m.version);
+            }
+        }
+    }
+
+    #[test]
+    fn pending_follows_the_ledger() {
+        let all: Vec<i64> = MIGRATIONS.iter().map(|m| m.version).collect();
+        let got: Vec<i64> = pending(&[], &schema())
+            .expect("fresh")
+            .iter()
+            .map(|m| m.version)
+            .collect();
+        assert_eq!(got, all);
+
+        let first = &MIGRATIONS[0];
+        let got: Vec<i64> = pending(&[(first.version, first.checksum())], &schema())
+            .expect("one applied")
+            .iter()
+            .map(|m| m.version)
+            .collect();
+        assert_eq!(got, all[1..].to_vec());
+
+        let done: Vec<(i64, i64)> = MIGRATIONS
+            .iter()
+            .map(|m| (m.version, m.checksum()))
+            .collect();
+        assert!(pending(&done, &schema()).expect("up to date").is_empty());
+
+        let edited = [(first.version, first.checksum().wrapping_add(1))];
+        let err = pending(&edited, &schema()).expect_err("edited");
+        assert!(matches!(err, InboxError::Schema { .. }), "{err:?}");
+        assert!(!err.is_retryable());
+    }
+
+    #[test]
+    fn checksum_sees_edits() {
+        let a = Migration {
+            version: 1,
+            description: "a",
+            sql: "CREATE TABLE a",
+        };
+        let b = Migration {
+            sql: "CREATE TABLE b",
+            ..a
+        };
+        assert_eq!(a.checksum(), a.checksum());
+        assert_ne!(a.checksum(), b.checksum());
+    }
+}

@@ -1,0 +1,164 @@
+//! Every SQL statement of the inbox, once, for every driver.
+//!
+//! Names are unqualified: each store picks its schema through `search_path`,
+//! so statements stay constant (prepared once per connection) and no text
+//! ever reaches SQL by string formatting. Parameters are PostgreSQL's
+//! positional `$n`; [`pieces`] splits a statement at them for drivers that
+//! build statements from fragments and bind markers (diesel).
+
+/// Claims one key: `$1` message id (uuid), `$2` consumer name (text).
+/// Affects one row when the claim is fresh, none for a duplicate.
+///
+/// `INSERT … ON CONFLICT DO NOTHING`, the first statement of the
+/// transaction: a concurrent claim of the same key waits on the primary
+/// key's unique index until the holder ends, then sees its committed row
+/// (a duplicate) or inserts its own. No check-then-insert, and no unique
+/// violation for a duplicate. The claim records `processed_at` itself: the
+/// row only becomes visible at COMMIT, together with the work, so a
+/// committed row is a processed message. `now()` is the transaction's
+/// start, like `received_at`'s default.
+pub const CLAIM: &str = "INSERT INTO inbox_messages (id, consumer_type, processed_at) \
+     VALUES ($1, $2, now()) ON CONFLICT DO NOTHING";
+
+/// Claims a batch: `$1` message ids (uuid[]), `$2` consumer names (text[]),
+/// parallel arrays (see [`crate::key_columns`]). Returns `(id uuid,
+/// consumer_type text)` for each key inserted.
+///
+/// The keys are inserted in sorted order (bytewise, like `InboxKey`'s
+/// `Ord`), so two overlapping batches take their row locks in one global
+/// order and cannot deadlock. A key repeated in the batch conflicts with its
+/// own first copy and is skipped. `processed_at` as in [`CLAIM`].
+pub const CLAIM_BATCH: &str = "INSERT INTO inbox_messages (id, consumer_type, processed_at) \
+     SELECT id, consumer_type, now() \
+     FROM unnest($1::uuid[], $2::text[]) AS k(id, consumer_type) \
+     ORDER BY id, consumer_type COLLATE \"C\" \
+     ON CONFLICT DO NOTHING RETURNING id, consumer_type::text";
+
+/// Gives a key claimed in this transaction back: `$1` id, `$2` consumer.
+///
+/// Deleting the row this transaction inserted: a claim waiting on it waits
+/// on this transaction, and finds no row once it ends.
+pub const UNCLAIM: &str = "DELETE FROM inbox_messages WHERE id = $1 AND consumer_type = $2";
+
+/// One committed row: `$1` id, `$2` consumer. Returns `(received_at
+/// timestamptz, processed_at timestamptz NULL)`.
+pub const LOOKUP: &str = "SELECT received_at, processed_at FROM inbox_messages \
+     WHERE id = $1 AND consumer_type = $2";
+
+/// One batch of cleanup, in one statement and so in one short transaction:
+/// `$1` cutoff (timestamptz), `$2` batch size (int8). Affects the rows
+/// deleted.
+///
+/// The inner SELECT walks the partial index `inbox_messages_processed_at_idx`
+/// in `processed_at` order and stops after `$2` rows; `FOR UPDATE SKIP
+/// LOCKED` lets several instances clean at once without blocking or failing
+/// each other (MassTransit #3996), each taking rows the others have not.
+/// Deleting by `ctid` then goes straight to the locked tuples (a TID scan);
+/// deleting by primary key instead (`(id, consumer_type) IN (…)`) plans as a
+/// hash semi-join over a sequential scan of the whole table.
+pub const PURGE_BATCH: &str = "DELETE FROM inbox_messages WHERE ctid = ANY(ARRAY(\
+     SELECT ctid FROM inbox_messages WHERE processed_at < $1 \
+     ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED))";
+
+/// Committed inbox rows per consumer. Returns `(consumer_type text, count
+/// int8)`.
+pub const PROCESSED_COUNTS: &str = "SELECT consumer_type::text, count(*) \
+     FROM inbox_messages GROUP BY consumer_type";
+
+/// A part of a statement: text to send as it is, or a parameter marker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Piece<'a> {
+    /// SQL text.
+    Text(&'a str),
+    /// The parameter `$n` (1-based).
+    Param(usize),
+}
+
+/// Splits `sql` into text and `$n` markers, in order.
+///
+/// For drivers whose query builders emit their own placeholders (diesel's
+/// `push_bind_param`): they send the text pieces and bind the parameter a
+/// marker names. The inbox statements have no string literals or dollar
+/// quoting, so every `$` followed by digits is a parameter.
+pub fn pieces(sql: &str) -> Vec<Piece<'_>> {
+    let bytes = sql.as_bytes();
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'$' {
+            let digits = bytes[i + 1..]
+                .iter()
+                .take_while(|b| b.is_ascii_digit())
+                .count();
+            if digits > 0 {
+                let number = &sql[i + 1..i + 1 + digits];
+                if let Ok(n) = number.parse() {
+                    if start < i {
+                        out.push(Piece::Text(&sql[start..i]));
+                    }
+                    out.push(Piece::Param(n));
+                    i += 1 + digits;
+                    start = i;
+                    continue;
+                }
+            }
+        }
+        i += 1;
+    }
+    if start < sql.len() {
+        out.push(Piece::Text(&sql[start..]));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_split_at_parameters() {
+        assert_eq!(
+            pieces("SELECT $1, x FROM t WHERE y = $12"),
+            vec![
+                Piece::Text("SELECT "),
+                Piece::Param(1),
+                Piece::Text(", x FROM t WHERE y = "),
+                Piece::Param(12),
+            ]
+        );
+        assert_eq!(pieces("SELECT 1"), vec![Piece::Text("SELECT 1")]);
+        assert_eq!(pieces("$1$2"), vec![Piece::Param(1), Piece::Param(2)]);
+        assert_eq!(pieces("a $ b"), vec![Piece::Text("a $ b")]);
+    }
+
+    #[test]
+    fn statements_use_their_parameters_in_order() {
+        for (sql, count) in [
+            (CLAIM, 2),
+            (CLAIM_BATCH, 2),
+            (UNCLAIM, 2),
+            (LOOKUP, 2),
+            (PURGE_BATCH, 2),
+            (PROCESSED_COUNTS, 0),
+        ] {
+            let params: Vec<usize> = pieces(sql)
+                .into_iter()
+                .filter_map(|p| match p {
+                    Piece::Param(n) => Some(n),
+                    Piece::Text(_) => None,
+                })
+                .collect();
+            assert_eq!(params, (1..=count).collect::<Vec<_>>(), "{sql}");
+            // Rebuilt from its pieces, the statement is itself again.
+            let rebuilt: String = pieces(sql)
+                .into_iter()
+                .map(|p| match p {
+                    Piece::Text(t) => t.to_owned(),
+                    Piece::Param(n) => format!("${n}"),
+                })
+                .collect();
+            assert_eq!(rebuilt, sql);
+        }
+    }
+}

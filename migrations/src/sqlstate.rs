@@ -1,0 +1,210 @@
+//! PostgreSQL errors mapped onto [`InboxError`], by SQLSTATE.
+//!
+//! The mapping answers one question for the broker boundary: redeliver or
+//! dead-letter. It is keyed on the SQLSTATE, never on message text:
+//! messages are localised by the server (`lc_messages`) and change between
+//! versions, SQLSTATEs do not. Each driver only says what it knows about a
+//! failure (the SQLSTATE, or a driver-level [`ErrorClass`] for errors that
+//! never reached the server) and keeps the driver's error as the source.
+//!
+//! | SQLSTATE | meaning | [`InboxError`] |
+//! |---|---|---|
+//! | 40001, 40P01, 55P03, other class 40 | serialization failure, deadlock, lock not available, other rollbacks | `Conflict` (retry) |
+//! | class 08, 57P01–57P03, 57P05, 25P03, 40003 | connection lost, terminated, server shutting down or starting, idle timeouts, commit outcome unknown | `Connection` (retry) |
+//! | 57014, 25006, class 53, class 58 | statement timeout or cancel, read-only (failover), out of resources, system error | `Store { retryable: true }` |
+//! | 42P01, 3F000, 42703, 42883, 42704 | undefined table / schema / column / function / object | `Schema` (dead-letter) |
+//! | class 22, class 23, anything else | data errors, constraint violations, syntax, the unforeseen | `Store { retryable: false }` |
+
+use inbox_api::{BoxError, InboxError};
+
+/// What a failure means for the delivery, before the driver's error is
+/// attached as the source.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// The server aborted the transaction to resolve a conflict. Retryable.
+    Conflict,
+    /// The connection failed, or the outcome is unknown. Retryable.
+    Connection,
+    /// No pooled connection became free in time. Retryable.
+    PoolTimeout,
+    /// The schema is missing or not what the code expects. Permanent.
+    Schema,
+    /// Any other failure, retryable or not.
+    Store {
+        /// Whether redelivery can help.
+        retryable: bool,
+    },
+}
+
+impl ErrorClass {
+    /// Classifies a SQLSTATE (the five-character code of a PostgreSQL
+    /// error).
+    ///
+    /// Unknown codes are permanent: a message that fails in a way nobody
+    /// anticipated goes to the dead-letter queue where a person sees it,
+    /// instead of looping through redeliveries.
+    pub fn of_sqlstate(code: &str) -> Self {
+        match code {
+            // serialization_failure, deadlock_detected: the textbook
+            // retryable conflicts (MassTransit #5114). lock_not_available: a
+            // lock_timeout or NOWAIT lost a race with another transaction.
+            "40001" | "40P01" | "55P03" => Self::Conflict,
+            // statement_completion_unknown: like a lost connection, the
+            // outcome is unknown and redelivery resolves it.
+            "40003" => Self::Connection,
+            // Other class 40 codes (transaction_rollback) are rollbacks
+            // forced by concurrency too.
+            c if c.starts_with("40") => Self::Conflict,
+            // admin_shutdown (pg_terminate_backend), crash_shutdown,
+            // cannot_connect_now (starting up), idle_session_timeout; and
+            // idle_in_transaction_session_timeout, after which the server
+            // closes the connection.
+            "57P01" | "57P02" | "57P03" | "57P05" | "25P03" => Self::Connection,
+            // connection_exception and its subclasses.
+            c if c.starts_with("08") => Self::Connection,
+            // query_canceled (statement_timeout, pg_cancel_backend): the next
+            // attempt may well run under less load. read_only_sql_transaction:
+            // connected to a standby during a failover; a later connection
+            // reaches the new primary.
+            "57014" | "25006" => Self::Store { retryable: true },
+            // undefined_table, invalid_schema_name, undefined_column,
+            // undefined_function, undefined_object: nobody migrated this
+            // schema.
+            "42P01" | "3F000" | "42703" | "42883" | "42704" => Self::Schema,
+            // insufficient_resources (disk full, out of memory, too many
+            // connections) and system errors (I/O): they pass.
+            c if c.starts_with("53") || c.starts_with("58") => Self::Store { retryable: true },
+            // data_exception, integrity_constraint_violation, syntax, and
+            // anything unforeseen: this input fails the same way every time.
+            _ => Self::Store { retryable: false },
+        }
+    }
+
+    /// The [`InboxError`] of this class, keeping `source` (the driver's
+    /// error) for the log.
+    pub fn into_error(self, source: BoxError) -> InboxError {
+        match self {
+            Self::Conflict => InboxError::Conflict { source },
+            Self::Connection => InboxError::Connection { source },
+            Self::PoolTimeout => InboxError::PoolTimeout {
+                source: Some(source),
+            },
+            Self::Schema => InboxError::Schema { source },
+            Self::Store { retryable } => InboxError::Store { retryable, source },
+        }
+    }
+}
+
+/// Classifies a PostgreSQL error by its SQLSTATE, keeping `source`:
+/// [`ErrorClass::of_sqlstate`] then [`ErrorClass::into_error`].
+pub fn classify_sqlstate(code: &str, source: BoxError) -> InboxError {
+    ErrorClass::of_sqlstate(code).into_error(source)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn class(code: &str) -> ErrorClass {
+        ErrorClass::of_sqlstate(code)
+    }
+
+    #[test]
+    fn conflicts() {
+        for code in ["40001", "40P01", "55P03", "40002"] {
+            assert_eq!(class(code), ErrorClass::Conflict, "{code}");
+        }
+    }
+
+    #[test]
+    fn lost_connections() {
+        for code in [
+            "08000", "08003", "08006", "08001", "08P01", "57P01", "57P02", "57P03", "57P05",
+            "25P03", "40003",
+        ] {
+            assert_eq!(class(code), ErrorClass::Connection, "{code}");
+        }
+    }
+
+    #[test]
+    fn missing_schema() {
+        for code in ["42P01", "3F000", "42703", "42883", "42704"] {
+            assert_eq!(class(code), ErrorClass::Schema, "{code}");
+        }
+    }
+
+    #[test]
+    fn transient_store_failures() {
+        for code in [
+            "53000", "53100", "53200", "53300", "58030", "57014", "25006",
+        ] {
+            assert_eq!(class(code), ErrorClass::Store { retryable: true }, "{code}");
+        }
+    }
+
+    #[test]
+    fn permanent_store_failures() {
+        for code in [
+            "22001", "22P02", "23505", "23502", "23503", "42601", "42501", "XX000", "25P02", "",
+        ] {
+            assert_eq!(
+                class(code),
+                ErrorClass::Store { retryable: false },
+                "{code}"
+            );
+        }
+    }
+
+    #[test]
+    fn errors_keep_their_source_and_disposition() {
+        type IsKind = fn(&InboxError) -> bool;
+        let cases: [(&str, IsKind, bool); 5] = [
+            ("40P01", |e| matches!(e, InboxError::Conflict { .. }), true),
+            (
+                "57P01",
+                |e| matches!(e, InboxError::Connection { .. }),
+                true,
+            ),
+            ("42P01", |e| matches!(e, InboxError::Schema { .. }), false),
+            (
+                "57014",
+                |e| {
+                    matches!(
+                        e,
+                        InboxError::Store {
+                            retryable: true,
+                            ..
+                        }
+                    )
+                },
+                true,
+            ),
+            (
+                "23505",
+                |e| {
+                    matches!(
+                        e,
+                        InboxError::Store {
+                            retryable: false,
+                            ..
+                        }
+                    )
+                },
+                false,
+            ),
+        ];
+        for (code, is_kind, retryable) in cases {
+            let error = classify_sqlstate(code, format!("server said {code}").into());
+            assert!(is_kind(&error), "{code}: {error:?}");
+            assert_eq!(error.is_retryable(), retryable, "{code}");
+            let source = std::error::Error::source(&error).expect("source kept");
+            assert_eq!(source.to_string(), format!("server said {code}"));
+        }
+        let timeout = ErrorClass::PoolTimeout.into_error("waited".into());
+        assert!(matches!(
+            timeout,
+            InboxError::PoolTimeout { source: Some(_) }
+        ));
+        assert!(timeout.is_retryable());
+    }
+}
