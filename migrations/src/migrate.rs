@@ -77,8 +77,9 @@ pub trait MigrationConnection: Send {
     /// Runs `sql` (one or more statements) over the simple query protocol.
     async fn execute(&mut self, sql: &str) -> Result<(), InboxError>;
 
-    /// Runs a query whose rows are two `int8` columns.
-    async fn query_pairs(&mut self, sql: &str) -> Result<Vec<(i64, i64)>, InboxError>;
+    /// Runs the query of the ledger, whose rows are two `int8` columns
+    /// named `version` and `checksum`.
+    async fn query_ledger(&mut self, sql: &str) -> Result<Vec<(i64, i64)>, InboxError>;
 
     /// Runs a query of one row and one `text` column.
     async fn query_text(&mut self, sql: &str) -> Result<Option<String>, InboxError>;
@@ -164,7 +165,7 @@ async fn apply<C: MigrationConnection>(
     ))
     .await?;
     let applied = conn
-        .query_pairs(&format!("SELECT version, checksum FROM {LEDGER_TABLE}"))
+        .query_ledger(&format!("SELECT version, checksum FROM {LEDGER_TABLE}"))
         .await?;
     let mut newly = Vec::new();
     for migration in pending(&applied, schema)? {
