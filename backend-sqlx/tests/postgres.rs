@@ -16,7 +16,8 @@ use inbox_api::{
     Claim, ConsumerName, Handled, Inbox, InboxError, InboxKey, InboxStore, InboxTransaction,
     MessageId,
 };
-use inbox_backend_sqlx::{PURGE_BATCH, SqlxStore};
+use inbox_backend_sqlx::SqlxStore;
+use inbox_postgres::sql::PURGE_BATCH;
 use sqlx::postgres::PgPoolOptions;
 use tokio::sync::Barrier;
 
@@ -583,7 +584,7 @@ async fn concurrent_migrations_of_one_schema_succeed() {
     ra.expect("migrate a");
     rb.expect("migrate b");
     a.migrate().await.expect("migrate again");
-    let versions: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations")
+    let versions: i64 = sqlx::query_scalar("SELECT count(*) FROM inbox_schema_migrations")
         .fetch_one(a.pool())
         .await
         .expect("migrations table in the store's schema");
@@ -876,7 +877,7 @@ async fn a_cancelled_migration_does_not_block_other_instances() {
     // Hold the migrator's bookkeeping table, so that the next migration
     // takes the advisory lock and then waits.
     let mut blocker = first.pool().begin().await.expect("begin");
-    sqlx::query("LOCK TABLE _sqlx_migrations IN ACCESS EXCLUSIVE MODE")
+    sqlx::query("LOCK TABLE inbox_schema_migrations IN ACCESS EXCLUSIVE MODE")
         .execute(&mut *blocker)
         .await
         .expect("lock the migrations table");

@@ -122,7 +122,7 @@ pub async fn sweep_old_schemas(admin: &PgPool, prefix: &str) {
     let limit = unix_secs().saturating_sub(SWEEP_AFTER.as_secs());
     for name in names {
         let old = embedded_secs(&name, prefix).is_some_and(|secs| secs < limit);
-        if !old || inbox_backend_sqlx::validate_schema_name(&name).is_err() {
+        if !old || inbox_backend_sqlx::SchemaName::new(&name).is_err() {
             continue;
         }
         // Validated above: a plain identifier, safe to quote.
