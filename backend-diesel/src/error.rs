@@ -1,18 +1,18 @@
 //! diesel / pool errors → [`InboxError`], by what the caller should do.
 //!
-//! The table is the sqlx backend's, keyed by SQLSTATE:
+//! The SQLSTATE table is `inbox-postgres`'s
+//! ([`inbox_postgres::ErrorClass::of_sqlstate`]), shared with the sqlx
+//! backend; this module only finds the SQLSTATE of a diesel error, and
+//! classifies what never reached the server:
 //!
-//! | SQLSTATE | meaning | [`InboxError`] |
-//! |---|---|---|
-//! | 40001, 40P01, other class 40 | serialization failure, deadlock, other rollbacks | `Conflict` (retry) |
-//! | 55P03 | lock not available (`NOWAIT`, `lock_timeout`) | `Conflict` (retry) |
-//! | class 08, 57P01–57P03, 57P05, 25P03, 40003 | connection lost, terminated, server shutting down, commit outcome unknown | `Connection` (retry) |
-//! | 57014, 25006, class 53, class 58 | statement timeout, read-only (failover), out of resources, system error | `Store { retryable: true }` |
-//! | 42P01, 3F000, 42703, 42883, 42704 | undefined table / schema / column / function / object; undecodable column | `Schema` (dead-letter) |
-//! | anything else | constraint violations, syntax, data errors | `Store { retryable: false }` |
-//! | no SQLSTATE: connection closed, I/O | | `Connection` (retry) |
-//! | pool: waited too long for a slot | | `PoolTimeout` (retry) |
-//! | pool: could not open a connection | | `Connection` (retry) |
+//! | error | [`InboxError`] |
+//! |---|---|
+//! | a database error with a SQLSTATE (below) | by the shared table |
+//! | no SQLSTATE: connection closed, I/O | `Connection` (retry) |
+//! | a column that does not decode | `Schema` (dead-letter) |
+//! | pool: waited too long for a slot | `PoolTimeout` (retry) |
+//! | pool: could not open a connection | `Connection` (retry) |
+//! | misuse of the transaction, anything else | `Store { retryable: false }` |
 //!
 //! # Where the SQLSTATE comes from
 //!
@@ -40,6 +40,7 @@ use diesel::ConnectionError;
 use diesel::result::{DatabaseErrorInformation, DatabaseErrorKind, Error as DieselError};
 use diesel_async::pooled_connection::deadpool::PoolError;
 use inbox_api::{BoxError, InboxError};
+use inbox_postgres::classify_sqlstate;
 
 /// Converts a diesel error into an [`InboxError`] that says whether
 /// redelivery can help.
@@ -164,47 +165,6 @@ pub fn classify_connection(error: ConnectionError) -> InboxError {
         },
         other => InboxError::Connection {
             source: boxed(other),
-        },
-    }
-}
-
-/// Classifies by SQLSTATE: the same table, line for line, as the sqlx
-/// backend's `class_of_sqlstate` (`backend-sqlx/src/error.rs`).
-fn classify_sqlstate(code: &str, source: BoxError) -> InboxError {
-    match code {
-        // serialization_failure, deadlock_detected, lock_not_available.
-        "40001" | "40P01" | "55P03" => InboxError::Conflict { source },
-        // statement_completion_unknown: the outcome is unknown, like a lost
-        // connection's, and redelivery resolves it.
-        "40003" => InboxError::Connection { source },
-        // Other transaction rollbacks are forced by concurrency too.
-        c if c.starts_with("40") => InboxError::Conflict { source },
-        // admin_shutdown (pg_terminate_backend), crash_shutdown,
-        // cannot_connect_now, idle_session_timeout,
-        // idle_in_transaction_session_timeout: the server closed the
-        // connection.
-        "57P01" | "57P02" | "57P03" | "57P05" | "25P03" => InboxError::Connection { source },
-        c if c.starts_with("08") => InboxError::Connection { source },
-        // query_canceled (statement_timeout), read_only_sql_transaction (a
-        // standby during failover): a later attempt may pass.
-        "57014" | "25006" => InboxError::Store {
-            retryable: true,
-            source,
-        },
-        // undefined table, schema, column, function, object: nobody
-        // migrated this schema.
-        "42P01" | "3F000" | "42703" | "42883" | "42704" => InboxError::Schema { source },
-        // insufficient_resources, system errors: they pass.
-        c if c.starts_with("53") || c.starts_with("58") => InboxError::Store {
-            retryable: true,
-            source,
-        },
-        // Data exceptions, integrity violations, and anything unforeseen: a
-        // person should look at it in the dead-letter queue rather than
-        // watch it loop.
-        _ => InboxError::Store {
-            retryable: false,
-            source,
         },
     }
 }

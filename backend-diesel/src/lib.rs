@@ -8,8 +8,10 @@
 //! through [`DieselTransaction::conn`] on that same connection, so they
 //! commit together with the claim or not at all.
 //!
-//! - The schema is the workspace's `migrations/*.sql`, embedded at build
-//!   time and applied by [`DieselStore::migrate`]; [`schema`] is diesel's
+//! - The schema, the statements, the SQLSTATE table and the savepoint
+//!   bookkeeping are `inbox-postgres`'s, shared with the sqlx backend: this
+//!   crate sends the statements and recovers SQLSTATEs from diesel's errors.
+//!   [`DieselStore::migrate`] applies the schema; [`schema`] is diesel's
 //!   view of it. Each store lives in one PostgreSQL schema, chosen by
 //!   `search_path` ([`SchemaName`]).
 //! - A transaction dropped without commit closes its connection instead of
@@ -22,7 +24,7 @@
 //!   call, so the batch claim is written as a fixed query fragment); prefer diesel's DSL over `sql_query` for the
 //!   consumer's own hot writes for the same reason.
 //! - [`classify`] turns diesel errors into [`inbox_api::InboxError`]s that
-//!   say retry or dead-letter, the same table as the sqlx backend.
+//!   say retry or dead-letter, by the SQLSTATE table both backends share.
 //!
 //! # Example
 //!
@@ -80,7 +82,6 @@
 mod error;
 mod migrate;
 pub mod schema;
-mod schema_name;
 mod statements;
 mod store;
 mod transaction;
@@ -93,8 +94,7 @@ pub use diesel;
 pub use diesel_async;
 pub use diesel_async::AsyncPgConnection;
 pub use error::{classify, classify_connection, classify_pool};
-pub use schema_name::SchemaName;
-#[doc(hidden)]
-pub use store::PURGE_SQL;
+/// The schema-name rules, shared with the sqlx backend.
+pub use inbox_postgres::SchemaName;
 pub use store::{DieselPool, DieselStore, DieselStoreBuilder, PooledConnection};
 pub use transaction::DieselTransaction;

@@ -7,8 +7,8 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use deadpool::Runtime;
 use deadpool::managed::{Object, Timeouts};
-use diesel::prelude::*;
-use diesel::sql_types::{BigInt, Timestamptz};
+use diesel::sql_types::{BigInt, Nullable, Text, Timestamptz, Uuid};
+use diesel::{OptionalExtension, QueryableByName};
 use diesel_async::pooled_connection::deadpool::Pool;
 use diesel_async::pooled_connection::{
     AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod,
@@ -17,10 +17,11 @@ use diesel_async::{
     AnsiTransactionManager, AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
     TransactionManager,
 };
-use inbox_api::{ConsumerName, InboxError, InboxKey, InboxRecord, InboxStore, MessageId};
+use inbox_api::{InboxError, InboxKey, InboxRecord, InboxStore};
+use inbox_postgres::sql;
 
 use crate::error::{classify, classify_pool};
-use crate::schema::inbox_messages;
+use crate::migrate::Migrating;
 use crate::transaction::{Pooled, refine};
 use crate::{DieselTransaction, SchemaName};
 
@@ -235,10 +236,10 @@ impl DieselStore {
         &self.schema
     }
 
-    /// Creates the schema if needed and applies the workspace's pending
-    /// migrations (the same `migrations/*.sql` the sqlx backend runs), in one
-    /// transaction, serialised against other instances migrating at once.
-    /// Returns the versions applied (empty when up to date).
+    /// Creates the schema if needed and applies the pending migrations of
+    /// `inbox-postgres` (recorded in the ledger the sqlx backend uses too),
+    /// in one transaction, serialised against other instances migrating at
+    /// once. Returns the versions applied (empty when up to date).
     ///
     /// # Errors
     /// [`InboxError::Schema`] when an applied migration's file changed;
@@ -248,7 +249,7 @@ impl DieselStore {
         // A connection of its own, closed afterwards: an interrupted
         // migration then cannot leave a pooled connection mid-transaction.
         let mut conn = Object::take(conn);
-        crate::migrate::run(&mut conn, &self.schema).await
+        inbox_postgres::migrate(&mut Migrating(&mut conn), &self.schema).await
     }
 
     /// Checks out a connection and runs `BEGIN`, retrying on another
@@ -291,19 +292,20 @@ impl InboxStore for DieselStore {
         let mut retried = false;
         loop {
             let mut conn = self.pool.get().await.map_err(classify_pool)?;
-            let row = inbox_messages::table
-                .find((key.message_id.as_uuid(), key.consumer.as_str()))
-                .select((
-                    inbox_messages::id,
-                    inbox_messages::consumer_type,
-                    inbox_messages::received_at,
-                    inbox_messages::processed_at,
-                ))
-                .first::<(uuid::Uuid, String, DateTime<Utc>, Option<DateTime<Utc>>)>(&mut *conn)
+            let row = diesel::sql_query(sql::LOOKUP)
+                .bind::<Uuid, _>(key.message_id.as_uuid())
+                .bind::<Text, _>(key.consumer.as_str())
+                .get_result::<Times>(&mut *conn)
                 .await
                 .optional();
             match row {
-                Ok(row) => return row.map(record).transpose(),
+                Ok(row) => {
+                    return Ok(row.map(|times| InboxRecord {
+                        key: key.clone(),
+                        received_at: times.received_at,
+                        processed_at: times.processed_at,
+                    }));
+                }
                 Err(error) => {
                     let error = refine(&mut conn, error).await;
                     if retried || !matches!(error, InboxError::Connection { .. }) {
@@ -316,12 +318,8 @@ impl InboxStore for DieselStore {
         }
     }
 
-    /// One statement, its own transaction: a subselect picks at most
-    /// `limit` processed rows older than `cutoff` in `processed_at` order
-    /// through the partial index, locking them `FOR UPDATE SKIP LOCKED` so
-    /// that concurrent cleaners take disjoint batches instead of waiting on
-    /// (or deadlocking with) each other, and the DELETE removes them by
-    /// primary key.
+    /// One statement, its own transaction: `inbox-postgres`'s
+    /// [`sql::PURGE_BATCH`].
     async fn purge_processed_batch(
         &self,
         cutoff: DateTime<Utc>,
@@ -333,7 +331,7 @@ impl InboxStore for DieselStore {
             });
         }
         let mut conn = self.pool.get().await.map_err(classify_pool)?;
-        let deleted = diesel::sql_query(PURGE_SQL)
+        let deleted = diesel::sql_query(sql::PURGE_BATCH)
             .bind::<Timestamptz, _>(cutoff)
             .bind::<BigInt, _>(i64::from(limit))
             .execute(&mut *conn)
@@ -348,32 +346,11 @@ impl InboxStore for DieselStore {
     }
 }
 
-/// The cleanup statement of [`DieselStore::purge_processed_batch`]
-/// (`$1` cutoff, `$2` limit), public for the tests that check its plan.
-#[doc(hidden)]
-pub const PURGE_SQL: &str = "DELETE FROM inbox_messages \
-     WHERE (id, consumer_type) IN ( \
-         SELECT id, consumer_type FROM inbox_messages \
-         WHERE processed_at < $1 \
-         ORDER BY processed_at \
-         LIMIT $2 \
-         FOR UPDATE SKIP LOCKED)";
-
-fn record(
-    (id, consumer, received_at, processed_at): (
-        uuid::Uuid,
-        String,
-        DateTime<Utc>,
-        Option<DateTime<Utc>>,
-    ),
-) -> Result<InboxRecord, InboxError> {
-    let consumer = ConsumerName::new(consumer).map_err(|e| InboxError::Store {
-        retryable: false,
-        source: Box::new(e),
-    })?;
-    Ok(InboxRecord {
-        key: InboxKey::new(MessageId::from_uuid(id), consumer),
-        received_at,
-        processed_at,
-    })
+/// The columns [`sql::LOOKUP`] returns.
+#[derive(QueryableByName)]
+struct Times {
+    #[diesel(sql_type = Timestamptz)]
+    received_at: DateTime<Utc>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    processed_at: Option<DateTime<Utc>>,
 }

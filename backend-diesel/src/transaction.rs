@@ -2,18 +2,17 @@
 
 use async_trait::async_trait;
 use deadpool::managed::Object;
-use std::collections::HashSet;
 
-use diesel::prelude::*;
+use diesel::sql_types::{Text, Uuid};
 use diesel_async::{
     AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
     TransactionManager,
 };
-use inbox_api::{Claim, ConsumerName, InboxError, InboxKey, InboxTransaction, MessageId};
+use inbox_api::{Claim, InboxError, InboxKey, InboxTransaction};
+use inbox_postgres::{Claims, sql};
 
 use crate::error::{classify, is_unrecognised};
-use crate::schema::inbox_messages;
-use crate::statements::{ClaimBatch, KeyColumns};
+use crate::statements::{ClaimBatch, ClaimOne};
 
 pub(crate) use crate::store::PooledConnection as Pooled;
 
@@ -43,35 +42,16 @@ pub struct DieselTransaction {
     /// `Some` for the whole life of the value; `None` only inside
     /// commit/rollback/drop, after the connection was handed back or closed.
     conn: Option<Pooled>,
-    /// Keys this transaction holds (claimed `Fresh`, not unclaimed): the
-    /// only ones it may unclaim.
-    claimed: HashSet<InboxKey>,
-    /// Changes to `claimed` made while a savepoint is open, oldest first,
-    /// so that rolling back to a savepoint can undo them.
-    changes: Vec<ClaimChange>,
-    /// One entry per open savepoint, newest last: the length of `changes`
-    /// when it was taken.
-    savepoints: Vec<usize>,
-    /// A savepoint released by the caller but not yet on the server (its
-    /// depth): the RELEASE rides along with the next SAVEPOINT, and COMMIT
-    /// makes it unnecessary, so batched mode pays one round trip per
-    /// message for its savepoints instead of two.
-    release_pending: Option<usize>,
-}
-
-/// One change to the set of keys a transaction holds.
-#[derive(Debug)]
-enum ClaimChange {
-    Claimed(InboxKey),
-    Unclaimed(InboxKey),
+    /// The keys it holds and its savepoints.
+    claims: Claims,
 }
 
 impl std::fmt::Debug for DieselTransaction {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DieselTransaction")
             .field("open", &self.conn.is_some())
-            .field("claimed", &self.claimed.len())
-            .field("savepoints", &self.savepoints.len())
+            .field("claimed", &self.claims.held())
+            .field("savepoints", &self.claims.savepoint_depth())
             .finish()
     }
 }
@@ -81,24 +61,7 @@ impl DieselTransaction {
     pub(crate) fn new(conn: Pooled) -> Self {
         Self {
             conn: Some(conn),
-            claimed: HashSet::new(),
-            changes: Vec::new(),
-            savepoints: Vec::new(),
-            release_pending: None,
-        }
-    }
-
-    /// Records that `key` is now held, undoably while a savepoint is open.
-    fn hold(&mut self, key: &InboxKey) {
-        if self.claimed.insert(key.clone()) && !self.savepoints.is_empty() {
-            self.changes.push(ClaimChange::Claimed(key.clone()));
-        }
-    }
-
-    /// Records that `key` is no longer held, undoably.
-    fn let_go(&mut self, key: &InboxKey) {
-        if self.claimed.remove(key) && !self.savepoints.is_empty() {
-            self.changes.push(ClaimChange::Unclaimed(key.clone()));
+            claims: Claims::new(),
         }
     }
 
@@ -110,8 +73,8 @@ impl DieselTransaction {
     /// still nests as `diesel_savepoint_1` inside them (the names differ,
     /// and SQL savepoints nest by time, not by name), and `commit` still
     /// finds the depth it expects. COMMIT releases whatever is still open.
-    async fn savepoint_sql(&mut self, sql: &str) -> Result<(), InboxError> {
-        match self.conn().batch_execute(sql).await {
+    async fn savepoint_sql(&mut self, sql: String) -> Result<(), InboxError> {
+        match self.conn().batch_execute(&sql).await {
             Ok(()) => Ok(()),
             Err(error) => Err(self.refine(error).await),
         }
@@ -194,7 +157,7 @@ impl Drop for DieselTransaction {
             return;
         };
         tracing::debug!(
-            claimed = self.claimed.len(),
+            claimed = self.claims.held(),
             "inbox transaction dropped without commit: closing its connection"
         );
         // Dropped while the server may still be executing a statement (a
@@ -228,137 +191,59 @@ impl InboxTransaction for DieselTransaction {
     /// `now()`, the transaction's start): it becomes visible only at COMMIT,
     /// together with the work, so a committed row is a processed message.
     async fn claim(&mut self, key: &InboxKey) -> Result<Claim, InboxError> {
-        let inserted = diesel::insert_into(inbox_messages::table)
-            .values((
-                inbox_messages::id.eq(key.message_id.as_uuid()),
-                inbox_messages::consumer_type.eq(key.consumer.as_str()),
-                inbox_messages::processed_at.eq(diesel::dsl::now),
-            ))
-            .on_conflict_do_nothing()
-            .execute(self.conn())
-            .await;
-        match inserted {
-            Ok(1) => {
-                self.hold(key);
-                Ok(Claim::Fresh)
-            }
-            Ok(0) => Ok(Claim::Duplicate),
-            Ok(n) => Err(InboxError::Store {
-                retryable: false,
-                source: format!("claim inserted {n} rows for one key").into(),
-            }),
+        match ClaimOne(key).execute(self.conn()).await {
+            Ok(rows) => self
+                .claims
+                .claimed(key, u64::try_from(rows).unwrap_or(u64::MAX)),
             Err(error) => Err(self.refine(error).await),
         }
     }
 
-    /// One statement for the whole batch (`INSERT … SELECT unnest(…)`): the keys
-    /// sorted in SQL, so overlapping batches lock in one order, whichever
-    /// backend runs them.
+    /// One statement for the whole batch (`INSERT … SELECT unnest(…)`): the
+    /// keys sorted in SQL, so overlapping batches lock in one order,
+    /// whichever backend runs them.
     async fn claim_batch(&mut self, keys: &[InboxKey]) -> Result<Vec<Claim>, InboxError> {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let inserted = ClaimBatch(KeyColumns::of(keys))
+        let inserted = ClaimBatch::of(keys)
             .load::<(uuid::Uuid, String)>(self.conn())
             .await;
-        let inserted = match inserted {
-            Ok(rows) => rows,
-            Err(error) => return Err(self.refine(error).await),
-        };
-        let mut fresh: HashSet<InboxKey> = HashSet::with_capacity(inserted.len());
-        for (id, consumer) in inserted {
-            let consumer = ConsumerName::new(consumer).map_err(|e| InboxError::Store {
-                retryable: false,
-                source: Box::new(e),
-            })?;
-            fresh.insert(InboxKey::new(MessageId::from_uuid(id), consumer));
+        match inserted {
+            Ok(rows) => self.claims.claimed_batch(keys, rows),
+            Err(error) => Err(self.refine(error).await),
         }
-        // `fresh.remove`: a repeated key is Fresh at its first occurrence
-        // only.
-        let mut claims = Vec::with_capacity(keys.len());
-        for key in keys {
-            if fresh.remove(key) {
-                self.hold(key);
-                claims.push(Claim::Fresh);
-            } else {
-                claims.push(Claim::Duplicate);
-            }
-        }
-        Ok(claims)
     }
 
     async fn savepoint(&mut self) -> Result<(), InboxError> {
-        // Named by depth only: nothing from outside reaches the SQL.
-        let name = savepoint_name(self.savepoints.len());
-        let sql = match self.release_pending {
-            Some(released) => format!(
-                "RELEASE SAVEPOINT {}; SAVEPOINT {name}",
-                savepoint_name(released)
-            ),
-            None => format!("SAVEPOINT {name}"),
-        };
-        self.savepoint_sql(&sql).await?;
-        self.release_pending = None;
-        self.savepoints.push(self.changes.len());
+        let sql = self.claims.savepoint_sql();
+        self.savepoint_sql(sql).await?;
+        self.claims.savepoint_done();
         Ok(())
     }
 
     async fn rollback_to_savepoint(&mut self) -> Result<(), InboxError> {
-        let Some(depth) = self.savepoints.len().checked_sub(1) else {
-            return Err(no_savepoint());
-        };
-        let name = savepoint_name(depth);
-        // One round trip: undo, then drop the savepoint. Rolling back to it
-        // also drops a released-but-pending newer one.
-        self.savepoint_sql(&format!(
-            "ROLLBACK TO SAVEPOINT {name}; RELEASE SAVEPOINT {name}"
-        ))
-        .await?;
-        self.release_pending = None;
-        let mark = self.savepoints.pop().unwrap_or_default();
-        for change in self.changes.drain(mark..).rev() {
-            match change {
-                ClaimChange::Claimed(key) => self.claimed.remove(&key),
-                ClaimChange::Unclaimed(key) => self.claimed.insert(key),
-            };
-        }
+        let sql = self.claims.rollback_to_savepoint_sql()?;
+        self.savepoint_sql(sql).await?;
+        self.claims.rollback_done();
         Ok(())
     }
 
     async fn release_savepoint(&mut self) -> Result<(), InboxError> {
-        let Some(depth) = self.savepoints.len().checked_sub(1) else {
-            return Err(no_savepoint());
-        };
-        // Deferred: writes inside a savepoint that is released later, or
-        // never (COMMIT releases every savepoint), end up exactly where they
-        // would after an immediate RELEASE. Releasing an outer savepoint
-        // also releases the inner pending one.
-        self.release_pending = Some(depth);
-        self.savepoints.pop();
-        if self.savepoints.is_empty() {
-            // Nothing left to roll back to: the changes need no undoing.
-            self.changes.clear();
-        }
-        Ok(())
+        self.claims.release_savepoint()
     }
 
     async fn unclaim(&mut self, key: &InboxKey) -> Result<(), InboxError> {
-        if !self.claimed.contains(key) {
-            return Err(InboxError::InvalidArgument {
-                message: format!("unclaim({key}): the key is not held by this transaction"),
-            });
-        }
-        // Deleting the row this transaction inserted: a claim waiting on it
-        // waits on this transaction, and finds no row once it ends.
-        let deleted = diesel::delete(
-            inbox_messages::table.find((key.message_id.as_uuid(), key.consumer.as_str())),
-        )
-        .execute(self.conn())
-        .await;
+        self.claims.may_unclaim(key)?;
+        let deleted = diesel::sql_query(sql::UNCLAIM)
+            .bind::<Uuid, _>(key.message_id.as_uuid())
+            .bind::<Text, _>(key.consumer.as_str())
+            .execute(self.conn())
+            .await;
         if let Err(error) = deleted {
             return Err(self.refine(error).await);
         }
-        self.let_go(key);
+        self.claims.unclaimed(key);
         Ok(())
     }
 
@@ -409,15 +294,5 @@ impl InboxTransaction for DieselTransaction {
                 Err(classify(error))
             }
         }
-    }
-}
-
-fn savepoint_name(depth: usize) -> String {
-    format!("inbox_savepoint_{depth}")
-}
-
-fn no_savepoint() -> InboxError {
-    InboxError::InvalidArgument {
-        message: "no open savepoint in this transaction".into(),
     }
 }

@@ -891,7 +891,7 @@ async fn migrate_is_idempotent_and_safe_to_run_concurrently() {
 async fn an_edited_migration_is_refused() {
     let store = common::fresh_store(2).await;
     let mut admin = common::admin_in(store.schema()).await;
-    diesel::sql_query("UPDATE inbox_diesel_migrations SET checksum = checksum + 1")
+    diesel::sql_query("UPDATE inbox_schema_migrations SET checksum = checksum + 1")
         .execute(&mut admin)
         .await
         .expect("tamper");
@@ -1013,7 +1013,7 @@ async fn purge_goes_through_the_partial_index() {
     }
     let plan: Vec<Plan> = diesel::sql_query(format!(
         "EXPLAIN {}",
-        inbox_backend_diesel::PURGE_SQL
+        inbox_postgres::sql::PURGE_BATCH
             .replace("$1", "now() - interval '7 days'")
             .replace("$2", "1000")
     ))
@@ -1121,7 +1121,7 @@ async fn hot_statements_are_prepared_once_per_connection() {
     .await
     .expect("pg_prepared_statements");
     for start in [
-        "INSERT INTO \"inbox_messages\"",
+        "INSERT INTO inbox_messages (id, consumer_type, processed_at) VALUES",
         "INSERT INTO inbox_messages (id, consumer_type, processed_at) SELECT",
     ] {
         let n = prepared.iter().filter(|s| s.starts_with(start)).count();
