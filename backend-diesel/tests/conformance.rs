@@ -16,8 +16,9 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use inbox_api::{
     ConsumerName, InboxError, InboxKey, InboxRecord, InboxTransaction as _, MessageId,
 };
+use inbox_backend_diesel::classify;
 use inbox_backend_diesel::{DieselStore, DieselTransaction};
-use inbox_conformance::{CrashKind, Harness};
+use inbox_conformance::{CrashKind, Harness, PgHarness};
 
 /// The suite's view of the diesel backend.
 struct DieselHarness {
@@ -190,5 +191,84 @@ impl Harness for DieselHarness {
         // A claim that is not blocked answers in well under a millisecond
         // on localhost; a loaded two-core machine needs the margin.
         Duration::from_millis(300)
+    }
+}
+
+inbox_conformance::postgres_tests!(harness);
+
+#[derive(diesel::QueryableByName)]
+struct Int8 {
+    #[diesel(sql_type = BigInt)]
+    v: i64,
+}
+
+#[derive(diesel::QueryableByName)]
+struct PlanLine {
+    #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
+    line: String,
+}
+
+#[async_trait]
+impl PgHarness for DieselHarness {
+    async fn store_in(&self, schema: &str, pool: usize) -> DieselStore {
+        common::store_in(schema, pool, Duration::from_secs(15)).await
+    }
+
+    async fn connect_to(&self, url: &str) -> Result<DieselStore, InboxError> {
+        DieselStore::builder(url, "inbox")?
+            .connect_timeout(Duration::from_secs(2))
+            .connect()
+            .await
+    }
+
+    async fn migrate(&self, store: &DieselStore) -> Result<Vec<i64>, InboxError> {
+        store.migrate().await
+    }
+
+    fn schema_of(&self, store: &DieselStore) -> String {
+        store.schema().to_string()
+    }
+
+    async fn side_execute(&self, store: &DieselStore, sql: &str) -> Result<u64, InboxError> {
+        let mut conn = common::admin_in(store.schema()).await;
+        let n = diesel::sql_query(sql)
+            .execute(&mut conn)
+            .await
+            .map_err(classify)?;
+        Ok(u64::try_from(n).unwrap_or(u64::MAX))
+    }
+
+    async fn side_i64(&self, store: &DieselStore, sql: &str) -> Result<i64, InboxError> {
+        let mut conn = common::admin_in(store.schema()).await;
+        let row: Int8 = diesel::sql_query(format!("SELECT ({sql}) AS v"))
+            .get_result(&mut conn)
+            .await
+            .map_err(classify)?;
+        Ok(row.v)
+    }
+
+    async fn explain(&self, store: &DieselStore, sql: &str) -> Result<Vec<String>, InboxError> {
+        let mut conn = common::admin_in(store.schema()).await;
+        let lines: Vec<PlanLine> = diesel::sql_query(format!("EXPLAIN {sql}"))
+            .load(&mut conn)
+            .await
+            .map_err(classify)?;
+        Ok(lines.into_iter().map(|l| l.line).collect())
+    }
+
+    async fn tx_execute(&self, tx: &mut DieselTransaction, sql: &str) -> Result<(), InboxError> {
+        diesel::sql_query(sql)
+            .execute(tx.conn())
+            .await
+            .map_err(classify)?;
+        Ok(())
+    }
+
+    async fn tx_i64(&self, tx: &mut DieselTransaction, sql: &str) -> Result<i64, InboxError> {
+        let row: Int8 = diesel::sql_query(format!("SELECT ({sql}) AS v"))
+            .get_result(tx.conn())
+            .await
+            .map_err(classify)?;
+        Ok(row.v)
     }
 }

@@ -1,7 +1,8 @@
-//! The diesel backend's own tests against the real PostgreSQL: what the
-//! shared suite cannot see from the outside (the pool after crashes, real
-//! driver errors, migrations, the cleanup query's plan), and the races of the
-//! suite repeated many times.
+//! The diesel backend's own tests against the real PostgreSQL: what only
+//! concerns diesel (its pool after crashes, `Object::take` and the cancel on
+//! drop, diesel's error kinds, nested diesel transactions, `schema.rs`, the
+//! statement cache). The behaviour every Postgres backend shares is
+//! inbox-conformance's Postgres suite, run from `tests/conformance.rs`.
 
 mod common;
 
@@ -295,180 +296,6 @@ async fn cancelled_mid_statement_releases_the_claim_promptly() {
 }
 
 // ---------------------------------------------------------------------------
-// Concurrent claims
-// ---------------------------------------------------------------------------
-
-/// Two connections claim one key at the same instant, fifty times: exactly
-/// one `Fresh` each time, and the other sees `Duplicate` once it commits.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_claims_of_one_key_give_exactly_one_fresh() {
-    let store = common::fresh_store(4).await;
-    for round in 0..50 {
-        let k = key("race");
-        let (mut a, mut b) = (
-            store.begin().await.expect("begin a"),
-            store.begin().await.expect("begin b"),
-        );
-        let attempt = async |tx: &mut DieselTransaction| -> Claim {
-            let claim = tx.claim(&k).await.expect("claim");
-            if claim == Claim::Fresh {
-                common::record_effect(tx, &k).await.expect("effect");
-            }
-            claim
-        };
-        let barrier = tokio::sync::Barrier::new(2);
-        let (ca, cb) = tokio::join!(
-            async {
-                barrier.wait().await;
-                let c = attempt(&mut a).await;
-                // Hold the claim a moment so that the other one waits.
-                tokio::time::sleep(Duration::from_millis(5)).await;
-                a.commit().await.expect("commit a");
-                c
-            },
-            async {
-                barrier.wait().await;
-                let c = attempt(&mut b).await;
-                tokio::time::sleep(Duration::from_millis(5)).await;
-                b.commit().await.expect("commit b");
-                c
-            }
-        );
-        let fresh = [ca, cb].iter().filter(|c| **c == Claim::Fresh).count();
-        assert_eq!(fresh, 1, "round {round}: {ca:?} / {cb:?}");
-        assert_exactly_once(&store, &k).await;
-    }
-}
-
-#[tokio::test]
-async fn a_blocked_claim_is_duplicate_after_commit_and_fresh_after_rollback() {
-    let store = common::fresh_store(4).await;
-    for commit in [true, false] {
-        let k = key("blocked");
-        let mut a = store.begin().await.expect("begin a");
-        assert_eq!(a.claim(&k).await.expect("claim a"), Claim::Fresh);
-        let mut b = store.begin().await.expect("begin b");
-        let seen = {
-            let claim_b = b.claim(&k);
-            tokio::pin!(claim_b);
-            assert!(
-                still_pending(&mut claim_b, Duration::from_millis(300)).await,
-                "b's claim must wait for a"
-            );
-            if commit {
-                a.commit().await.expect("commit a");
-            } else {
-                a.rollback().await.expect("rollback a");
-            }
-            tokio::time::timeout(Duration::from_secs(5), claim_b)
-                .await
-                .expect("b unblocked")
-                .expect("claim b")
-        };
-        let expected = if commit {
-            Claim::Duplicate
-        } else {
-            Claim::Fresh
-        };
-        assert_eq!(
-            seen,
-            expected,
-            "after a {}",
-            if commit { "commit" } else { "rollback" }
-        );
-        b.rollback().await.expect("rollback b");
-    }
-}
-
-// ---------------------------------------------------------------------------
-// Killed connections at each crash point
-// ---------------------------------------------------------------------------
-
-#[tokio::test]
-async fn a_terminated_backend_at_each_crash_point_is_processed_once_on_redelivery() {
-    let store = common::fresh_store(4).await;
-    let inbox = Inbox::new(store.clone());
-
-    // After the claim, and after the work.
-    for with_work in [false, true] {
-        let k = key("kill");
-        let mut tx = store.begin().await.expect("begin");
-        assert_eq!(tx.claim(&k).await.expect("claim"), Claim::Fresh);
-        if with_work {
-            common::record_effect(&mut tx, &k).await.expect("effect");
-        }
-        let pid = common::backend_pid(&mut tx).await.expect("pid");
-        assert!(common::terminate(pid).await);
-        // Whatever the dead transaction tries next is a retryable
-        // connection error.
-        let error = common::record_effect(&mut tx, &k)
-            .await
-            .expect_err("the connection is gone");
-        assert!(
-            matches!(error, InboxError::Connection { .. }),
-            "after kill: {error:?}"
-        );
-        let error = tx.commit().await.expect_err("commit on a dead connection");
-        assert!(error.is_retryable(), "commit after kill: {error:?}");
-
-        assert_eq!(effects_of(&store, &k).await, 0);
-        assert!(matches!(
-            redeliver_until_acked(&inbox, &k).await,
-            Handled::Processed(())
-        ));
-        assert_exactly_once(&store, &k).await;
-    }
-
-    // Around COMMIT: the kill races the COMMIT; whichever wins, redelivery
-    // ends with exactly one effect.
-    let mut outcomes = [0usize; 2];
-    for round in 0..30u32 {
-        let k = key("commit-race");
-        let mut tx = store.begin().await.expect("begin");
-        assert_eq!(tx.claim(&k).await.expect("claim"), Claim::Fresh);
-        common::record_effect(&mut tx, &k).await.expect("effect");
-        let pid = common::backend_pid(&mut tx).await.expect("pid");
-        let mut killer = common::admin().await;
-        // Stagger the two across each other's round trips: the kill first
-        // in odd rounds, the COMMIT first in even ones.
-        let step = Duration::from_micros(150 * u64::from(round % 5));
-        let (commit_delay, kill_delay) = if round % 2 == 0 {
-            (Duration::ZERO, step)
-        } else {
-            (step * 3, Duration::ZERO)
-        };
-        let kill = async {
-            tokio::time::sleep(kill_delay).await;
-            common::terminate_via(&mut killer, pid).await
-        };
-        let commit = async {
-            tokio::time::sleep(commit_delay).await;
-            tx.commit().await
-        };
-        let (committed, _) = tokio::join!(commit, kill);
-        if let Err(error) = &committed {
-            assert!(
-                error.is_retryable(),
-                "a lost COMMIT must be retryable: {error:?}"
-            );
-        }
-        outcomes[usize::from(committed.is_ok())] += 1;
-        let handled = redeliver_until_acked(&inbox, &k).await;
-        if committed.is_ok() {
-            assert!(
-                handled.is_duplicate(),
-                "{k}: committed, yet redelivery ran the work"
-            );
-        }
-        assert_exactly_once(&store, &k).await;
-    }
-    eprintln!(
-        "commit races: {} lost, {} committed",
-        outcomes[0], outcomes[1]
-    );
-}
-
-// ---------------------------------------------------------------------------
 // Pool exhaustion
 // ---------------------------------------------------------------------------
 
@@ -592,54 +419,6 @@ async fn pool_exhaustion_with_crashes_keeps_the_invariant() {
 // Errors from the real server
 // ---------------------------------------------------------------------------
 
-#[tokio::test]
-async fn a_deadlock_is_a_retryable_conflict() {
-    let store = common::fresh_store(4).await;
-    let (k1, k2) = (key("dl"), key("dl"));
-    let mut a = store.begin().await.expect("begin a");
-    let mut b = store.begin().await.expect("begin b");
-    assert_eq!(a.claim(&k1).await.expect("a k1"), Claim::Fresh);
-    assert_eq!(b.claim(&k2).await.expect("b k2"), Claim::Fresh);
-    let (ra, rb) = tokio::join!(a.claim(&k2), b.claim(&k1));
-    let errors: Vec<InboxError> = [ra, rb].into_iter().filter_map(Result::err).collect();
-    assert_eq!(errors.len(), 1, "exactly one deadlock victim");
-    assert!(
-        matches!(errors[0], InboxError::Conflict { .. }),
-        "{:?}",
-        errors[0]
-    );
-    assert!(errors[0].is_retryable());
-}
-
-#[tokio::test]
-async fn a_lock_timeout_is_a_retryable_conflict() {
-    let store = common::fresh_store(4).await;
-    let k = key("lt");
-    let mut a = store.begin().await.expect("begin a");
-    assert_eq!(a.claim(&k).await.expect("a"), Claim::Fresh);
-    let mut b = store.begin().await.expect("begin b");
-    diesel::sql_query("SET LOCAL lock_timeout = '100ms'")
-        .execute(b.conn())
-        .await
-        .expect("set lock_timeout");
-    let error = b.claim(&k).await.expect_err("lock timeout");
-    assert!(matches!(error, InboxError::Conflict { .. }), "{error:?}");
-}
-
-#[tokio::test]
-async fn a_serialization_failure_is_a_retryable_conflict() {
-    let store = common::fresh_store(4).await;
-    let mut tx = store.begin().await.expect("begin");
-    let error = diesel::sql_query(
-        "DO $$ BEGIN RAISE EXCEPTION 'could not serialize access' USING ERRCODE = '40001'; END $$",
-    )
-    .execute(tx.conn())
-    .await
-    .map_err(classify)
-    .expect_err("raised");
-    assert!(matches!(error, InboxError::Conflict { .. }), "{error:?}");
-}
-
 /// The documented limit of diesel-async 0.9: it keeps the SQLSTATE only for
 /// the codes it has a `DatabaseErrorKind` for. A deadlock raised with a
 /// message PostgreSQL never uses cannot be recognised, and falls to the
@@ -669,33 +448,6 @@ async fn sqlstate_without_a_diesel_kind_is_only_known_by_its_message() {
 }
 
 #[tokio::test]
-async fn a_missing_table_is_a_permanent_schema_error() {
-    let store = common::unmigrated_store(2, Duration::from_secs(5)).await;
-    let k = key("schema");
-    let mut tx = store.begin().await.expect("begin");
-    let error = tx.claim(&k).await.expect_err("no table");
-    assert!(
-        matches!(error, InboxError::Schema { .. }),
-        "claim: {error:?}"
-    );
-    assert!(!error.is_retryable());
-    drop(tx);
-    let error = store.lookup(&k).await.expect_err("no table");
-    assert!(
-        matches!(error, InboxError::Schema { .. }),
-        "lookup: {error:?}"
-    );
-    let error = store
-        .purge_processed_batch(chrono::Utc::now(), 10)
-        .await
-        .expect_err("no table");
-    assert!(
-        matches!(error, InboxError::Schema { .. }),
-        "purge: {error:?}"
-    );
-}
-
-#[tokio::test]
 async fn a_full_pool_is_a_retryable_pool_timeout() {
     let store = common::unmigrated_store(1, Duration::from_millis(100)).await;
     store.migrate().await.expect("migrate");
@@ -713,18 +465,6 @@ async fn a_full_pool_is_a_retryable_pool_timeout() {
         .rollback()
         .await
         .expect("rollback");
-}
-
-#[tokio::test]
-async fn an_unreachable_database_is_a_retryable_connection_error() {
-    let error = DieselStore::builder("postgres://postgres@127.0.0.1:1/test", "inbox")
-        .expect("valid schema")
-        .connect_timeout(Duration::from_secs(2))
-        .connect()
-        .await
-        .expect_err("nothing listens on port 1");
-    assert!(matches!(error, InboxError::Connection { .. }), "{error:?}");
-    assert!(error.is_retryable());
 }
 
 #[tokio::test]
@@ -868,36 +608,8 @@ async fn an_unbalanced_savepoint_is_refused_at_commit() {
 }
 
 // ---------------------------------------------------------------------------
-// Migrations and schema.rs
+// schema.rs
 // ---------------------------------------------------------------------------
-
-#[tokio::test]
-async fn migrate_is_idempotent_and_safe_to_run_concurrently() {
-    let first = common::unmigrated_store(2, Duration::from_secs(5)).await;
-    let url = common::url_with_application_name(&common::database_url(), first.schema().as_str());
-    let second = DieselStore::connect(&url, first.schema().as_str(), 2)
-        .await
-        .expect("second store");
-    let (a, b) = tokio::join!(first.migrate(), second.migrate());
-    let (a, b) = (a.expect("migrate a"), b.expect("migrate b"));
-    assert!(
-        a.is_empty() != b.is_empty(),
-        "exactly one runner applies: {a:?} / {b:?}"
-    );
-    assert!(first.migrate().await.expect("again").is_empty());
-}
-
-#[tokio::test]
-async fn an_edited_migration_is_refused() {
-    let store = common::fresh_store(2).await;
-    let mut admin = common::admin_in(store.schema()).await;
-    diesel::sql_query("UPDATE inbox_schema_migrations SET checksum = checksum + 1")
-        .execute(&mut admin)
-        .await
-        .expect("tamper");
-    let error = store.migrate().await.expect_err("checksum mismatch");
-    assert!(matches!(error, InboxError::Schema { .. }), "{error:?}");
-}
 
 /// `schema.rs` is written by hand; this compares it with the catalog of a
 /// freshly migrated schema, so a migration that changes the table without it
@@ -970,131 +682,8 @@ async fn schema_rs_matches_the_migrated_table() {
 }
 
 // ---------------------------------------------------------------------------
-// Cleanup
+// Statement caching
 // ---------------------------------------------------------------------------
-
-/// Inserts `n` rows processed `age_days` ago (and as many unprocessed).
-async fn seed(store: &DieselStore, n: i64, age_days: i32) {
-    let mut admin = common::admin_in(store.schema()).await;
-    diesel::sql_query(
-        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at) \
-         SELECT gen_random_uuid(), 'seed', now() - make_interval(days => $2), \
-                now() - make_interval(days => $2) FROM generate_series(1, $1)",
-    )
-    .bind::<BigInt, _>(n)
-    .bind::<Integer, _>(age_days)
-    .execute(&mut admin)
-    .await
-    .expect("seed processed");
-    diesel::sql_query(
-        "INSERT INTO inbox_messages (id, consumer_type) \
-         SELECT gen_random_uuid(), 'in-flight' FROM generate_series(1, $1)",
-    )
-    .bind::<BigInt, _>(n)
-    .execute(&mut admin)
-    .await
-    .expect("seed unprocessed");
-}
-
-#[tokio::test]
-async fn purge_goes_through_the_partial_index() {
-    let store = common::fresh_store(1).await;
-    seed(&store, 20_000, 1).await;
-    seed(&store, 200, 30).await;
-    let mut admin = common::admin_in(store.schema()).await;
-    diesel::sql_query("ANALYZE inbox_messages")
-        .execute(&mut admin)
-        .await
-        .expect("analyze");
-    #[derive(diesel::QueryableByName)]
-    struct Plan {
-        #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
-        line: String,
-    }
-    let plan: Vec<Plan> = diesel::sql_query(format!(
-        "EXPLAIN {}",
-        inbox_postgres::sql::PURGE_BATCH
-            .replace("$1", "now() - interval '7 days'")
-            .replace("$2", "1000")
-    ))
-    .load(&mut admin)
-    .await
-    .expect("explain");
-    let plan: Vec<String> = plan.into_iter().map(|p| p.line).collect();
-    assert!(
-        plan.iter()
-            .any(|l| l.contains("inbox_messages_processed_at_idx")),
-        "purge does not use the partial index:\n{}",
-        plan.join("\n")
-    );
-    let cutoff = chrono::Utc::now() - chrono::Duration::days(7);
-    assert_eq!(
-        store
-            .purge_processed_before(cutoff, 64)
-            .await
-            .expect("purge"),
-        200
-    );
-    // 20,000 recent + 20,200 in flight stay.
-    assert_eq!(
-        common::count(store.schema(), "inbox_messages").await,
-        40_200
-    );
-}
-
-/// Two cleaners at once, and one while a transaction holds some of the old
-/// rows: nobody waits, nobody fails, and together they delete every row.
-#[tokio::test]
-async fn concurrent_cleaners_skip_each_others_rows() {
-    let store = common::fresh_store(4).await;
-    seed(&store, 100, 30).await;
-    let cutoff = chrono::Utc::now() - chrono::Duration::days(7);
-
-    // A transaction locks 30 of the old rows.
-    let mut holder = store.begin().await.expect("begin");
-    diesel::sql_query(
-        "SELECT 1 FROM inbox_messages WHERE consumer_type = 'seed' \
-         ORDER BY processed_at, id LIMIT 30 FOR UPDATE",
-    )
-    .execute(holder.conn())
-    .await
-    .expect("lock 30 rows");
-
-    let started = Instant::now();
-    let (a, b) = tokio::join!(
-        store.purge_processed_batch(cutoff, 50),
-        store.purge_processed_batch(cutoff, 50)
-    );
-    let (a, b) = (a.expect("cleaner a"), b.expect("cleaner b"));
-    assert!(
-        started.elapsed() < Duration::from_secs(2),
-        "a cleaner waited"
-    );
-    assert!(a <= 50 && b <= 50);
-    // Whatever the two skipped of each other is left for a later batch.
-    let rest = store
-        .purge_processed_before(cutoff, 50)
-        .await
-        .expect("rest");
-    assert_eq!(
-        a + b + rest,
-        70,
-        "every unlocked old row, once: {a} + {b} + {rest}"
-    );
-    holder.rollback().await.expect("release");
-    assert_eq!(
-        store
-            .purge_processed_before(cutoff, 50)
-            .await
-            .expect("the locked 30"),
-        30
-    );
-    assert_eq!(
-        common::count(store.schema(), "inbox_messages").await,
-        100,
-        "in-flight rows kept"
-    );
-}
 
 /// The claims (single and batched, both recording `processed_at`) are
 /// prepared once per connection and reused: a statement diesel re-prepares

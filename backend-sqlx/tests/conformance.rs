@@ -18,8 +18,8 @@ use common::relay::Relay;
 use inbox_api::{
     ConsumerName, InboxError, InboxKey, InboxRecord, InboxTransaction as _, MessageId,
 };
-use inbox_backend_sqlx::{SqlxStore, SqlxTransaction};
-use inbox_conformance::{CrashKind, Harness};
+use inbox_backend_sqlx::{SqlxStore, SqlxTransaction, classify};
+use inbox_conformance::{CrashKind, Harness, PgHarness};
 use sqlx::Row as _;
 
 /// The suite's view of the sqlx backend.
@@ -226,5 +226,83 @@ async fn harness_commit_lost_is_real() {
         assert_eq!(durable, commit_happens);
         let effects = h.effects(&store).await.get(&key).copied().unwrap_or(0);
         assert_eq!(effects, u64::from(commit_happens));
+    }
+}
+
+inbox_conformance::postgres_tests!(harness);
+
+/// A connection of its own (outside every store's pool) in `store`'s
+/// schema.
+async fn side(store: &SqlxStore) -> sqlx::PgConnection {
+    let options = SqlxStore::connect_options(&common::database_url(), store.schema())
+        .expect("valid test schema name");
+    sqlx::ConnectOptions::connect(&options)
+        .await
+        .unwrap_or_else(|error| common::unreachable_database(&error))
+}
+
+#[async_trait]
+impl PgHarness for SqlxHarness {
+    async fn store_in(&self, schema: &str, pool: usize) -> SqlxStore {
+        let pool = u32::try_from(pool).expect("a small pool");
+        common::store_in(schema, pool, None).await
+    }
+
+    async fn connect_to(&self, url: &str) -> Result<SqlxStore, InboxError> {
+        let options = SqlxStore::connect_options(url, "inbox")?;
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .acquire_timeout(Duration::from_secs(2))
+            .connect_with(options)
+            .await
+            .map_err(classify)?;
+        SqlxStore::new(pool, "inbox")
+    }
+
+    async fn migrate(&self, store: &SqlxStore) -> Result<Vec<i64>, InboxError> {
+        store.migrate().await
+    }
+
+    fn schema_of(&self, store: &SqlxStore) -> String {
+        store.schema().to_owned()
+    }
+
+    async fn side_execute(&self, store: &SqlxStore, sql: &str) -> Result<u64, InboxError> {
+        let mut conn = side(store).await;
+        let done = sqlx::query(sql)
+            .execute(&mut conn)
+            .await
+            .map_err(classify)?;
+        Ok(done.rows_affected())
+    }
+
+    async fn side_i64(&self, store: &SqlxStore, sql: &str) -> Result<i64, InboxError> {
+        let mut conn = side(store).await;
+        sqlx::query_scalar(sql)
+            .fetch_one(&mut conn)
+            .await
+            .map_err(classify)
+    }
+
+    async fn explain(&self, store: &SqlxStore, sql: &str) -> Result<Vec<String>, InboxError> {
+        let mut conn = side(store).await;
+        sqlx::query_scalar(&format!("EXPLAIN {sql}"))
+            .fetch_all(&mut conn)
+            .await
+            .map_err(classify)
+    }
+
+    async fn tx_execute(&self, tx: &mut SqlxTransaction, sql: &str) -> Result<(), InboxError> {
+        sqlx::query(sql)
+            .execute(tx.conn())
+            .await
+            .map_err(classify)?;
+        Ok(())
+    }
+
+    async fn tx_i64(&self, tx: &mut SqlxTransaction, sql: &str) -> Result<i64, InboxError> {
+        sqlx::query_scalar(sql)
+            .fetch_one(tx.conn())
+            .await
+            .map_err(classify)
     }
 }

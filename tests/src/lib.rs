@@ -16,6 +16,9 @@
 //! shortest complete example; the Postgres backends do the same in their
 //! `tests/conformance.rs`.
 //!
+//! Postgres backends also implement [`PgHarness`] and call
+//! [`postgres_tests!`]: the live PostgreSQL scenarios of [`postgres`].
+//!
 //! `PROPTEST_CASES` sets the model's case count (default 1,000).
 #![deny(missing_docs)]
 
@@ -23,10 +26,12 @@ pub mod broken;
 pub mod contract;
 mod harness;
 pub mod model;
+pub mod postgres;
 
 use std::fmt;
 
 pub use harness::{CrashKind, Harness, TxOf};
+pub use postgres::PgHarness;
 
 /// A broken promise of the contract, with what was seen.
 #[derive(Debug, Clone)]

@@ -12,40 +12,17 @@
     reason = "each test file uses a different part"
 )]
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use diesel::sql_types::{BigInt, Bool, Integer, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use inbox_api::InboxError;
 use inbox_backend_diesel::{DieselStore, DieselTransaction, SchemaName, classify};
 
-/// Used when `DATABASE_URL` is not set.
-pub const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
-
-/// Schemas made by tests start with this (shared with the sqlx backend).
-pub const TEST_PREFIX: &str = "inbox_test_";
-
-/// How old a test schema must be before a later run may drop it.
-pub const SWEEP_AFTER: Duration = Duration::from_secs(3600);
-
-/// `DATABASE_URL`, or the local test database.
-pub fn database_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())
-}
-
-/// The URL without its password, for messages that end up in CI logs.
-pub fn redacted(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    match rest.split_once('@') {
-        Some((userinfo, host)) if userinfo.contains(':') => {
-            let user = userinfo.split(':').next().unwrap_or_default();
-            format!("{scheme}://{user}:***@{host}")
-        }
-        _ => url.to_owned(),
-    }
-}
+pub use inbox_conformance::postgres::support::{
+    EFFECTS_TABLE, RECORD_EFFECT, TEST_PREFIX, database_url, is_stale, like_prefix, redacted,
+    unique_schema,
+};
 
 /// `url` with `application_name` set, so a test can find a store's
 /// connections in `pg_stat_activity`.
@@ -87,30 +64,6 @@ pub async fn admin_in(schema: &SchemaName) -> AsyncPgConnection {
     conn
 }
 
-/// Seconds since the epoch, as embedded in schema names.
-pub fn unix_secs() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or_default()
-}
-
-/// A schema name nobody else uses: `inbox_test_<unixsecs>_<random>`.
-pub fn unique_schema() -> String {
-    let random = uuid::Uuid::new_v4().simple().to_string();
-    format!("{TEST_PREFIX}{}_{}", unix_secs(), &random[..8])
-}
-
-/// The creation time embedded in a schema name made by [`unique_schema`].
-pub fn embedded_secs(schema: &str) -> Option<u64> {
-    let rest = schema.strip_prefix(TEST_PREFIX)?;
-    let (secs, random) = rest.split_once('_')?;
-    if random.is_empty() {
-        return None;
-    }
-    secs.parse().ok()
-}
-
 #[derive(diesel::QueryableByName)]
 struct Name {
     #[diesel(sql_type = Text)]
@@ -118,13 +71,14 @@ struct Name {
 }
 
 /// Drops the test schemas whose embedded time is older than
-/// [`SWEEP_AFTER`]. Failures are logged, never fatal: another run may be
+/// `SWEEP_AFTER` (see [`is_stale`]). Failures are logged, never fatal: another run may be
 /// sweeping the same schema right now.
 pub async fn sweep_old_schemas(admin: &mut AsyncPgConnection) {
-    let names: Vec<Name> = match diesel::sql_query(
-        "SELECT nspname::text AS nspname FROM pg_namespace WHERE nspname LIKE $1",
-    )
-    .bind::<Text, _>(format!("{}%", TEST_PREFIX.replace('_', "\\_")))
+    let names: Vec<Name> = match diesel::sql_query(format!(
+        "SELECT nspname FROM ({}) AS s(nspname)",
+        inbox_conformance::postgres::support::LIST_SCHEMAS
+    ))
+    .bind::<Text, _>(like_prefix(TEST_PREFIX))
     .load(admin)
     .await
     {
@@ -134,9 +88,8 @@ pub async fn sweep_old_schemas(admin: &mut AsyncPgConnection) {
             return;
         }
     };
-    let limit = unix_secs().saturating_sub(SWEEP_AFTER.as_secs());
     for Name { nspname } in names {
-        let old = embedded_secs(&nspname).is_some_and(|secs| secs < limit);
+        let old = is_stale(&nspname, TEST_PREFIX);
         // Validated: a plain identifier, safe to quote.
         let Ok(name) = SchemaName::new(&nspname) else {
             continue;
@@ -154,9 +107,14 @@ pub async fn sweep_old_schemas(admin: &mut AsyncPgConnection) {
 /// A store in a new schema of its own, with `pool` connections, not yet
 /// migrated. Its connections carry the schema as `application_name`.
 pub async fn unmigrated_store(pool: usize, wait: Duration) -> DieselStore {
-    let schema = unique_schema();
-    let url = url_with_application_name(&database_url(), &schema);
-    DieselStore::builder(url, &schema)
+    store_in(&unique_schema(TEST_PREFIX), pool, wait).await
+}
+
+/// A store in `schema`, with `pool` connections, not migrated. Its
+/// connections carry the schema as `application_name`.
+pub async fn store_in(schema: &str, pool: usize, wait: Duration) -> DieselStore {
+    let url = url_with_application_name(&database_url(), schema);
+    DieselStore::builder(url, schema)
         .expect("valid test schema name")
         .pool_size(pool)
         .wait_timeout(wait)
@@ -184,19 +142,12 @@ pub async fn fresh_store(pool: usize) -> DieselStore {
     store
 }
 
-/// The suite's business table: one row per committed effect.
-pub const EFFECTS_TABLE: &str = "CREATE TABLE IF NOT EXISTS conformance_effects (
-    message_id uuid NOT NULL,
-    consumer   text NOT NULL,
-    effect_id  uuid NOT NULL DEFAULT gen_random_uuid()
-)";
-
 /// One business write inside `tx`.
 pub async fn record_effect(
     tx: &mut DieselTransaction,
     key: &inbox_api::InboxKey,
 ) -> Result<(), InboxError> {
-    diesel::sql_query("INSERT INTO conformance_effects (message_id, consumer) VALUES ($1, $2)")
+    diesel::sql_query(RECORD_EFFECT)
         .bind::<diesel::sql_types::Uuid, _>(key.message_id.as_uuid())
         .bind::<Text, _>(key.consumer.as_str())
         .execute(tx.conn())

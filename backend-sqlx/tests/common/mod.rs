@@ -14,39 +14,16 @@
 
 pub mod relay;
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use inbox_api::InboxError;
 use inbox_backend_sqlx::{SqlxStore, SqlxTransaction, classify};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
-/// Used when `DATABASE_URL` is not set.
-pub const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
-
-/// Schemas made by tests start with this.
-pub const TEST_PREFIX: &str = "inbox_test_";
-
-/// How old a test schema must be before a later run may drop it.
-pub const SWEEP_AFTER: Duration = Duration::from_secs(3600);
-
-/// `DATABASE_URL`, or the local test database.
-pub fn database_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())
-}
-
-/// The URL without its password, for messages that end up in CI logs.
-pub fn redacted(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    match rest.split_once('@') {
-        Some((userinfo, host)) if userinfo.contains(':') => {
-            let user = userinfo.split(':').next().unwrap_or_default();
-            format!("{scheme}://{user}:***@{host}")
-        }
-        _ => url.to_owned(),
-    }
-}
+pub use inbox_conformance::postgres::support::{
+    EFFECTS_TABLE, LIST_SCHEMAS, RECORD_EFFECT, TEST_PREFIX, database_url, is_stale, like_prefix,
+    unique_schema, unreachable_database,
+};
 
 /// A small pool for the tests' own statements (creating and dropping
 /// schemas, killing backends). Panics, never skips, when the database is not
@@ -61,16 +38,6 @@ pub async fn admin_pool() -> PgPool {
     pool.unwrap_or_else(|error| unreachable_database(&error))
 }
 
-/// The one message for a missing database, whichever test meets it first.
-pub fn unreachable_database(error: &dyn std::fmt::Display) -> ! {
-    panic!(
-        "PostgreSQL not reachable at {}: {error}; start it with \
-         `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` \
-         (or point DATABASE_URL at a server)",
-        redacted(&database_url())
-    )
-}
-
 /// A store on `schema` through [`SqlxStore::connect`], not migrated.
 pub async fn connect(schema: &str) -> SqlxStore {
     SqlxStore::connect(&database_url(), schema)
@@ -78,51 +45,23 @@ pub async fn connect(schema: &str) -> SqlxStore {
         .unwrap_or_else(|error| unreachable_database(&error))
 }
 
-/// Seconds since the epoch, as embedded in schema names.
-pub fn unix_secs() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or_default()
-}
-
-/// A schema name nobody else uses: `<prefix><unixsecs>_<random>`.
-pub fn unique_schema(prefix: &str) -> String {
-    let random = uuid::Uuid::new_v4().simple().to_string();
-    format!("{prefix}{}_{}", unix_secs(), &random[..8])
-}
-
-/// The creation time embedded in a schema name made by [`unique_schema`].
-pub fn embedded_secs(schema: &str, prefix: &str) -> Option<u64> {
-    let rest = schema.strip_prefix(prefix)?;
-    let (secs, random) = rest.split_once('_')?;
-    if random.is_empty() {
-        return None;
-    }
-    secs.parse().ok()
-}
-
 /// Drops the schemas starting with `prefix` whose embedded time is older
-/// than [`SWEEP_AFTER`]. Failures are logged, never fatal: another run may
+/// than `SWEEP_AFTER` (see [`is_stale`]). Failures are logged, never fatal: another run may
 /// be sweeping the same schema right now.
 pub async fn sweep_old_schemas(admin: &PgPool, prefix: &str) {
-    let pattern = format!("{}%", prefix.replace('_', "\\_"));
-    let names: Vec<String> =
-        match sqlx::query_scalar("SELECT nspname::text FROM pg_namespace WHERE nspname LIKE $1")
-            .bind(&pattern)
-            .fetch_all(admin)
-            .await
-        {
-            Ok(names) => names,
-            Err(error) => {
-                tracing::warn!(%error, "listing old test schemas failed");
-                return;
-            }
-        };
-    let limit = unix_secs().saturating_sub(SWEEP_AFTER.as_secs());
+    let names: Vec<String> = match sqlx::query_scalar(LIST_SCHEMAS)
+        .bind(like_prefix(prefix))
+        .fetch_all(admin)
+        .await
+    {
+        Ok(names) => names,
+        Err(error) => {
+            tracing::warn!(%error, "listing old test schemas failed");
+            return;
+        }
+    };
     for name in names {
-        let old = embedded_secs(&name, prefix).is_some_and(|secs| secs < limit);
-        if !old || inbox_backend_sqlx::SchemaName::new(&name).is_err() {
+        if !is_stale(&name, prefix) || inbox_backend_sqlx::SchemaName::new(&name).is_err() {
             continue;
         }
         // Validated above: a plain identifier, safe to quote.
@@ -143,10 +82,18 @@ pub async fn fresh_store(max: u32) -> SqlxStore {
 /// As [`fresh_store`], the connections going through the relay listening on
 /// `relay_port` when there is one.
 pub async fn fresh_store_via(max: u32, relay_port: Option<u16>) -> SqlxStore {
-    let schema = unique_schema(TEST_PREFIX);
-    let mut options = SqlxStore::connect_options(&database_url(), &schema)
+    let store = store_in(&unique_schema(TEST_PREFIX), max, relay_port).await;
+    store.migrate().await.expect("migrate a fresh schema");
+    store
+}
+
+/// A store in `schema` with `max` connections, not migrated, through the
+/// relay listening on `relay_port` when there is one. Its connections carry
+/// the schema as `application_name`.
+pub async fn store_in(schema: &str, max: u32, relay_port: Option<u16>) -> SqlxStore {
+    let mut options = SqlxStore::connect_options(&database_url(), schema)
         .expect("valid test schema name")
-        .application_name(&schema);
+        .application_name(schema);
     if let Some(port) = relay_port {
         options = options.host("127.0.0.1").port(port);
     }
@@ -158,9 +105,7 @@ pub async fn fresh_store_via(max: u32, relay_port: Option<u16>) -> SqlxStore {
         .connect_with(options)
         .await
         .unwrap_or_else(|error| unreachable_database(&error));
-    let store = SqlxStore::new(pool, &schema).expect("valid test schema name");
-    store.migrate().await.expect("migrate a fresh schema");
-    store
+    SqlxStore::new(pool, schema).expect("valid test schema name")
 }
 
 /// The server's TCP address, from `DATABASE_URL`.
@@ -242,14 +187,6 @@ pub async fn count(store: &SqlxStore, table: &str) -> i64 {
         .expect("count rows")
 }
 
-/// A business table for the tests' effects. No unique constraint on
-/// purpose: a double effect must show up as two rows.
-pub const EFFECTS_TABLE: &str = "CREATE TABLE conformance_effects (
-    message_id uuid NOT NULL,
-    consumer   text NOT NULL,
-    effect_id  uuid NOT NULL DEFAULT gen_random_uuid()
-)";
-
 /// Creates [`EFFECTS_TABLE`] in `store`'s schema.
 pub async fn create_effects_table(store: &SqlxStore) {
     sqlx::query(EFFECTS_TABLE)
@@ -263,7 +200,7 @@ pub async fn record_effect(
     tx: &mut SqlxTransaction,
     key: &inbox_api::InboxKey,
 ) -> Result<(), InboxError> {
-    sqlx::query("INSERT INTO conformance_effects (message_id, consumer) VALUES ($1, $2)")
+    sqlx::query(RECORD_EFFECT)
         .bind(key.message_id.as_uuid())
         .bind(key.consumer.as_str())
         .execute(tx.conn())

@@ -1,0 +1,116 @@
+//! The live PostgreSQL behaviour every Postgres backend must show, whatever
+//! its driver: real deadlocks, lock timeouts and serialization failures are
+//! retryable conflicts, a killed backend is a retryable connection error and
+//! leaves nothing behind, a missing table is a permanent schema error, the
+//! purge goes through the partial index and cleaners share the work, the
+//! pool is clean after crashes, and migrations are shared, idempotent and
+//! safe to run at once.
+//!
+//! Shaped like the contract suite: plain `pub async fn`s generic over a
+//! [`PgHarness`], each returning an [`crate::Outcome`], and one macro,
+//! [`crate::postgres_tests!`], that a backend calls with its setup to get
+//! one named `#[test]` per scenario. [`support`] holds what the drivers'
+//! test scaffolding shares (database URL, schema names, the sweep rule).
+
+mod scenarios;
+pub mod support;
+
+use async_trait::async_trait;
+use inbox_api::InboxError;
+
+pub use scenarios::*;
+
+use crate::{Harness, TxOf};
+
+/// What the Postgres suite needs beyond [`Harness`]: stores in a chosen
+/// schema, the backend's migration, and raw SQL on a side connection and
+/// inside a transaction.
+#[async_trait]
+pub trait PgHarness: Harness {
+    /// A store whose connections use `schema` (and carry it as
+    /// `application_name`), with at most `pool` connections; not migrated.
+    async fn store_in(&self, schema: &str, pool: usize) -> Self::Store;
+
+    /// A store on the server at `url` (schema `inbox`), connecting now.
+    async fn connect_to(&self, url: &str) -> Result<Self::Store, InboxError>;
+
+    /// The backend's migration of `store`'s schema: the versions applied.
+    async fn migrate(&self, store: &Self::Store) -> Result<Vec<i64>, InboxError>;
+
+    /// The schema `store` keeps its tables in.
+    fn schema_of(&self, store: &Self::Store) -> String;
+
+    /// Runs `sql` on a connection of its own (not from the store's pool)
+    /// whose `search_path` is `store`'s schema; returns the rows affected.
+    async fn side_execute(&self, store: &Self::Store, sql: &str) -> Result<u64, InboxError>;
+
+    /// Runs a query of one row and one `int8` column on a side connection.
+    async fn side_i64(&self, store: &Self::Store, sql: &str) -> Result<i64, InboxError>;
+
+    /// The plan of `sql` (`EXPLAIN`, one line per row) on a side
+    /// connection.
+    async fn explain(&self, store: &Self::Store, sql: &str) -> Result<Vec<String>, InboxError>;
+
+    /// Runs `sql` inside `tx`, through the driver, its errors classified as
+    /// the backend classifies the consumer's own statements.
+    async fn tx_execute(&self, tx: &mut TxOf<Self>, sql: &str) -> Result<(), InboxError>;
+
+    /// Runs a query of one row and one `int8` column inside `tx`.
+    async fn tx_i64(&self, tx: &mut TxOf<Self>, sql: &str) -> Result<i64, InboxError>;
+}
+
+/// Expands to one `#[test]` per Postgres scenario, each building its
+/// harness with `$setup` (an `async fn() -> impl PgHarness`) on its own
+/// multi-threaded runtime.
+#[macro_export]
+macro_rules! postgres_tests {
+    ($setup:path) => {
+        $crate::__with_postgres_tests!(@tests $setup);
+    };
+    (@tests $setup:path; $($name:ident),+ $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                let rt = $crate::__private::tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .build()
+                    .expect("tokio runtime");
+                rt.block_on(async {
+                    let harness = $setup().await;
+                    if let Err(failure) = $crate::postgres::$name(&harness).await {
+                        panic!("{}", failure);
+                    }
+                });
+            }
+        )+
+    };
+}
+
+/// The one list of Postgres scenarios.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __with_postgres_tests {
+    (@tests $setup:path) => {
+        $crate::postgres_tests! { @tests $setup;
+            concurrent_claims_of_one_key_give_exactly_one_fresh,
+            a_blocked_claim_is_duplicate_after_commit_and_fresh_after_rollback,
+            a_terminated_backend_is_a_retryable_connection_error,
+            a_killed_backend_at_each_crash_point_is_processed_once,
+            a_deadlock_is_a_retryable_conflict,
+            a_lock_timeout_is_a_retryable_conflict,
+            a_serialization_failure_is_a_retryable_conflict,
+            a_missing_table_is_a_permanent_schema_error,
+            an_unreachable_server_is_a_retryable_connection_error,
+            the_pool_is_clean_after_crashes,
+            purge_uses_the_partial_index_and_deletes_exactly_the_expired_rows,
+            concurrent_cleaners_skip_each_others_rows,
+            purge_on_an_empty_table_deletes_nothing,
+            overlapping_batches_in_opposite_orders_do_not_deadlock,
+            nested_savepoints_with_deferred_release_keep_sql_semantics,
+            concurrent_migrations_of_one_schema_succeed,
+            an_edited_migration_is_refused,
+            a_cancelled_migration_does_not_block_other_instances,
+        }
+    };
+}
