@@ -1,6 +1,8 @@
 //! The store: a deadpool pool of `AsyncPgConnection`s bound to one schema.
 
+use std::collections::BTreeMap;
 use std::fmt;
+use std::num::NonZeroU32;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -17,7 +19,9 @@ use diesel_async::{
     AnsiTransactionManager, AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
     TransactionManager,
 };
-use inbox_api::{ConsumerName, InboxError, InboxKey, InboxRecord, InboxStore, MessageId};
+use inbox_api::{
+    ConsumerName, InboxError, InboxKey, InboxRecord, InboxStats, InboxStore, MessageId,
+};
 
 use crate::error::{classify, classify_pool};
 use crate::schema::inbox_messages;
@@ -325,17 +329,12 @@ impl InboxStore for DieselStore {
     async fn purge_processed_batch(
         &self,
         cutoff: DateTime<Utc>,
-        limit: u32,
+        limit: NonZeroU32,
     ) -> Result<u64, InboxError> {
-        if limit == 0 {
-            return Err(InboxError::InvalidArgument {
-                message: "purge batch size must be at least 1".into(),
-            });
-        }
         let mut conn = self.pool.get().await.map_err(classify_pool)?;
         let deleted = diesel::sql_query(PURGE_SQL)
             .bind::<Timestamptz, _>(cutoff)
-            .bind::<BigInt, _>(i64::from(limit))
+            .bind::<BigInt, _>(i64::from(limit.get()))
             .execute(&mut *conn)
             .await;
         match deleted {
@@ -343,6 +342,25 @@ impl InboxStore for DieselStore {
                 tracing::debug!(deleted = n, %cutoff, limit, "purged processed inbox rows");
                 Ok(u64::try_from(n).unwrap_or(u64::MAX))
             }
+            Err(error) => Err(refine(&mut conn, error).await),
+        }
+    }
+}
+
+#[async_trait]
+impl InboxStats for DieselStore {
+    async fn processed_counts(&self) -> Result<BTreeMap<String, u64>, InboxError> {
+        let mut conn = self.pool.get().await.map_err(classify_pool)?;
+        let rows = inbox_messages::table
+            .group_by(inbox_messages::consumer_type)
+            .select((inbox_messages::consumer_type, diesel::dsl::count_star()))
+            .load::<(String, i64)>(&mut *conn)
+            .await;
+        match rows {
+            Ok(rows) => Ok(rows
+                .into_iter()
+                .map(|(consumer, n)| (consumer, u64::try_from(n).unwrap_or(0)))
+                .collect()),
             Err(error) => Err(refine(&mut conn, error).await),
         }
     }

@@ -9,7 +9,9 @@ use diesel_async::{
     AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
     TransactionManager,
 };
-use inbox_api::{Claim, ConsumerName, InboxError, InboxKey, InboxTransaction, MessageId};
+use inbox_api::{
+    BatchTransaction, Claim, ConsumerName, InboxError, InboxKey, InboxTransaction, MessageId,
+};
 
 use crate::error::{classify, is_unrecognised};
 use crate::schema::inbox_messages;
@@ -251,6 +253,58 @@ impl InboxTransaction for DieselTransaction {
         }
     }
 
+    async fn commit(mut self) -> Result<(), InboxError> {
+        if self.depth() != Some(1) {
+            // COMMIT would only release the consumer's savepoint and leave
+            // the claim's transaction open.
+            self.discard();
+            return Err(InboxError::Store {
+                retryable: false,
+                source: "commit with an unbalanced nested transaction: the consumer's \
+                         work began a savepoint by hand and did not end it"
+                    .into(),
+            });
+        }
+        // If this future is dropped mid-COMMIT, `self` drops with it and the
+        // connection is closed: the outcome is then unknown, as it is for
+        // any lost COMMIT, and redelivery resolves it.
+        match AnsiTransactionManager::commit_transaction(self.conn()).await {
+            Ok(()) => {
+                self.release();
+                Ok(())
+            }
+            Err(error) => {
+                let error = classify(error);
+                tracing::debug!(error = %error, "commit failed: closing the connection");
+                self.discard();
+                Err(error)
+            }
+        }
+    }
+
+    async fn rollback(mut self) -> Result<(), InboxError> {
+        if self.depth() != Some(1) {
+            // Rolling back one savepoint would leave the transaction open;
+            // closing the connection rolls all of it back.
+            self.discard();
+            return Ok(());
+        }
+        match AnsiTransactionManager::rollback_transaction(self.conn()).await {
+            Ok(()) => {
+                self.release();
+                Ok(())
+            }
+            Err(error) => {
+                // The server rolls back when the connection closes.
+                self.discard();
+                Err(classify(error))
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl BatchTransaction for DieselTransaction {
     /// One statement for the whole batch (`INSERT … SELECT unnest(…)`): the keys
     /// sorted in SQL, so overlapping batches lock in one order, whichever
     /// backend runs them.
@@ -360,55 +414,6 @@ impl InboxTransaction for DieselTransaction {
         }
         self.let_go(key);
         Ok(())
-    }
-
-    async fn commit(mut self) -> Result<(), InboxError> {
-        if self.depth() != Some(1) {
-            // COMMIT would only release the consumer's savepoint and leave
-            // the claim's transaction open.
-            self.discard();
-            return Err(InboxError::Store {
-                retryable: false,
-                source: "commit with an unbalanced nested transaction: the consumer's \
-                         work began a savepoint by hand and did not end it"
-                    .into(),
-            });
-        }
-        // If this future is dropped mid-COMMIT, `self` drops with it and the
-        // connection is closed: the outcome is then unknown, as it is for
-        // any lost COMMIT, and redelivery resolves it.
-        match AnsiTransactionManager::commit_transaction(self.conn()).await {
-            Ok(()) => {
-                self.release();
-                Ok(())
-            }
-            Err(error) => {
-                let error = classify(error);
-                tracing::debug!(error = %error, "commit failed: closing the connection");
-                self.discard();
-                Err(error)
-            }
-        }
-    }
-
-    async fn rollback(mut self) -> Result<(), InboxError> {
-        if self.depth() != Some(1) {
-            // Rolling back one savepoint would leave the transaction open;
-            // closing the connection rolls all of it back.
-            self.discard();
-            return Ok(());
-        }
-        match AnsiTransactionManager::rollback_transaction(self.conn()).await {
-            Ok(()) => {
-                self.release();
-                Ok(())
-            }
-            Err(error) => {
-                // The server rolls back when the connection closes.
-                self.discard();
-                Err(classify(error))
-            }
-        }
     }
 }
 

@@ -12,9 +12,13 @@ use std::time::{Duration, Instant};
 use diesel::sql_types::{BigInt, Integer, Text};
 use diesel_async::{AnsiTransactionManager, AsyncConnection, RunQueryDsl, TransactionManager};
 use inbox_api::{
-    Claim, ConsumerName, Handled, Inbox, InboxError, InboxKey, InboxStore, InboxTransaction,
-    MessageId,
+    BatchTransaction, Claim, ConsumerName, Handled, Inbox, InboxError, InboxKey, InboxStore,
+    InboxStoreExt, InboxTransaction, MessageId,
 };
+
+fn nz(n: u32) -> std::num::NonZeroU32 {
+    std::num::NonZeroU32::new(n).expect("non-zero")
+}
 use inbox_backend_diesel::{DieselStore, DieselTransaction, classify};
 
 fn key(consumer: &str) -> InboxKey {
@@ -686,7 +690,7 @@ async fn a_missing_table_is_a_permanent_schema_error() {
         "lookup: {error:?}"
     );
     let error = store
-        .purge_processed_batch(chrono::Utc::now(), 10)
+        .purge_processed_batch(chrono::Utc::now(), nz(10))
         .await
         .expect_err("no table");
     assert!(
@@ -788,8 +792,9 @@ async fn batched_mode_nests_diesel_transactions_and_isolates_failures() {
     let store = common::fresh_store(2).await;
     let inbox = Inbox::new(store.clone());
     let keys: Vec<InboxKey> = (0..4).map(|_| key("batch")).collect();
+    let batch = keys.iter().cloned().zip(0..).collect();
     let items = inbox
-        .handle_batch(&keys, async |tx: &mut DieselTransaction, index: usize| {
+        .handle_batch(batch, async |tx: &mut DieselTransaction, &index: &usize| {
             let k = &keys[index];
             common::record_effect(tx, k).await?;
             let inner = tx
@@ -810,21 +815,17 @@ async fn batched_mode_nests_diesel_transactions_and_isolates_failures() {
             }
             Ok(())
         })
-        .await
-        .expect("batch committed");
-    for (index, (k, item)) in keys.iter().zip(&items).enumerate() {
-        if index == 2 {
-            assert!(matches!(item, inbox_api::BatchItem::Failed(_)), "{item:?}");
+        .await;
+    for (k, index, item) in &items {
+        if *index == 2 {
+            assert!(matches!(item, Err(InboxError::Handler { .. })), "{item:?}");
             assert_eq!(effects_of(&store, k).await, 0);
             assert!(
                 store.lookup(k).await.expect("lookup").is_none(),
                 "claim given back"
             );
         } else {
-            assert!(
-                matches!(item, inbox_api::BatchItem::Processed(())),
-                "{item:?}"
-            );
+            assert!(matches!(item, Ok(Handled::Processed(()))), "{item:?}");
             assert_exactly_once(&store, k).await;
         }
     }
@@ -1030,7 +1031,7 @@ async fn purge_goes_through_the_partial_index() {
     let cutoff = chrono::Utc::now() - chrono::Duration::days(7);
     assert_eq!(
         store
-            .purge_processed_before(cutoff, 64)
+            .purge_processed_before(cutoff, nz(64))
             .await
             .expect("purge"),
         200
@@ -1062,8 +1063,8 @@ async fn concurrent_cleaners_skip_each_others_rows() {
 
     let started = Instant::now();
     let (a, b) = tokio::join!(
-        store.purge_processed_batch(cutoff, 50),
-        store.purge_processed_batch(cutoff, 50)
+        store.purge_processed_batch(cutoff, nz(50)),
+        store.purge_processed_batch(cutoff, nz(50))
     );
     let (a, b) = (a.expect("cleaner a"), b.expect("cleaner b"));
     assert!(
@@ -1073,7 +1074,7 @@ async fn concurrent_cleaners_skip_each_others_rows() {
     assert!(a <= 50 && b <= 50);
     // Whatever the two skipped of each other is left for a later batch.
     let rest = store
-        .purge_processed_before(cutoff, 50)
+        .purge_processed_before(cutoff, nz(50))
         .await
         .expect("rest");
     assert_eq!(
@@ -1084,7 +1085,7 @@ async fn concurrent_cleaners_skip_each_others_rows() {
     holder.rollback().await.expect("release");
     assert_eq!(
         store
-            .purge_processed_before(cutoff, 50)
+            .purge_processed_before(cutoff, nz(50))
             .await
             .expect("the locked 30"),
         30

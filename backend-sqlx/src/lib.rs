@@ -65,13 +65,15 @@
 
 mod error;
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
+use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use inbox_api::{
-    Claim, ConsumerName, InboxError, InboxKey, InboxRecord, InboxStore, InboxTransaction, MessageId,
+    BatchTransaction, Claim, ConsumerName, InboxError, InboxKey, InboxRecord, InboxStats,
+    InboxStore, InboxTransaction, MessageId,
 };
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -333,16 +335,11 @@ impl InboxStore for SqlxStore {
     async fn purge_processed_batch(
         &self,
         cutoff: DateTime<Utc>,
-        limit: u32,
+        limit: NonZeroU32,
     ) -> Result<u64, InboxError> {
-        if limit == 0 {
-            return Err(InboxError::InvalidArgument {
-                message: "purge batch size must be at least 1".into(),
-            });
-        }
         let deleted = sqlx::query(PURGE_BATCH)
             .bind(cutoff)
-            .bind(i64::from(limit))
+            .bind(i64::from(limit.get()))
             .execute(&self.pool)
             .await
             .map_err(classify)?
@@ -351,6 +348,24 @@ impl InboxStore for SqlxStore {
         Ok(deleted)
     }
 }
+
+#[async_trait]
+impl InboxStats for SqlxStore {
+    async fn processed_counts(&self) -> Result<BTreeMap<String, u64>, InboxError> {
+        let rows: Vec<(String, i64)> = sqlx::query_as(PROCESSED_COUNTS)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(classify)?;
+        Ok(rows
+            .into_iter()
+            .map(|(consumer, n)| (consumer, u64::try_from(n).unwrap_or(0)))
+            .collect())
+    }
+}
+
+/// Committed inbox rows per consumer ([`InboxStats::processed_counts`]).
+const PROCESSED_COUNTS: &str =
+    "SELECT consumer_type, count(*)::int8 FROM inbox_messages GROUP BY consumer_type";
 
 /// An open inbox transaction: a [`sqlx::Transaction`] on one pooled
 /// connection.
@@ -430,6 +445,17 @@ impl InboxTransaction for SqlxTransaction {
         }
     }
 
+    async fn commit(self) -> Result<(), InboxError> {
+        self.tx.commit().await.map_err(classify)
+    }
+
+    async fn rollback(self) -> Result<(), InboxError> {
+        self.tx.rollback().await.map_err(classify)
+    }
+}
+
+#[async_trait]
+impl BatchTransaction for SqlxTransaction {
     async fn claim_batch(&mut self, keys: &[InboxKey]) -> Result<Vec<Claim>, InboxError> {
         if keys.is_empty() {
             return Ok(Vec::new());
@@ -534,14 +560,6 @@ impl InboxTransaction for SqlxTransaction {
             .map_err(classify)?;
         self.release(key);
         Ok(())
-    }
-
-    async fn commit(self) -> Result<(), InboxError> {
-        self.tx.commit().await.map_err(classify)
-    }
-
-    async fn rollback(self) -> Result<(), InboxError> {
-        self.tx.rollback().await.map_err(classify)
     }
 }
 

@@ -13,9 +13,13 @@ use chrono::Utc;
 use common::relay::Relay;
 use common::{backend_pid, create_effects_table, effects_of, fresh_store, record_effect};
 use inbox_api::{
-    Claim, ConsumerName, Handled, Inbox, InboxError, InboxKey, InboxStore, InboxTransaction,
-    MessageId,
+    BatchTransaction, Claim, ConsumerName, Handled, Inbox, InboxError, InboxKey, InboxStore,
+    InboxStoreExt, InboxTransaction, MessageId,
 };
+
+fn nz(n: u32) -> std::num::NonZeroU32 {
+    std::num::NonZeroU32::new(n).expect("non-zero")
+}
 use inbox_backend_sqlx::{PURGE_BATCH, SqlxStore};
 use sqlx::postgres::PgPoolOptions;
 use tokio::sync::Barrier;
@@ -675,7 +679,7 @@ async fn purge_uses_the_index_and_deletes_exactly_the_expired_rows() {
     );
     assert_eq!(
         store
-            .purge_processed_batch(cutoff, 1000)
+            .purge_processed_batch(cutoff, nz(1000))
             .await
             .expect("one batch"),
         1000,
@@ -683,7 +687,7 @@ async fn purge_uses_the_index_and_deletes_exactly_the_expired_rows() {
     );
     let started = Instant::now();
     let rest = store
-        .purge_processed_before(cutoff, 5000)
+        .purge_processed_before(cutoff, nz(5000))
         .await
         .expect("purge");
     println!("purged {rest} rows in {:?}", started.elapsed());
@@ -709,8 +713,8 @@ async fn concurrent_purges_share_the_work() {
     fill(&store).await;
     let cutoff = Utc::now() - chrono::Duration::days(7);
     let (a, b) = tokio::join!(
-        store.purge_processed_before(cutoff, 500),
-        store.purge_processed_before(cutoff, 500)
+        store.purge_processed_before(cutoff, nz(500)),
+        store.purge_processed_before(cutoff, nz(500))
     );
     let (a, b) = (a.expect("cleaner a"), b.expect("cleaner b"));
     println!("cleaner a deleted {a}, cleaner b {b}");
@@ -727,7 +731,7 @@ async fn concurrent_purges_share_the_work() {
 async fn purge_on_an_empty_table_deletes_nothing() {
     let store = fresh_store(2).await;
     let deleted = store
-        .purge_processed_batch(Utc::now(), 10)
+        .purge_processed_batch(Utc::now(), nz(10))
         .await
         .expect("purge");
     assert_eq!(deleted, 0);

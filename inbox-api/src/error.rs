@@ -1,5 +1,7 @@
 //! One error type for every store, classified by what the caller should do.
 
+use std::sync::Arc;
+
 /// A boxed error source, kept so the chain reaches the log.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
@@ -102,6 +104,24 @@ pub enum InboxError {
         source: BoxError,
     },
 
+    /// The transaction of a whole batch ([`crate::Inbox::handle_batch`])
+    /// failed at a store step, so this message, like every other of the
+    /// batch, was not committed (or, for a lost commit, may have been:
+    /// redelivery resolves it). Each message of the batch carries the same
+    /// shared cause; retryable and labelled as that cause.
+    #[error("the batch's transaction failed")]
+    BatchAborted {
+        /// The store error that ended the batch, shared by its messages.
+        #[source]
+        source: Arc<InboxError>,
+    },
+
+    /// Not run in this batch: an earlier copy of the same message in the
+    /// batch failed, and its failure decides. Retryable, and not this
+    /// delivery's own failure: hand it back without charging it.
+    #[error("deferred: an earlier copy of this message in the batch failed")]
+    Deferred,
+
     /// The consumer's own work failed. The transaction was rolled back; the
     /// consumer decided whether the failure is worth a retry.
     #[error("handler failed")]
@@ -139,8 +159,12 @@ impl InboxError {
             | Self::InvalidConsumerName { .. }
             | Self::InvalidArgument { .. }
             | Self::Schema { .. } => false,
-            Self::Connection { .. } | Self::PoolTimeout { .. } | Self::Conflict { .. } => true,
+            Self::Connection { .. }
+            | Self::PoolTimeout { .. }
+            | Self::Conflict { .. }
+            | Self::Deferred => true,
             Self::Store { retryable, .. } | Self::Handler { retryable, .. } => *retryable,
+            Self::BatchAborted { source } => source.is_retryable(),
         }
     }
 
@@ -165,6 +189,8 @@ impl InboxError {
             Self::Schema { .. } => "schema",
             Self::Store { .. } => "store",
             Self::Handler { .. } => "handler",
+            Self::Deferred => "deferred",
+            Self::BatchAborted { source } => source.kind(),
         }
     }
 }

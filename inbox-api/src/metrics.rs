@@ -12,7 +12,7 @@
 //! | `inbox_failed_total` | counter | `consumer`, `stage` (`begin`, `claim`, `work`, `commit`), `retryable` (`true`, `false`, `unknown` for the work's own errors) | [`crate::Inbox::handle`] |
 //! | `inbox_handle_duration_seconds` | histogram | `consumer`, `outcome` (`processed`, `duplicate`, `failed`) | [`crate::Inbox::handle`] |
 //! | `inbox_batch_reruns_total` | counter | none | [`crate::Inbox::handle_batch`], when a work failure makes it rerun a batch with savepoints |
-//! | `inbox_purged_rows_total` | counter | none | [`crate::InboxStore::purge_processed_before`] |
+//! | `inbox_purged_rows_total` | counter | none | [`crate::InboxStoreExt::purge_processed_before`], once per batch |
 //! | `inbox_dead_lettered_total` | counter | `consumer`, `reason` | the consuming application |
 //! | `inbox_rows` | gauge | none | the consuming application (periodic count) |
 

@@ -184,7 +184,7 @@ macro_rules! __with_contract_tests {
             processed_at_is_set_in_the_transaction,
             lookup_does_not_wait,
             purge_deletes_old_processed_rows_in_batches,
-            purge_rejects_zero_batch,
+            processed_counts_are_per_consumer,
             handle_runs_work_once,
             handle_rolls_back_on_work_error,
             handle_rolls_back_when_cancelled,
