@@ -1,4 +1,5 @@
-//! Deterministic tests, one or more per line of the contract in DESIGN.md.
+//! Deterministic tests, one or more per line of the contract documented on
+//! `inbox_api::InboxStore`.
 //!
 //! Each is a plain `pub async fn` generic over a [`Harness`]; failures come
 //! back as [`Failure`]s naming what was expected and what was seen.
