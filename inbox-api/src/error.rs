@@ -238,4 +238,102 @@ mod tests {
         let src = std::error::Error::source(&e).expect("source kept");
         assert_eq!(src.to_string(), "boom");
     }
+
+    /// Every variant's label and disposition, pinned: the labels are
+    /// metric label values and dead-letter reasons that dashboards and
+    /// alerts match on, so changing one is a breaking change.
+    #[test]
+    fn every_kind_label_and_disposition() {
+        let conflict = InboxError::Conflict { source: io() };
+        let schema = InboxError::Schema { source: io() };
+        let cases: Vec<(InboxError, &str, bool)> = vec![
+            (
+                InboxError::InvalidMessageId {
+                    value: "x".into(),
+                    reason: "r",
+                },
+                "invalid_message_id",
+                false,
+            ),
+            (
+                InboxError::InvalidConsumerName {
+                    value: "x".into(),
+                    reason: "r",
+                },
+                "invalid_consumer_name",
+                false,
+            ),
+            (
+                InboxError::InvalidArgument {
+                    message: "x".into(),
+                },
+                "invalid_argument",
+                false,
+            ),
+            (InboxError::Connection { source: io() }, "connection", true),
+            (
+                InboxError::PoolTimeout { source: None },
+                "pool_timeout",
+                true,
+            ),
+            (InboxError::Conflict { source: io() }, "conflict", true),
+            (InboxError::Schema { source: io() }, "schema", false),
+            (
+                InboxError::Store {
+                    retryable: true,
+                    source: io(),
+                },
+                "store",
+                true,
+            ),
+            (
+                InboxError::Store {
+                    retryable: false,
+                    source: io(),
+                },
+                "store",
+                false,
+            ),
+            (InboxError::retryable_handler(io()), "handler", true),
+            (InboxError::permanent_handler(io()), "handler", false),
+            (InboxError::Deferred, "deferred", true),
+            (
+                InboxError::BatchAborted {
+                    source: Arc::new(conflict),
+                },
+                "conflict",
+                true,
+            ),
+            (
+                InboxError::BatchAborted {
+                    source: Arc::new(schema),
+                },
+                "schema",
+                false,
+            ),
+        ];
+        for (error, kind, retryable) in cases {
+            assert_eq!(error.kind(), kind, "{error:?}");
+            assert_eq!(error.is_retryable(), retryable, "{error:?}");
+            let expected = if retryable {
+                Disposition::Retry
+            } else {
+                Disposition::DeadLetter
+            };
+            assert_eq!(error.disposition(), expected, "{error:?}");
+        }
+    }
+
+    #[test]
+    fn a_batch_abort_keeps_its_cause() {
+        let error = InboxError::BatchAborted {
+            source: Arc::new(InboxError::Connection { source: io() }),
+        };
+        let cause = std::error::Error::source(&error).expect("cause kept");
+        assert_eq!(cause.to_string(), "store connection failed");
+        assert_eq!(
+            std::error::Error::source(cause).map(ToString::to_string),
+            Some("boom".to_owned())
+        );
+    }
 }

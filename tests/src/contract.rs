@@ -411,6 +411,65 @@ pub async fn purge_deletes_old_processed_rows_in_batches<H: Harness>(h: &H) -> O
     Ok(())
 }
 
+/// The cutoff is exclusive: a row processed exactly at the cutoff stays, one
+/// processed a microsecond (the coarsest clock among the backends) before
+/// it goes. Retention must never be cut shorter than asked.
+pub async fn purge_keeps_rows_processed_at_the_cutoff<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let key = new_key("c1");
+    process_once(h, &store, &key).await?;
+    let Some(processed_at) = row_of(h, &store, &key).await.and_then(|r| r.processed_at) else {
+        return Err(Failure::new(format!("no processed row for {key}")));
+    };
+    let limit = NonZeroU32::new(10).expect("non-zero");
+    let at_cutoff = store.purge_processed_batch(processed_at, limit).await?;
+    check_eq!(at_cutoff, 0, "rows deleted with cutoff = processed_at");
+    check!(
+        row_of(h, &store, &key).await.is_some(),
+        "the row processed at the cutoff is kept"
+    );
+    let just_after = processed_at + chrono::Duration::microseconds(1);
+    let deleted = store.purge_processed_before(just_after, limit).await?;
+    check_eq!(
+        deleted,
+        1,
+        "rows deleted with cutoff 1 µs after processed_at"
+    );
+    Ok(())
+}
+
+/// A shared store (`Arc<S>`) is the store: every call reaches it.
+pub async fn a_shared_store_forwards_every_call<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let shared = std::sync::Arc::new(store.clone());
+    let key = new_key("c1");
+    let mut tx = shared.begin().await?;
+    check_eq!(tx.claim(&key).await?, Claim::Fresh, "claim through the Arc");
+    h.record_effect(&mut tx, &key).await?;
+    tx.commit().await?;
+    expect_processed_once(h, &store, &key).await?;
+    let record = shared.lookup(&key).await?;
+    check_eq!(
+        record.map(|r| r.key),
+        Some(key.clone()),
+        "lookup through the Arc"
+    );
+    check_eq!(
+        shared.processed_counts().await?,
+        BTreeMap::from([("c1".to_owned(), 1)]),
+        "counts through the Arc"
+    );
+    let future = h.store_now(&store).await + chrono::Duration::days(1);
+    let limit = NonZeroU32::new(10).expect("non-zero");
+    check_eq!(
+        shared.purge_processed_batch(future, limit).await?,
+        1,
+        "purge through the Arc"
+    );
+    check_eq!(shared.lookup(&key).await?, None, "purged");
+    Ok(())
+}
+
 /// Row counts per consumer come from the store ([`InboxStats`]): committed
 /// rows only, per consumer name, never a pending claim.
 pub async fn processed_counts_are_per_consumer<H: Harness>(h: &H) -> Outcome {
