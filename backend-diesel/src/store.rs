@@ -1,6 +1,8 @@
 //! The store: a deadpool pool of `AsyncPgConnection`s bound to one schema.
 
+use std::collections::BTreeMap;
 use std::fmt;
+use std::num::NonZeroU32;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -17,7 +19,7 @@ use diesel_async::{
     AnsiTransactionManager, AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
     TransactionManager,
 };
-use inbox_api::{InboxError, InboxKey, InboxRecord, InboxStore};
+use inbox_api::{InboxError, InboxKey, InboxRecord, InboxStats, InboxStore};
 use inbox_postgres::sql;
 
 use crate::error::{classify, classify_pool};
@@ -323,17 +325,12 @@ impl InboxStore for DieselStore {
     async fn purge_processed_batch(
         &self,
         cutoff: DateTime<Utc>,
-        limit: u32,
+        limit: NonZeroU32,
     ) -> Result<u64, InboxError> {
-        if limit == 0 {
-            return Err(InboxError::InvalidArgument {
-                message: "purge batch size must be at least 1".into(),
-            });
-        }
         let mut conn = self.pool.get().await.map_err(classify_pool)?;
         let deleted = diesel::sql_query(sql::PURGE_BATCH)
             .bind::<Timestamptz, _>(cutoff)
-            .bind::<BigInt, _>(i64::from(limit))
+            .bind::<BigInt, _>(i64::from(limit.get()))
             .execute(&mut *conn)
             .await;
         match deleted {
@@ -344,6 +341,32 @@ impl InboxStore for DieselStore {
             Err(error) => Err(refine(&mut conn, error).await),
         }
     }
+}
+
+#[async_trait]
+impl InboxStats for DieselStore {
+    async fn processed_counts(&self) -> Result<BTreeMap<String, u64>, InboxError> {
+        let mut conn = self.pool.get().await.map_err(classify_pool)?;
+        let rows = diesel::sql_query(sql::PROCESSED_COUNTS)
+            .load::<ConsumerCount>(&mut *conn)
+            .await;
+        match rows {
+            Ok(rows) => Ok(rows
+                .into_iter()
+                .map(|row| (row.consumer_type, u64::try_from(row.count).unwrap_or(0)))
+                .collect()),
+            Err(error) => Err(refine(&mut conn, error).await),
+        }
+    }
+}
+
+/// The columns [`sql::PROCESSED_COUNTS`] returns.
+#[derive(QueryableByName)]
+struct ConsumerCount {
+    #[diesel(sql_type = Text)]
+    consumer_type: String,
+    #[diesel(sql_type = BigInt)]
+    count: i64,
 }
 
 /// The columns [`sql::LOOKUP`] returns.

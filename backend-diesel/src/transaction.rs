@@ -8,7 +8,7 @@ use diesel_async::{
     AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
     TransactionManager,
 };
-use inbox_api::{Claim, InboxError, InboxKey, InboxTransaction};
+use inbox_api::{BatchTransaction, Claim, InboxError, InboxKey, InboxTransaction};
 use inbox_postgres::{Claims, sql};
 
 use crate::error::{classify, is_unrecognised};
@@ -199,54 +199,6 @@ impl InboxTransaction for DieselTransaction {
         }
     }
 
-    /// One statement for the whole batch (`INSERT … SELECT unnest(…)`): the
-    /// keys sorted in SQL, so overlapping batches lock in one order,
-    /// whichever backend runs them.
-    async fn claim_batch(&mut self, keys: &[InboxKey]) -> Result<Vec<Claim>, InboxError> {
-        if keys.is_empty() {
-            return Ok(Vec::new());
-        }
-        let inserted = ClaimBatch::of(keys)
-            .load::<(uuid::Uuid, String)>(self.conn())
-            .await;
-        match inserted {
-            Ok(rows) => self.claims.claimed_batch(keys, rows),
-            Err(error) => Err(self.refine(error).await),
-        }
-    }
-
-    async fn savepoint(&mut self) -> Result<(), InboxError> {
-        let sql = self.claims.savepoint_sql();
-        self.savepoint_sql(sql).await?;
-        self.claims.savepoint_done();
-        Ok(())
-    }
-
-    async fn rollback_to_savepoint(&mut self) -> Result<(), InboxError> {
-        let sql = self.claims.rollback_to_savepoint_sql()?;
-        self.savepoint_sql(sql).await?;
-        self.claims.rollback_done();
-        Ok(())
-    }
-
-    async fn release_savepoint(&mut self) -> Result<(), InboxError> {
-        self.claims.release_savepoint()
-    }
-
-    async fn unclaim(&mut self, key: &InboxKey) -> Result<(), InboxError> {
-        self.claims.may_unclaim(key)?;
-        let deleted = diesel::sql_query(sql::UNCLAIM)
-            .bind::<Uuid, _>(key.message_id.as_uuid())
-            .bind::<Text, _>(key.consumer.as_str())
-            .execute(self.conn())
-            .await;
-        if let Err(error) = deleted {
-            return Err(self.refine(error).await);
-        }
-        self.claims.unclaimed(key);
-        Ok(())
-    }
-
     async fn commit(mut self) -> Result<(), InboxError> {
         if self.depth() != Some(1) {
             // COMMIT would only release the consumer's savepoint and leave
@@ -294,5 +246,56 @@ impl InboxTransaction for DieselTransaction {
                 Err(classify(error))
             }
         }
+    }
+}
+
+#[async_trait]
+impl BatchTransaction for DieselTransaction {
+    /// One statement for the whole batch (`INSERT … SELECT unnest(…)`): the
+    /// keys sorted in SQL, so overlapping batches lock in one order,
+    /// whichever backend runs them.
+    async fn claim_batch(&mut self, keys: &[InboxKey]) -> Result<Vec<Claim>, InboxError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let inserted = ClaimBatch::of(keys)
+            .load::<(uuid::Uuid, String)>(self.conn())
+            .await;
+        match inserted {
+            Ok(rows) => self.claims.claimed_batch(keys, rows),
+            Err(error) => Err(self.refine(error).await),
+        }
+    }
+
+    async fn savepoint(&mut self) -> Result<(), InboxError> {
+        let sql = self.claims.savepoint_sql();
+        self.savepoint_sql(sql).await?;
+        self.claims.savepoint_done();
+        Ok(())
+    }
+
+    async fn rollback_to_savepoint(&mut self) -> Result<(), InboxError> {
+        let sql = self.claims.rollback_to_savepoint_sql()?;
+        self.savepoint_sql(sql).await?;
+        self.claims.rollback_done();
+        Ok(())
+    }
+
+    async fn release_savepoint(&mut self) -> Result<(), InboxError> {
+        self.claims.release_savepoint()
+    }
+
+    async fn unclaim(&mut self, key: &InboxKey) -> Result<(), InboxError> {
+        self.claims.may_unclaim(key)?;
+        let deleted = diesel::sql_query(sql::UNCLAIM)
+            .bind::<Uuid, _>(key.message_id.as_uuid())
+            .bind::<Text, _>(key.consumer.as_str())
+            .execute(self.conn())
+            .await;
+        if let Err(error) = deleted {
+            return Err(self.refine(error).await);
+        }
+        self.claims.unclaimed(key);
+        Ok(())
     }
 }

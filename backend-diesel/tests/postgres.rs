@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use diesel::sql_types::{BigInt, Integer, Text};
 use diesel_async::{AnsiTransactionManager, AsyncConnection, RunQueryDsl, TransactionManager};
 use inbox_api::{
-    Claim, ConsumerName, Handled, Inbox, InboxError, InboxKey, InboxStore, InboxTransaction,
-    MessageId,
+    BatchTransaction, Claim, ConsumerName, Handled, Inbox, InboxError, InboxKey, InboxStore,
+    InboxTransaction, MessageId,
 };
 use inbox_backend_diesel::{DieselStore, DieselTransaction, classify};
 
@@ -528,8 +528,9 @@ async fn batched_mode_nests_diesel_transactions_and_isolates_failures() {
     let store = common::fresh_store(2).await;
     let inbox = Inbox::new(store.clone());
     let keys: Vec<InboxKey> = (0..4).map(|_| key("batch")).collect();
+    let batch = keys.iter().cloned().zip(0..).collect();
     let items = inbox
-        .handle_batch(&keys, async |tx: &mut DieselTransaction, index: usize| {
+        .handle_batch(batch, async |tx: &mut DieselTransaction, &index: &usize| {
             let k = &keys[index];
             common::record_effect(tx, k).await?;
             let inner = tx
@@ -550,21 +551,17 @@ async fn batched_mode_nests_diesel_transactions_and_isolates_failures() {
             }
             Ok(())
         })
-        .await
-        .expect("batch committed");
-    for (index, (k, item)) in keys.iter().zip(&items).enumerate() {
-        if index == 2 {
-            assert!(matches!(item, inbox_api::BatchItem::Failed(_)), "{item:?}");
+        .await;
+    for (k, index, item) in &items {
+        if *index == 2 {
+            assert!(matches!(item, Err(InboxError::Handler { .. })), "{item:?}");
             assert_eq!(effects_of(&store, k).await, 0);
             assert!(
                 store.lookup(k).await.expect("lookup").is_none(),
                 "claim given back"
             );
         } else {
-            assert!(
-                matches!(item, inbox_api::BatchItem::Processed(())),
-                "{item:?}"
-            );
+            assert!(matches!(item, Ok(Handled::Processed(()))), "{item:?}");
             assert_exactly_once(&store, k).await;
         }
     }

@@ -2,7 +2,7 @@
 //!
 //! `cargo bench -p inbox-backend-memory` runs each scenario for
 //! `INBOX_BENCH_SECONDS` (default 1.5) on one core (a current-thread tokio
-//! runtime, one task: the figure issue 7's "≥ 1,000,000 claim+commit/s on
+//! runtime, one task: the figure the target "≥ 1,000,000 claim+commit/s on
 //! one core" is about), then on a multi-threaded runtime with 2 workers and
 //! 1 or 2 tasks; `INBOX_BENCH_MESSAGES=N` runs exactly N messages per task
 //! instead. Each scenario gets a fresh store; every task uses its own keys,

@@ -1,7 +1,7 @@
 //! An in-process [`InboxStore`](inbox_api::InboxStore) with PostgreSQL's claim semantics.
 //!
 //! For tests and the application's offline mode: it keeps the same contract
-//! as the Postgres backends (`shared/DESIGN.md`), so code that is correct on
+//! as the Postgres backends (the contract on `inbox_api::InboxStore`), so code that is correct on
 //! it is correct there, and the shared conformance suite runs against it in
 //! milliseconds. It is a real transactional store, not a `HashSet` of seen
 //! ids:

@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use inbox_api::{Claim, InboxError, InboxKey, InboxTransaction};
+use inbox_api::{BatchTransaction, Claim, InboxError, InboxKey, InboxTransaction};
 use smallvec::SmallVec;
 
 use crate::deadlock::{Aborted, TxId};
@@ -200,6 +200,25 @@ impl InboxTransaction for MemoryTransaction {
         }
     }
 
+    async fn commit(mut self) -> Result<(), InboxError> {
+        if self.aborted {
+            // Postgres would answer ROLLBACK to this COMMIT; say so loudly.
+            return self.ensure_open();
+        }
+        let claims = std::mem::take(&mut self.claims);
+        let writes = std::mem::take(&mut self.writes);
+        self.shared.commit(self.id, claims, writes);
+        Ok(())
+    }
+
+    async fn rollback(mut self) -> Result<(), InboxError> {
+        self.release();
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl BatchTransaction for MemoryTransaction {
     async fn savepoint(&mut self) -> Result<(), InboxError> {
         self.ensure_open()?;
         self.savepoints.push(Savepoint {
@@ -251,22 +270,6 @@ impl InboxTransaction for MemoryTransaction {
                 savepoint.claims -= 1;
             }
         }
-        Ok(())
-    }
-
-    async fn commit(mut self) -> Result<(), InboxError> {
-        if self.aborted {
-            // Postgres would answer ROLLBACK to this COMMIT; say so loudly.
-            return self.ensure_open();
-        }
-        let claims = std::mem::take(&mut self.claims);
-        let writes = std::mem::take(&mut self.writes);
-        self.shared.commit(self.id, claims, writes);
-        Ok(())
-    }
-
-    async fn rollback(mut self) -> Result<(), InboxError> {
-        self.release();
         Ok(())
     }
 }

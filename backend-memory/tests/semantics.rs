@@ -9,9 +9,13 @@ use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
 use inbox_api::{
-    Claim, ConsumerName, Disposition, Handled, Inbox, InboxError, InboxKey, InboxStore,
-    InboxTransaction, MessageId,
+    BatchTransaction, Claim, ConsumerName, Disposition, Handled, Inbox, InboxError, InboxKey,
+    InboxStore, InboxStoreExt, InboxTransaction, MessageId,
 };
+
+fn nz(n: u32) -> std::num::NonZeroU32 {
+    std::num::NonZeroU32::new(n).expect("non-zero")
+}
 use inbox_backend_memory::{ManualClock, MemoryStore, MemoryTransaction};
 use tokio::task::JoinHandle;
 use tokio::time::timeout;
@@ -585,13 +589,10 @@ async fn purge_deletes_only_old_processed_rows_in_bounded_batches() {
     let recent = commit_row(&store).await;
     let cutoff = t0() + TimeDelta::seconds(60);
 
-    let err = store.purge_processed_batch(cutoff, 0).await.unwrap_err();
-    assert!(matches!(err, InboxError::InvalidArgument { .. }), "{err}");
-
-    assert_eq!(store.purge_processed_batch(cutoff, 2).await.unwrap(), 2);
-    assert_eq!(store.purge_processed_batch(cutoff, 2).await.unwrap(), 2);
-    assert_eq!(store.purge_processed_batch(cutoff, 2).await.unwrap(), 1);
-    assert_eq!(store.purge_processed_batch(cutoff, 2).await.unwrap(), 0);
+    assert_eq!(store.purge_processed_batch(cutoff, nz(2)).await.unwrap(), 2);
+    assert_eq!(store.purge_processed_batch(cutoff, nz(2)).await.unwrap(), 2);
+    assert_eq!(store.purge_processed_batch(cutoff, nz(2)).await.unwrap(), 1);
+    assert_eq!(store.purge_processed_batch(cutoff, nz(2)).await.unwrap(), 0);
 
     for k in &old {
         assert_eq!(store.lookup(k).await.unwrap(), None);
@@ -602,7 +603,10 @@ async fn purge_deletes_only_old_processed_rows_in_bounded_batches() {
     // it old enough to go.
     holder.commit().await.unwrap();
     assert_eq!(store.inbox_len(), 2);
-    assert_eq!(store.purge_processed_before(cutoff, 10).await.unwrap(), 1);
+    assert_eq!(
+        store.purge_processed_before(cutoff, nz(10)).await.unwrap(),
+        1
+    );
     assert_eq!(store.lookup(&in_flight).await.unwrap(), None);
 
     // Purged keys are claimable again (retention is the dedup window).
@@ -619,8 +623,14 @@ async fn purge_before_loops_batches_over_many_rows() {
     }
     let cutoff = t0() + TimeDelta::milliseconds(900);
     // One batch larger than a shard's chunk and than any shard.
-    assert_eq!(store.purge_processed_batch(cutoff, 700).await.unwrap(), 700);
-    assert_eq!(store.purge_processed_before(cutoff, 64).await.unwrap(), 200);
+    assert_eq!(
+        store.purge_processed_batch(cutoff, nz(700)).await.unwrap(),
+        700
+    );
+    assert_eq!(
+        store.purge_processed_before(cutoff, nz(64)).await.unwrap(),
+        200
+    );
     assert_eq!(store.inbox_len(), 100);
     assert!(
         store

@@ -67,11 +67,16 @@
 
 mod error;
 
+use std::collections::BTreeMap;
+use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use inbox_api::{Claim, InboxError, InboxKey, InboxRecord, InboxStore, InboxTransaction};
+use inbox_api::{
+    BatchTransaction, Claim, InboxError, InboxKey, InboxRecord, InboxStats, InboxStore,
+    InboxTransaction,
+};
 use inbox_postgres::{Claims, MigrationConnection, key_columns, sql};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgConnection, PgPool, Postgres, Row};
@@ -234,22 +239,31 @@ impl InboxStore for SqlxStore {
     async fn purge_processed_batch(
         &self,
         cutoff: DateTime<Utc>,
-        limit: u32,
+        limit: NonZeroU32,
     ) -> Result<u64, InboxError> {
-        if limit == 0 {
-            return Err(InboxError::InvalidArgument {
-                message: "purge batch size must be at least 1".into(),
-            });
-        }
         let deleted = sqlx::query(sql::PURGE_BATCH)
             .bind(cutoff)
-            .bind(i64::from(limit))
+            .bind(i64::from(limit.get()))
             .execute(&self.pool)
             .await
             .map_err(classify)?
             .rows_affected();
         tracing::debug!(schema = %self.schema, %cutoff, limit, deleted, "inbox purge batch");
         Ok(deleted)
+    }
+}
+
+#[async_trait]
+impl InboxStats for SqlxStore {
+    async fn processed_counts(&self) -> Result<BTreeMap<String, u64>, InboxError> {
+        let rows: Vec<(String, i64)> = sqlx::query_as(sql::PROCESSED_COUNTS)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(classify)?;
+        Ok(rows
+            .into_iter()
+            .map(|(consumer, n)| (consumer, u64::try_from(n).unwrap_or(0)))
+            .collect())
     }
 }
 
@@ -300,6 +314,17 @@ impl InboxTransaction for SqlxTransaction {
         self.claims.claimed(key, inserted)
     }
 
+    async fn commit(self) -> Result<(), InboxError> {
+        self.tx.commit().await.map_err(classify)
+    }
+
+    async fn rollback(self) -> Result<(), InboxError> {
+        self.tx.rollback().await.map_err(classify)
+    }
+}
+
+#[async_trait]
+impl BatchTransaction for SqlxTransaction {
     async fn claim_batch(&mut self, keys: &[InboxKey]) -> Result<Vec<Claim>, InboxError> {
         if keys.is_empty() {
             return Ok(Vec::new());
@@ -342,14 +367,6 @@ impl InboxTransaction for SqlxTransaction {
             .map_err(classify)?;
         self.claims.unclaimed(key);
         Ok(())
-    }
-
-    async fn commit(self) -> Result<(), InboxError> {
-        self.tx.commit().await.map_err(classify)
-    }
-
-    async fn rollback(self) -> Result<(), InboxError> {
-        self.tx.rollback().await.map_err(classify)
     }
 }
 

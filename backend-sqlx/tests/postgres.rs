@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use common::relay::Relay;
 use common::{backend_pid, create_effects_table, effects_of, fresh_store, record_effect};
 use inbox_api::{
-    Claim, ConsumerName, Handled, Inbox, InboxError, InboxKey, InboxStore, InboxTransaction,
-    MessageId,
+    BatchTransaction, Claim, ConsumerName, Handled, Inbox, InboxError, InboxKey, InboxStore,
+    InboxTransaction, MessageId,
 };
 use inbox_backend_sqlx::SqlxStore;
 use sqlx::postgres::PgPoolOptions;

@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
-use inbox_api::{BatchItem, InboxKey, InboxStore, InboxTransaction, MessageId};
+use inbox_api::{BatchTransaction, Handled, InboxKey, InboxStore, InboxTransaction, MessageId};
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use tokio::sync::{Mutex, watch};
@@ -278,63 +278,44 @@ where
             if open.is_empty() {
                 return;
             }
-            let keys: Vec<InboxKey> = open.iter().map(|&i| items[i].key.clone()).collect();
+            let batch: Vec<(InboxKey, usize)> =
+                open.iter().map(|&i| (items[i].key.clone(), i)).collect();
             let outcome = {
-                let (consumer, faults, items_ref, open_ref) =
-                    (&self.consumer, &self.faults, &items, &open);
-                let work = self.inbox.handle_batch(&keys, async |tx, j| {
-                    let item = &items_ref[open_ref[j]];
+                let (consumer, faults, items_ref) = (&self.consumer, &self.faults, &items);
+                let work = self.inbox.handle_batch(batch, async |tx, &i: &usize| {
+                    let item = &items_ref[i];
                     let intent = consumer.handle(tx, item.message_id, &item.event).await?;
                     faults.before_commit(&item.key).await?;
                     Ok::<_, AppError>(intent)
                 });
-                match tokio::time::timeout(self.config.handle_timeout, work).await {
-                    Ok(outcome) => outcome,
-                    Err(_elapsed) => Err(AppError::Timeout(self.config.handle_timeout)),
-                }
+                tokio::time::timeout(self.config.handle_timeout, work).await
             };
-            let results = match outcome {
-                Ok(results) => results,
-                Err(error) if error.is_retryable() => {
-                    // Nothing of the batch committed (or, for a lost commit,
-                    // redelivery finds out): every message goes again.
-                    tracing::warn!(batch = open.len(), attempt, error = %chain(&error),
-                        consumer = %self.consumer.name(), "retryable failure of a batch");
-                    let detail = chain(&error);
-                    for &i in &open {
-                        items[i].last_error = Some(detail.clone());
-                    }
-                    self.pause_before_retry(attempt, attempts, open.len()).await;
-                    continue;
+            let Ok(results) = outcome else {
+                // Nothing of the batch committed: every message goes again.
+                let error = AppError::Timeout(self.config.handle_timeout);
+                tracing::warn!(batch = open.len(), attempt, error = %chain(&error),
+                    consumer = %self.consumer.name(), "retryable failure of a batch");
+                let detail = chain(&error);
+                for &i in &open {
+                    items[i].last_error = Some(detail.clone());
                 }
-                Err(error) => {
-                    let detail = chain(&error);
-                    for &i in &open {
-                        let item = &items[i];
-                        self.dead_letter(
-                            &item.delivery,
-                            Some(&item.message_id.to_string()),
-                            error.reason(),
-                            &detail,
-                        )
-                        .await;
-                    }
-                    return;
-                }
+                self.pause_before_retry(attempt, attempts, open.len()).await;
+                continue;
             };
 
             // Committed. After-commit calls, then the acks; the failures
             // after that.
-            bump(&role_tally.batches);
+            if results.iter().any(|(_, _, result)| result.is_ok()) {
+                bump(&role_tally.batches);
+            }
             let mut acks = Vec::new();
             let mut again = Vec::new();
             let mut crashed = Vec::new();
             let mut dead = Vec::new();
-            for (j, result) in results.into_iter().enumerate() {
-                let i = open[j];
+            for (_, i, result) in results {
                 let item = &mut items[i];
                 match result {
-                    BatchItem::Processed(intent) => {
+                    Ok(Handled::Processed(intent)) => {
                         bump(&role_tally.processed);
                         if item.delivery.redelivered {
                             bump(&role_tally.redelivered_processed);
@@ -352,30 +333,25 @@ where
                         }
                         acks.push(i);
                     }
-                    BatchItem::Duplicate => {
+                    Ok(Handled::Duplicate) => {
                         bump(&role_tally.duplicates);
                         tracing::warn!(message_id = %item.message_id, consumer = %item.key.consumer,
                             redelivered = item.delivery.redelivered, "duplicate delivery discarded");
                         acks.push(i);
                     }
-                    BatchItem::Failed(AppError::InjectedCrash(what)) => {
+                    Err(AppError::InjectedCrash(what)) => {
                         bump(&role_tally.crashes);
                         tracing::warn!(message_id = %item.message_id, consumer = %item.key.consumer,
                             %what, "injected crash mid-transaction; handing the delivery back to the broker");
                         crashed.push(i);
                     }
-                    BatchItem::Failed(error) if error.is_retryable() => {
+                    Err(error) if error.is_retryable() => {
                         tracing::warn!(message_id = %item.message_id, consumer = %item.key.consumer,
                             attempt, error = %chain(&error), "retryable failure (batched)");
                         item.last_error = Some(chain(&error));
                         again.push(i);
                     }
-                    BatchItem::Failed(error) => dead.push((i, error)),
-                    BatchItem::Redeliver => {
-                        // A copy of a message whose work failed earlier in
-                        // this batch: it goes again with it.
-                        again.push(i);
-                    }
+                    Err(error) => dead.push((i, error)),
                 }
             }
             let acked: Vec<&Delivery> = acks.iter().map(|&i| &items[i].delivery).collect();
@@ -495,7 +471,10 @@ pub(crate) fn tracker() -> Arc<AckTracker> {
 /// # Errors
 /// [`AppError::Config`] when the store has no savepoints; the store's own
 /// error when it cannot be reached.
-pub async fn probe<S: InboxStore>(store: &S) -> Result<(), AppError> {
+pub async fn probe<S>(store: &S) -> Result<(), AppError>
+where
+    S: InboxStore<Transaction: BatchTransaction>,
+{
     let mut tx = store.begin().await?;
     let savepoint = tx.savepoint().await;
     if let Err(error) = tx.rollback().await {

@@ -134,8 +134,8 @@ struct CleanupArgs {
     #[arg(long, env = "INBOX_RETENTION_DAYS", default_value_t = 7.0)]
     retention_days: f64,
     /// Rows per delete transaction.
-    #[arg(long, env = "INBOX_CLEANUP_BATCH", default_value_t = 1000)]
-    cleanup_batch: u32,
+    #[arg(long, env = "INBOX_CLEANUP_BATCH", default_value = "1000")]
+    cleanup_batch: std::num::NonZeroU32,
 }
 
 impl CleanupArgs {
@@ -149,7 +149,7 @@ impl CleanupArgs {
         Ok(CleanupConfig {
             retention: Duration::from_secs_f64(self.retention_days * 86_400.0),
             interval,
-            batch_size: self.cleanup_batch.max(1),
+            batch_size: self.cleanup_batch,
         })
     }
 }

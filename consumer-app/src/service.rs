@@ -14,13 +14,14 @@
 //! close the channels (the broker requeues what was prefetched but never
 //! started) and the connection.
 
+use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::Utc;
 use futures::StreamExt;
 use inbox_api::metrics as names;
-use inbox_api::{Inbox, InboxStore};
+use inbox_api::{Inbox, InboxStore, InboxStoreExt};
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
 };
@@ -46,7 +47,7 @@ pub struct CleanupConfig {
     /// How often the background task runs.
     pub interval: Duration,
     /// Rows per delete transaction.
-    pub batch_size: u32,
+    pub batch_size: NonZeroU32,
 }
 
 impl Default for CleanupConfig {
@@ -54,7 +55,7 @@ impl Default for CleanupConfig {
         Self {
             retention: Duration::from_secs(7 * 24 * 3600),
             interval: Duration::from_secs(3600),
-            batch_size: 1000,
+            batch_size: NonZeroU32::new(1000).unwrap_or(NonZeroU32::MIN),
         }
     }
 }
@@ -525,9 +526,8 @@ pub async fn cleanup_once<S: InboxStore>(
         .map_err(|e| AppError::Config(format!("retention out of range: {e}")))?;
     let cutoff = Utc::now() - retention;
     let deleted = store
-        .purge_processed_before(cutoff, cleanup.batch_size.max(1))
+        .purge_processed_before(cutoff, cleanup.batch_size)
         .await?;
-    metrics::counter!(names::PURGED_ROWS).increment(deleted);
     tracing::info!(deleted, %cutoff, "inbox cleanup");
     Ok(deleted)
 }

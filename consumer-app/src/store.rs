@@ -11,7 +11,7 @@ use std::str::FromStr;
 
 use std::time::Duration;
 
-use inbox_api::{InboxStore, MessageId};
+use inbox_api::{BatchTransaction, InboxStore, MessageId};
 
 use crate::AppError;
 use crate::consumers::Role;
@@ -141,7 +141,7 @@ impl fmt::Display for Stats {
 }
 
 /// An inbox store the app can run on.
-pub trait ParcelStore: InboxStore<Transaction: ParcelEffects> + Clone {
+pub trait ParcelStore: InboxStore<Transaction: ParcelEffects + BatchTransaction> + Clone {
     /// Which implementation.
     fn kind(&self) -> StoreKind;
 

@@ -1,5 +1,7 @@
 //! One error type for every store, classified by what the caller should do.
 
+use std::sync::Arc;
+
 /// A boxed error source, kept so the chain reaches the log.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
@@ -102,6 +104,24 @@ pub enum InboxError {
         source: BoxError,
     },
 
+    /// The transaction of a whole batch ([`crate::Inbox::handle_batch`])
+    /// failed at a store step, so this message, like every other of the
+    /// batch, was not committed (or, for a lost commit, may have been:
+    /// redelivery resolves it). Each message of the batch carries the same
+    /// shared cause; retryable and labelled as that cause.
+    #[error("the batch's transaction failed")]
+    BatchAborted {
+        /// The store error that ended the batch, shared by its messages.
+        #[source]
+        source: Arc<InboxError>,
+    },
+
+    /// Not run in this batch: an earlier copy of the same message in the
+    /// batch failed, and its failure decides. Retryable, and not this
+    /// delivery's own failure: hand it back without charging it.
+    #[error("deferred: an earlier copy of this message in the batch failed")]
+    Deferred,
+
     /// The consumer's own work failed. The transaction was rolled back; the
     /// consumer decided whether the failure is worth a retry.
     #[error("handler failed")]
@@ -139,8 +159,12 @@ impl InboxError {
             | Self::InvalidConsumerName { .. }
             | Self::InvalidArgument { .. }
             | Self::Schema { .. } => false,
-            Self::Connection { .. } | Self::PoolTimeout { .. } | Self::Conflict { .. } => true,
+            Self::Connection { .. }
+            | Self::PoolTimeout { .. }
+            | Self::Conflict { .. }
+            | Self::Deferred => true,
             Self::Store { retryable, .. } | Self::Handler { retryable, .. } => *retryable,
+            Self::BatchAborted { source } => source.is_retryable(),
         }
     }
 
@@ -165,6 +189,8 @@ impl InboxError {
             Self::Schema { .. } => "schema",
             Self::Store { .. } => "store",
             Self::Handler { .. } => "handler",
+            Self::Deferred => "deferred",
+            Self::BatchAborted { source } => source.kind(),
         }
     }
 }
@@ -211,5 +237,103 @@ mod tests {
         let e = InboxError::Connection { source: io() };
         let src = std::error::Error::source(&e).expect("source kept");
         assert_eq!(src.to_string(), "boom");
+    }
+
+    /// Every variant's label and disposition, pinned: the labels are
+    /// metric label values and dead-letter reasons that dashboards and
+    /// alerts match on, so changing one is a breaking change.
+    #[test]
+    fn every_kind_label_and_disposition() {
+        let conflict = InboxError::Conflict { source: io() };
+        let schema = InboxError::Schema { source: io() };
+        let cases: Vec<(InboxError, &str, bool)> = vec![
+            (
+                InboxError::InvalidMessageId {
+                    value: "x".into(),
+                    reason: "r",
+                },
+                "invalid_message_id",
+                false,
+            ),
+            (
+                InboxError::InvalidConsumerName {
+                    value: "x".into(),
+                    reason: "r",
+                },
+                "invalid_consumer_name",
+                false,
+            ),
+            (
+                InboxError::InvalidArgument {
+                    message: "x".into(),
+                },
+                "invalid_argument",
+                false,
+            ),
+            (InboxError::Connection { source: io() }, "connection", true),
+            (
+                InboxError::PoolTimeout { source: None },
+                "pool_timeout",
+                true,
+            ),
+            (InboxError::Conflict { source: io() }, "conflict", true),
+            (InboxError::Schema { source: io() }, "schema", false),
+            (
+                InboxError::Store {
+                    retryable: true,
+                    source: io(),
+                },
+                "store",
+                true,
+            ),
+            (
+                InboxError::Store {
+                    retryable: false,
+                    source: io(),
+                },
+                "store",
+                false,
+            ),
+            (InboxError::retryable_handler(io()), "handler", true),
+            (InboxError::permanent_handler(io()), "handler", false),
+            (InboxError::Deferred, "deferred", true),
+            (
+                InboxError::BatchAborted {
+                    source: Arc::new(conflict),
+                },
+                "conflict",
+                true,
+            ),
+            (
+                InboxError::BatchAborted {
+                    source: Arc::new(schema),
+                },
+                "schema",
+                false,
+            ),
+        ];
+        for (error, kind, retryable) in cases {
+            assert_eq!(error.kind(), kind, "{error:?}");
+            assert_eq!(error.is_retryable(), retryable, "{error:?}");
+            let expected = if retryable {
+                Disposition::Retry
+            } else {
+                Disposition::DeadLetter
+            };
+            assert_eq!(error.disposition(), expected, "{error:?}");
+        }
+    }
+
+    #[test]
+    fn a_batch_abort_keeps_its_cause() {
+        let error = InboxError::BatchAborted {
+            source: Arc::new(InboxError::Connection { source: io() }),
+        };
+        let cause = std::error::Error::source(&error).expect("cause kept");
+        assert_eq!(cause.to_string(), "store connection failed");
+        assert_eq!(
+            std::error::Error::source(cause).map(ToString::to_string),
+            Some("boom".to_owned())
+        );
     }
 }

@@ -3,10 +3,11 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::metrics as names;
-use crate::{Claim, InboxError, InboxKey, InboxStore, InboxTransaction};
+use crate::{BatchTransaction, Claim, InboxError, InboxKey, InboxStore, InboxTransaction};
 
 /// What [`Inbox::handle`] did with a delivery.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,24 +65,6 @@ where
     Fut: Future<Output = R>,
 {
     type Fut = Fut;
-}
-
-/// What became of one message of a batch ([`Inbox::handle_batch`]).
-#[derive(Debug)]
-#[must_use]
-pub enum BatchItem<T, E> {
-    /// The work ran and committed with the batch: acknowledge.
-    Processed(T),
-    /// Already processed by this consumer; the work did not run:
-    /// acknowledge.
-    Duplicate,
-    /// The work failed and was rolled back alone, its claim with it; the
-    /// rest of the batch committed. Redeliver or dead-letter, as the error
-    /// says.
-    Failed(E),
-    /// A second copy of a message earlier in the same batch, whose work
-    /// failed: not run. Redeliver it.
-    Redeliver,
 }
 
 /// The idempotency middleware around a consumer's work.
@@ -257,91 +240,107 @@ impl<S: InboxStore> Inbox<S> {
             Ok(Handled::Processed(value))
         }
     }
-    /// Batched mode: runs `work` once per fresh message of `keys`, all in
+    /// Batched mode: runs `work` once per fresh message of `items`, all in
     /// one transaction with one claim statement and one COMMIT.
     ///
     /// Per-message transactions cap throughput at one commit per message;
     /// this pays one per batch. The guarantee stays per message: a failing
     /// message is rolled back alone (its claim too) while the rest of the
-    /// batch commits. `work` gets the transaction and the message's index in
-    /// `keys`.
+    /// batch commits. `work` gets the transaction and the message's item
+    /// (whatever the caller paired with the key: a decoded event, a
+    /// delivery).
     ///
     /// The batch first runs optimistically, without savepoints: a savepoint
     /// costs a round trip per message and, in PostgreSQL, a subtransaction
     /// (above 64 per transaction they slow every session's snapshots). Only
     /// when a message's work fails is that attempt rolled back whole and the
     /// batch run again, this time each fresh message inside its own savepoint
-    /// ([`InboxTransaction::savepoint`]), the failed message not run again
-    /// but given back ([`InboxTransaction::unclaim`]) with its first error.
+    /// ([`BatchTransaction::savepoint`]), the failed message not run again
+    /// but given back ([`BatchTransaction::unclaim`]) with its first error.
     /// So `work` may run twice for a message whose batch had to be rerun;
     /// only the committed run has effects, as long as the work keeps its
     /// effects inside the transaction (the rule of the whole crate).
     ///
-    /// Returns one [`BatchItem`] per key, in order, once the batch has
-    /// committed: acknowledge `Processed` and `Duplicate` items then, not
-    /// before. A key repeated in the batch runs at most once; its later
-    /// copies follow the first one's fate (`Duplicate` if it committed,
-    /// `Redeliver` if its work failed).
+    /// Returns every `(key, item)` with its outcome, in the order given and
+    /// of the same type as [`Inbox::handle`]'s, so one piece of code settles
+    /// both modes. Acknowledge `Processed` and `Duplicate` items now that the
+    /// batch has committed, not before. A key repeated in the batch runs at
+    /// most once; its later copies are `Duplicate` if the first committed,
+    /// [`InboxError::Deferred`] if its work failed. A store failure of the
+    /// batch's own steps (begin, claim, savepoint, commit) gives every item
+    /// [`InboxError::BatchAborted`] with the shared cause: nothing of the
+    /// batch committed (for a lost commit: maybe all of it), redeliver each.
     ///
-    /// # Errors
-    /// A store error (begin, claim, savepoint, commit): nothing of the
-    /// batch is committed, or, for a lost commit, it is unknown whether it
-    /// was; redeliver every message of the batch.
+    /// # Example
+    /// ```
+    /// use inbox_api::{BatchTransaction, Handled, Inbox, InboxError, InboxKey, InboxStore};
+    ///
+    /// async fn on_deliveries<S>(inbox: &Inbox<S>, batch: Vec<(InboxKey, String)>) -> usize
+    /// where
+    ///     S: InboxStore,
+    ///     S::Transaction: BatchTransaction,
+    /// {
+    ///     let outcomes = inbox
+    ///         .handle_batch(batch, async |tx, parcel: &String| {
+    ///             let _ = tx; // business writes for `parcel` go through `tx`
+    ///             Ok::<_, InboxError>(parcel.len())
+    ///         })
+    ///         .await;
+    ///     // Settle each delivery as `Inbox::handle`'s outcome would be.
+    ///     outcomes
+    ///         .iter()
+    ///         .filter(|(_, _, outcome)| matches!(outcome, Ok(Handled::Processed(_))))
+    ///         .count()
+    /// }
+    /// ```
     #[expect(
         clippy::manual_async_fn,
         reason = "an async fn cannot promise `Send`; the explicit bound lets callers spawn it"
     )]
-    pub fn handle_batch<'a, T, E, F>(
+    pub fn handle_batch<'a, I, T, E, F>(
         &'a self,
-        keys: &'a [InboxKey],
+        items: Vec<(InboxKey, I)>,
         mut work: F,
-    ) -> impl Future<Output = Result<Vec<BatchItem<T, E>>, E>> + Send + 'a
+    ) -> impl Future<Output = Vec<(InboxKey, I, Result<Handled<T>, E>)>> + Send + 'a
     where
-        for<'t> F: AsyncFnMut(&'t mut S::Transaction, usize) -> Result<T, E>
-            + AsyncWorkMut<&'t mut S::Transaction, usize, Result<T, E>, Fut: Send>
+        S::Transaction: BatchTransaction,
+        for<'t, 'i> F: AsyncFnMut(&'t mut S::Transaction, &'i I) -> Result<T, E>
+            + AsyncWorkMut<&'t mut S::Transaction, &'i I, Result<T, E>, Fut: Send>
             + Send
             + 'a,
         E: From<InboxError> + Send + 'a,
         T: Send + 'a,
+        I: Send + Sync + 'a,
     {
         async move {
             let started = Instant::now();
-            let store_failed = |stage: &'static str, error: InboxError| {
-                tracing::warn!(batch = keys.len(), stage, error = %error,
-                    retryable = error.is_retryable(), "inbox store failed during a batch");
-                for key in keys {
-                    metrics::counter!(names::FAILED,
-                        "consumer" => key.consumer.label(),
-                        "stage" => stage,
-                        "retryable" => if error.is_retryable() { "true" } else { "false" })
-                    .increment(1);
-                }
-                E::from(error)
-            };
+            let (keys, payloads): (Vec<InboxKey>, Vec<I>) = items.into_iter().unzip();
+            // A store step's error ends the batch, with the stage it
+            // happened in.
+            macro_rules! step {
+                ($run:lifetime, $stage:literal, $e:expr) => {
+                    match $e.await {
+                        Ok(value) => value,
+                        Err(error) => break $run Err(($stage, error)),
+                    }
+                };
+            }
             let work_failed = |key: &InboxKey| {
                 metrics::counter!(names::FAILED,
-                    "consumer" => key.consumer.label(),
-                    "stage" => "work",
-                    "retryable" => "unknown")
+                        "consumer" => key.consumer.label(),
+                        "stage" => "work",
+                        "retryable" => "unknown")
                 .increment(1);
             };
-
             // Messages whose work failed in the optimistic attempt, with
             // their error: the rerun gives their claims back unrun.
             let mut failed_before: HashMap<usize, E> = HashMap::new();
             let mut with_savepoints = false;
-            let items = loop {
-                let mut tx = self
-                    .store
-                    .begin()
-                    .await
-                    .map_err(|e| store_failed("begin", e))?;
-                let claims = tx
-                    .claim_batch(keys)
-                    .await
-                    .map_err(|e| store_failed("claim", e))?;
+            let run: Result<Vec<Slot<T, E>>, (&'static str, InboxError)> = 'run: loop {
+                let mut tx = step!('run, "begin", self.store.begin());
+                let claims = step!('run, "claim", tx.claim_batch(&keys));
                 if claims.len() != keys.len() {
-                    return Err(store_failed(
+                    break 'run Err((
                         "claim",
                         InboxError::InvalidArgument {
                             message: format!(
@@ -353,32 +352,30 @@ impl<S: InboxStore> Inbox<S> {
                     ));
                 }
 
-                let mut items: Vec<BatchItem<T, E>> = Vec::with_capacity(keys.len());
+                let mut slots: Vec<Slot<T, E>> = Vec::with_capacity(keys.len());
                 let mut fresh_at: HashMap<&InboxKey, usize> = HashMap::new();
                 let mut first_failure: Option<(usize, E)> = None;
                 for (index, (key, claim)) in keys.iter().zip(&claims).enumerate() {
                     if *claim == Claim::Duplicate {
                         // A later copy of a key fresh earlier in this batch
                         // follows its first copy, which is decided by now.
-                        items.push(match fresh_at.get(key) {
-                            Some(&first) if !matches!(items[first], BatchItem::Processed(_)) => {
-                                BatchItem::Redeliver
+                        slots.push(match fresh_at.get(key) {
+                            Some(&first) if !matches!(slots[first], Slot::Processed(_)) => {
+                                Slot::Deferred
                             }
-                            _ => BatchItem::Duplicate,
+                            _ => Slot::Duplicate,
                         });
                         continue;
                     }
                     fresh_at.insert(key, index);
                     if let Some(error) = failed_before.remove(&index) {
-                        tx.unclaim(key).await.map_err(|e| store_failed("work", e))?;
-                        items.push(BatchItem::Failed(error));
+                        step!('run, "work", tx.unclaim(key));
+                        slots.push(Slot::Failed(error));
                         continue;
                     }
                     if !with_savepoints {
-                        match work(&mut tx, index).await {
-                            Ok(value) => {
-                                items.push(BatchItem::Processed(value));
-                            }
+                        match work(&mut tx, &payloads[index]).await {
+                            Ok(value) => slots.push(Slot::Processed(value)),
                             Err(error) => {
                                 first_failure = Some((index, error));
                                 break;
@@ -386,72 +383,109 @@ impl<S: InboxStore> Inbox<S> {
                         }
                         continue;
                     }
-                    tx.savepoint().await.map_err(|e| store_failed("work", e))?;
-                    match work(&mut tx, index).await {
+                    step!('run, "work", tx.savepoint());
+                    match work(&mut tx, &payloads[index]).await {
                         Ok(value) => {
-                            tx.release_savepoint()
-                                .await
-                                .map_err(|e| store_failed("work", e))?;
-                            items.push(BatchItem::Processed(value));
+                            step!('run, "work", tx.release_savepoint());
+                            slots.push(Slot::Processed(value));
                         }
                         Err(error) => {
-                            tx.rollback_to_savepoint()
-                                .await
-                                .map_err(|e| store_failed("work", e))?;
-                            tx.unclaim(key).await.map_err(|e| store_failed("work", e))?;
+                            step!('run, "work", tx.rollback_to_savepoint());
+                            step!('run, "work", tx.unclaim(key));
                             work_failed(key);
-                            items.push(BatchItem::Failed(error));
+                            slots.push(Slot::Failed(error));
                         }
                     }
                 }
 
                 if let Some((index, error)) = first_failure {
-                    // Without savepoints the failure cannot be undone alone
-                    // (and in PostgreSQL a failed statement aborts the whole
+                    // Without savepoints the failure cannot be undone alone (and
+                    // in PostgreSQL a failed statement aborts the whole
                     // transaction): drop this attempt, rerun with savepoints.
                     if let Err(rollback) = tx.rollback().await {
                         tracing::debug!(error = %rollback,
-                            "rollback of the optimistic batch attempt failed");
+                                "rollback of the optimistic batch attempt failed");
                     }
                     work_failed(&keys[index]);
                     metrics::counter!(names::BATCH_RERUNS).increment(1);
                     tracing::debug!(message_id = %keys[index].message_id,
-                        consumer = %keys[index].consumer, batch = keys.len(),
-                        "work failed in an optimistic batch; rerunning with savepoints");
+                            consumer = %keys[index].consumer, batch = keys.len(),
+                            "work failed in an optimistic batch; rerunning with savepoints");
                     failed_before.insert(index, error);
                     with_savepoints = true;
                     continue;
                 }
-                tx.commit().await.map_err(|e| store_failed("commit", e))?;
-                break items;
+                step!('run, "commit", tx.commit());
+                break 'run Ok(slots);
+            };
+            let outcomes = match run {
+                Ok(slots) => slots,
+                Err((stage, error)) => {
+                    tracing::warn!(batch = keys.len(), stage, error = %error,
+                        retryable = error.is_retryable(), "inbox store failed during a batch");
+                    let retryable = if error.is_retryable() {
+                        "true"
+                    } else {
+                        "false"
+                    };
+                    let cause = Arc::new(error);
+                    let elapsed = started.elapsed().as_secs_f64();
+                    return keys
+                        .into_iter()
+                        .zip(payloads)
+                        .map(|(key, item)| {
+                            let consumer = key.consumer.label();
+                            metrics::counter!(names::FAILED, "consumer" => consumer.clone(),
+                                "stage" => stage, "retryable" => retryable)
+                            .increment(1);
+                            metrics::histogram!(names::HANDLE_DURATION,
+                                "consumer" => consumer, "outcome" => "failed")
+                            .record(elapsed);
+                            let error = InboxError::BatchAborted {
+                                source: Arc::clone(&cause),
+                            };
+                            (key, item, Err(E::from(error)))
+                        })
+                        .collect();
+                }
             };
 
             let elapsed = started.elapsed().as_secs_f64();
-            for (key, item) in keys.iter().zip(&items) {
-                let consumer = key.consumer.label();
-                match item {
-                    BatchItem::Processed(_) => {
-                        metrics::counter!(names::PROCESSED, "consumer" => consumer.clone())
+            keys.into_iter()
+                .zip(payloads)
+                .zip(outcomes)
+                .map(|((key, item), slot)| {
+                    let consumer = key.consumer.label();
+                    let (outcome, result) = match slot {
+                        Slot::Processed(value) => {
+                            metrics::counter!(names::PROCESSED, "consumer" => consumer.clone())
+                                .increment(1);
+                            ("processed", Ok(Handled::Processed(value)))
+                        }
+                        Slot::Duplicate => {
+                            metrics::counter!(names::DUPLICATES_DISCARDED,
+                                "consumer" => consumer.clone())
                             .increment(1);
-                        metrics::histogram!(names::HANDLE_DURATION,
-                            "consumer" => consumer, "outcome" => "processed")
-                        .record(elapsed);
-                    }
-                    BatchItem::Duplicate => {
-                        metrics::counter!(names::DUPLICATES_DISCARDED, "consumer" => consumer.clone())
-                            .increment(1);
-                        metrics::histogram!(names::HANDLE_DURATION,
-                            "consumer" => consumer, "outcome" => "duplicate")
-                        .record(elapsed);
-                    }
-                    BatchItem::Failed(_) | BatchItem::Redeliver => {
-                        metrics::histogram!(names::HANDLE_DURATION,
-                            "consumer" => consumer, "outcome" => "failed")
-                        .record(elapsed);
-                    }
-                }
-            }
-            Ok(items)
+                            ("duplicate", Ok(Handled::Duplicate))
+                        }
+                        Slot::Failed(error) => ("failed", Err(error)),
+                        Slot::Deferred => ("failed", Err(E::from(InboxError::Deferred))),
+                    };
+                    metrics::histogram!(names::HANDLE_DURATION,
+                        "consumer" => consumer, "outcome" => outcome)
+                    .record(elapsed);
+                    (key, item, result)
+                })
+                .collect()
         }
     }
+}
+
+/// What became of one message of a batch inside [`Inbox::handle_batch`], before it is
+/// turned into the outcome type [`Inbox::handle`] shares.
+enum Slot<T, E> {
+    Processed(T),
+    Duplicate,
+    Failed(E),
+    Deferred,
 }

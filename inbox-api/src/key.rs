@@ -296,4 +296,77 @@ mod tests {
         assert_ne!(a, b);
         assert_eq!(a.to_string(), format!("{id}@a"));
     }
+
+    #[test]
+    fn message_id_conversions_keep_the_uuid() {
+        let uuid = Uuid::now_v7();
+        let id = MessageId::from(uuid);
+        assert_eq!(id, MessageId::from_uuid(uuid));
+        assert_eq!(*id.as_uuid(), uuid);
+        assert_eq!(Uuid::from(id), uuid);
+        assert_eq!(id.to_string().parse::<MessageId>().unwrap(), id);
+        assert_eq!(id.to_string(), uuid.hyphenated().to_string());
+        assert_eq!(format!("{id:?}"), format!("MessageId({uuid})"));
+        assert!("nope".parse::<MessageId>().is_err());
+        assert_eq!(MessageId::new_v7().as_uuid().get_version_num(), 7);
+        assert_ne!(MessageId::new_v7(), MessageId::new_v7());
+    }
+
+    #[test]
+    fn consumer_name_conversions_keep_the_text() {
+        let name: ConsumerName = "carrier".parse().unwrap();
+        assert_eq!(name.as_str(), "carrier");
+        assert_eq!(name.as_ref(), "carrier");
+        assert_eq!(name.to_string(), "carrier");
+        assert_eq!(format!("{name:?}"), "ConsumerName(\"carrier\")");
+        assert!(" carrier".parse::<ConsumerName>().is_err());
+    }
+
+    #[test]
+    fn invalid_input_is_quoted_truncated_on_a_char_boundary() {
+        // 64 bytes exactly are quoted whole; one byte more is cut, and a
+        // two-byte character straddling the limit is dropped whole.
+        let exact = "x".repeat(64);
+        assert_eq!(truncate(&exact, 64), exact);
+        assert_eq!(truncate(&"x".repeat(65), 64), format!("{exact}…"));
+        let straddling = format!("{}é", "x".repeat(63));
+        assert_eq!(truncate(&straddling, 64), format!("{}…", "x".repeat(63)));
+
+        let err = MessageId::parse(&"z".repeat(100)).unwrap_err();
+        match err {
+            InboxError::InvalidMessageId { value, reason } => {
+                assert_eq!(value, format!("{}…", "z".repeat(64)));
+                assert_eq!(reason, "message id is not a UUID");
+            }
+            other => panic!("{other:?}"),
+        }
+        match MessageId::parse("  ").unwrap_err() {
+            InboxError::InvalidMessageId { value, reason } => {
+                assert_eq!(value, "");
+                assert_eq!(reason, "message id is empty");
+            }
+            other => panic!("{other:?}"),
+        }
+        let long = "n".repeat(501);
+        match ConsumerName::new(&long).unwrap_err() {
+            InboxError::InvalidConsumerName { value, reason } => {
+                assert_eq!(value, format!("{}…", "n".repeat(64)));
+                assert_eq!(reason, "consumer name is longer than 500 bytes");
+            }
+            other => panic!("{other:?}"),
+        }
+        for (bad, expected) in [
+            ("", "consumer name is empty"),
+            ("a\u{7}b", "consumer name contains a control character"),
+            (" a", "consumer name has leading or trailing whitespace"),
+        ] {
+            match ConsumerName::new(bad).unwrap_err() {
+                InboxError::InvalidConsumerName { value, reason } => {
+                    assert_eq!(value, bad);
+                    assert_eq!(reason, expected);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
 }

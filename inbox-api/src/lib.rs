@@ -9,7 +9,13 @@
 //! - [`MessageId`], [`ConsumerName`], [`InboxKey`]: what is deduplicated.
 //! - [`InboxStore`] / [`InboxTransaction`]: the contract each backend keeps
 //!   (`inbox-backend-memory`, `inbox-backend-sqlx`, `inbox-backend-diesel`).
-//! - [`Inbox::handle`]: the middleware a consumer runs inside.
+//! - Optional capabilities in traits of their own: [`BatchTransaction`]
+//!   (many claims per statement, savepoints; what [`Inbox::handle_batch`]
+//!   needs) and [`InboxStats`] (row counts per consumer).
+//! - [`InboxStoreExt`]: conveniences implemented once for every store
+//!   (`purge_processed_before`, which records the purge metric).
+//! - [`Inbox::handle`] / [`Inbox::handle_batch`]: the middleware a consumer
+//!   runs inside; both answer each message with the same outcome type.
 //! - [`InboxError`]: one error type, each error retryable or permanent.
 //! - [`metrics`]: the metric names, documented in one place.
 //!
@@ -23,6 +29,8 @@ pub mod metrics;
 mod store;
 
 pub use error::{BoxError, Disposition, InboxError};
-pub use inbox::{AsyncWork, AsyncWorkMut, BatchItem, Handled, Inbox};
+pub use inbox::{AsyncWork, AsyncWorkMut, Handled, Inbox};
 pub use key::{ConsumerName, InboxKey, MessageId};
-pub use store::{Claim, InboxRecord, InboxStore, InboxTransaction};
+pub use store::{
+    BatchTransaction, Claim, InboxRecord, InboxStats, InboxStore, InboxStoreExt, InboxTransaction,
+};

@@ -12,7 +12,7 @@
 //! | `inbox_failed_total` | counter | `consumer`, `stage` (`begin`, `claim`, `work`, `commit`), `retryable` (`true`, `false`, `unknown` for the work's own errors) | [`crate::Inbox::handle`] |
 //! | `inbox_handle_duration_seconds` | histogram | `consumer`, `outcome` (`processed`, `duplicate`, `failed`) | [`crate::Inbox::handle`] |
 //! | `inbox_batch_reruns_total` | counter | none | [`crate::Inbox::handle_batch`], when a work failure makes it rerun a batch with savepoints |
-//! | `inbox_purged_rows_total` | counter | none | [`crate::InboxStore::purge_processed_before`] |
+//! | `inbox_purged_rows_total` | counter | none | [`crate::InboxStoreExt::purge_processed_before`], once per batch |
 //! | `inbox_dead_lettered_total` | counter | `consumer`, `reason` | the consuming application |
 //! | `inbox_rows` | gauge | none | the consuming application (periodic count) |
 
@@ -61,4 +61,49 @@ pub fn describe() {
         "Deliveries rejected into a dead-letter queue, per consumer and reason"
     );
     describe_gauge!(ROWS, "Rows in the inbox table");
+}
+
+#[cfg(test)]
+mod tests {
+    use metrics_util::debugging::DebuggingRecorder;
+
+    use super::*;
+
+    /// Every name gets a help text (and the duration its unit) from
+    /// [`describe`]: an exporter shows them beside the series.
+    #[test]
+    fn describe_gives_every_metric_a_help_text() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::with_local_recorder(&recorder, || {
+            describe();
+            for name in [
+                PROCESSED,
+                DUPLICATES_DISCARDED,
+                FAILED,
+                BATCH_RERUNS,
+                PURGED_ROWS,
+                DEAD_LETTERED,
+            ] {
+                metrics::counter!(name).increment(1);
+            }
+            metrics::histogram!(HANDLE_DURATION).record(0.1);
+            metrics::gauge!(ROWS).set(1.0);
+        });
+        let described: Vec<(String, Option<metrics::Unit>, String)> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .map(|(key, unit, help, _)| {
+                let help = help.map(|h| h.to_string()).unwrap_or_default();
+                (key.key().name().to_owned(), unit, help)
+            })
+            .collect();
+        assert_eq!(described.len(), 8, "{described:?}");
+        for (name, unit, help) in &described {
+            assert!(help.len() > 10, "{name} has no help text: {help:?}");
+            let expected = (name == HANDLE_DURATION).then_some(metrics::Unit::Seconds);
+            assert_eq!(*unit, expected, "{name}");
+        }
+    }
 }

@@ -1,5 +1,7 @@
 //! The storage contract every backend keeps.
 
+use std::collections::BTreeMap;
+use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -37,8 +39,8 @@ pub struct InboxRecord {
 
 /// A store of inbox rows with transactions the consumer's own writes share.
 ///
-/// Implementations keep the contract in `shared/DESIGN.md`, checked line by
-/// line by the `inbox-conformance` crate:
+/// Implementations keep this contract, checked line by line by the
+/// `inbox-conformance` crate's shared suite:
 ///
 /// 1. [`InboxTransaction::claim`] is one atomic insert-or-nothing, never a
 ///    check followed by an insert.
@@ -83,39 +85,18 @@ pub trait InboxStore: Send + Sync + 'static {
     /// Bounded so that cleanup never holds locks long enough to stall the
     /// claims running beside it, and so several instances cleaning at once
     /// do not fail each other. Rows without `processed_at` (possible only
-    /// for rows written before the claim recorded it) are kept.
+    /// for rows written before the claim recorded it) are kept. To delete
+    /// everything older than a cutoff, call
+    /// [`InboxStoreExt::purge_processed_before`], which loops over this and
+    /// records the purge metric.
     ///
     /// # Errors
-    /// [`InboxError::InvalidArgument`] when `limit` is zero; otherwise as the
-    /// store's transactions.
+    /// As the store's transactions.
     async fn purge_processed_batch(
         &self,
         cutoff: DateTime<Utc>,
-        limit: u32,
+        limit: NonZeroU32,
     ) -> Result<u64, InboxError>;
-
-    /// Deletes every processed row older than `cutoff`, `batch_size` rows per
-    /// transaction, and returns how many went.
-    ///
-    /// # Errors
-    /// As [`InboxStore::purge_processed_batch`]; rows deleted by the batches
-    /// that committed before an error stay deleted.
-    async fn purge_processed_before(
-        &self,
-        cutoff: DateTime<Utc>,
-        batch_size: u32,
-    ) -> Result<u64, InboxError> {
-        let mut total = 0;
-        loop {
-            let deleted = self.purge_processed_batch(cutoff, batch_size).await?;
-            metrics::counter!(crate::metrics::PURGED_ROWS).increment(deleted);
-            total += deleted;
-            if deleted < u64::from(batch_size) {
-                tracing::debug!(total, "inbox purge finished");
-                return Ok(total);
-            }
-        }
-    }
 }
 
 /// An open transaction of an [`InboxStore`].
@@ -142,6 +123,29 @@ pub trait InboxTransaction: Send {
     /// Store failures only; a duplicate is [`Claim::Duplicate`], not an error.
     async fn claim(&mut self, key: &InboxKey) -> Result<Claim, InboxError>;
 
+    /// Makes the claims and the business writes durable, together.
+    ///
+    /// # Errors
+    /// A lost connection during commit is retryable and leaves the outcome
+    /// unknown; redelivery resolves it.
+    async fn commit(self) -> Result<(), InboxError>;
+
+    /// Discards the claims and the business writes.
+    ///
+    /// # Errors
+    /// Store failures; the transaction is gone either way.
+    async fn rollback(self) -> Result<(), InboxError>;
+}
+
+/// The operations batched mode needs beyond [`InboxTransaction`]: many
+/// claims in one statement, savepoints, and giving a claim back.
+///
+/// A capability of its own (as object_store keeps multipart uploads out of
+/// its core trait) so that a store without savepoints still serves
+/// [`crate::Inbox::handle`], and [`crate::Inbox::handle_batch`] over such a
+/// store fails to compile instead of failing at service start.
+#[async_trait]
+pub trait BatchTransaction: InboxTransaction {
     /// Claims every key in one round trip (batched mode), answering one
     /// [`Claim`] per key, in order.
     ///
@@ -169,7 +173,7 @@ pub trait InboxTransaction: Send {
     }
 
     /// Opens a savepoint: the writes made after it can be undone alone with
-    /// [`InboxTransaction::rollback_to_savepoint`], while the rest of the
+    /// [`BatchTransaction::rollback_to_savepoint`], while the rest of the
     /// transaction goes on. Batched mode runs each message's work inside one,
     /// so that one failing message does not fail its batch.
     ///
@@ -200,19 +204,6 @@ pub trait InboxTransaction: Send {
     /// Store failures, or [`InboxError::InvalidArgument`] for a key this
     /// transaction does not hold.
     async fn unclaim(&mut self, key: &InboxKey) -> Result<(), InboxError>;
-
-    /// Makes the claims and the business writes durable, together.
-    ///
-    /// # Errors
-    /// A lost connection during commit is retryable and leaves the outcome
-    /// unknown; redelivery resolves it.
-    async fn commit(self) -> Result<(), InboxError>;
-
-    /// Discards the claims and the business writes.
-    ///
-    /// # Errors
-    /// Store failures; the transaction is gone either way.
-    async fn rollback(self) -> Result<(), InboxError>;
 }
 
 #[async_trait]
@@ -230,16 +221,63 @@ impl<S: InboxStore> InboxStore for Arc<S> {
     async fn purge_processed_batch(
         &self,
         cutoff: DateTime<Utc>,
-        limit: u32,
+        limit: NonZeroU32,
     ) -> Result<u64, InboxError> {
         (**self).purge_processed_batch(cutoff, limit).await
     }
+}
 
+/// Diagnostics a store can answer about its rows (an optional capability).
+///
+/// The inbox table is the store's own: applications that report how many
+/// messages each consumer has processed ask here instead of reading a table
+/// whose name and layout belong to the backend.
+#[async_trait]
+pub trait InboxStats: InboxStore {
+    /// The number of committed inbox rows per consumer name. Consumers with
+    /// no row are absent.
+    ///
+    /// # Errors
+    /// As [`InboxStore::begin`].
+    async fn processed_counts(&self) -> Result<BTreeMap<String, u64>, InboxError>;
+}
+
+#[async_trait]
+impl<S: InboxStats> InboxStats for Arc<S> {
+    async fn processed_counts(&self) -> Result<BTreeMap<String, u64>, InboxError> {
+        (**self).processed_counts().await
+    }
+}
+
+/// Conveniences over every [`InboxStore`], implemented once for all of them.
+///
+/// Kept out of [`InboxStore`] so that a backend cannot override them: the
+/// metric a purge records must mean the same for every store.
+#[async_trait]
+pub trait InboxStoreExt: InboxStore {
+    /// Deletes every processed row older than `cutoff`, `batch_size` rows per
+    /// transaction ([`InboxStore::purge_processed_batch`]), records each
+    /// batch in `inbox_purged_rows_total`, and returns how many went.
+    ///
+    /// # Errors
+    /// As [`InboxStore::purge_processed_batch`]; rows deleted by the batches
+    /// that committed before an error stay deleted (and counted).
     async fn purge_processed_before(
         &self,
         cutoff: DateTime<Utc>,
-        batch_size: u32,
+        batch_size: NonZeroU32,
     ) -> Result<u64, InboxError> {
-        (**self).purge_processed_before(cutoff, batch_size).await
+        let mut total = 0;
+        loop {
+            let deleted = self.purge_processed_batch(cutoff, batch_size).await?;
+            metrics::counter!(crate::metrics::PURGED_ROWS).increment(deleted);
+            total += deleted;
+            if deleted < u64::from(batch_size.get()) {
+                tracing::debug!(total, "inbox purge finished");
+                return Ok(total);
+            }
+        }
     }
 }
+
+impl<S: InboxStore + ?Sized> InboxStoreExt for S {}

@@ -51,7 +51,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use inbox_api::{BatchItem, ConsumerName, Handled, Inbox, InboxError, InboxKey, MessageId};
+use inbox_api::{ConsumerName, Handled, Inbox, InboxError, InboxKey, MessageId};
 use inbox_backend_sqlx::sqlx::{self, PgPool, postgres::PgPoolOptions};
 use inbox_backend_sqlx::{SqlxStore, classify};
 
@@ -131,30 +131,28 @@ impl Bench {
     async fn deliver(&self, variant: Variant, key: &InboxKey) -> Result<u64, InboxError> {
         match variant {
             Variant::SqlxBatch(k) => {
-                let keys = batch_keys(key, k);
-                let items = self
+                let outcomes = self
                     .inbox
-                    .handle_batch(&keys, async |tx, i| {
+                    .handle_batch(batch_items(key, k), async |tx, id: &uuid::Uuid| {
                         sqlx::query(BUSINESS)
-                            .bind(keys[i].message_id.as_uuid())
+                            .bind(id)
                             .bind(PAYLOAD)
                             .execute(tx.conn())
                             .await
                             .map_err(classify)?;
                         Ok::<_, InboxError>(())
                     })
-                    .await?;
-                return Ok(processed(&items));
+                    .await;
+                return processed(outcomes);
             }
             Variant::DieselBatch(k) => {
                 use inbox_backend_diesel::diesel_async::RunQueryDsl as _;
-                let keys = batch_keys(key, k);
-                let items = self
+                let outcomes = self
                     .diesel
-                    .handle_batch(&keys, async |tx, i| {
+                    .handle_batch(batch_items(key, k), async |tx, id: &uuid::Uuid| {
                         diesel::insert_into(bench_events::table)
                             .values((
-                                bench_events::message_id.eq(keys[i].message_id.as_uuid()),
+                                bench_events::message_id.eq(id),
                                 bench_events::payload.eq(PAYLOAD),
                             ))
                             .execute(tx.conn())
@@ -162,8 +160,8 @@ impl Bench {
                             .map_err(classify_diesel)?;
                         Ok::<_, InboxError>(())
                     })
-                    .await?;
-                return Ok(processed(&items));
+                    .await;
+                return processed(outcomes);
             }
             _ => {}
         }
@@ -274,18 +272,29 @@ impl Bench {
     }
 }
 
-/// `key` and `k - 1` new messages of the same consumer.
-fn batch_keys(key: &InboxKey, k: usize) -> Vec<InboxKey> {
+/// `key` and `k - 1` new messages of the same consumer, each paired with
+/// its id for the business write.
+fn batch_items(key: &InboxKey, k: usize) -> Vec<(InboxKey, uuid::Uuid)> {
     std::iter::once(key.clone())
         .chain((1..k).map(|_| InboxKey::new(MessageId::new_v7(), key.consumer.clone())))
+        .map(|key| {
+            let id = *key.message_id.as_uuid();
+            (key, id)
+        })
         .collect()
 }
 
-fn processed<T, E>(items: &[BatchItem<T, E>]) -> u64 {
-    items
-        .iter()
-        .filter(|i| matches!(i, BatchItem::Processed(_)))
-        .count() as u64
+/// How many messages of a batch ran their work; the first error, if any.
+fn processed<I, T>(
+    outcomes: Vec<(InboxKey, I, Result<Handled<T>, InboxError>)>,
+) -> Result<u64, InboxError> {
+    let mut ran = 0;
+    for (_, _, outcome) in outcomes {
+        if let Handled::Processed(_) = outcome? {
+            ran += 1;
+        }
+    }
+    Ok(ran)
 }
 
 /// What a slice did.
@@ -840,7 +849,7 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
         let result = cleanup::run(
             bench.inbox.store(),
             rows_env,
-            10_000,
+            std::num::NonZeroU32::new(10_000).expect("non-zero"),
             Duration::from_secs_f64(secs.max(1.0) * 2.0),
         )
         .await?;

@@ -5,13 +5,18 @@
 //! same way; this crate's tests run them over the memory backend and assert
 //! that both the contract tests and the crash-point model fail.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use inbox_api::{Claim, InboxError, InboxKey, InboxRecord, InboxStore, InboxTransaction};
+use std::num::NonZeroU32;
+
+use inbox_api::{
+    BatchTransaction, Claim, InboxError, InboxKey, InboxRecord, InboxStats, InboxStore,
+    InboxTransaction,
+};
 
 use crate::{CrashKind, Harness, TxOf};
 
@@ -144,9 +149,16 @@ impl<S: InboxStore + Clone> InboxStore for BrokenStore<S> {
     async fn purge_processed_batch(
         &self,
         cutoff: DateTime<Utc>,
-        limit: u32,
+        limit: NonZeroU32,
     ) -> Result<u64, InboxError> {
         self.inner.purge_processed_batch(cutoff, limit).await
+    }
+}
+
+#[async_trait]
+impl<S: InboxStats + Clone> InboxStats for BrokenStore<S> {
+    async fn processed_counts(&self) -> Result<BTreeMap<String, u64>, InboxError> {
+        self.inner.processed_counts().await
     }
 }
 
@@ -196,6 +208,21 @@ impl<S: InboxStore + Clone> InboxTransaction for BrokenTransaction<S> {
         }
     }
 
+    async fn commit(mut self) -> Result<(), InboxError> {
+        self.claim_late().await?;
+        self.inner.commit().await
+    }
+
+    async fn rollback(self) -> Result<(), InboxError> {
+        self.inner.rollback().await
+    }
+}
+
+#[async_trait]
+impl<S> BatchTransaction for BrokenTransaction<S>
+where
+    S: InboxStore<Transaction: BatchTransaction> + Clone,
+{
     async fn savepoint(&mut self) -> Result<(), InboxError> {
         self.inner.savepoint().await
     }
@@ -214,15 +241,6 @@ impl<S: InboxStore + Clone> InboxTransaction for BrokenTransaction<S> {
             return Ok(());
         }
         self.inner.unclaim(key).await
-    }
-
-    async fn commit(mut self) -> Result<(), InboxError> {
-        self.claim_late().await?;
-        self.inner.commit().await
-    }
-
-    async fn rollback(self) -> Result<(), InboxError> {
-        self.inner.rollback().await
     }
 }
 

@@ -1,18 +1,21 @@
-//! Deterministic tests, one or more per line of the contract in DESIGN.md.
+//! Deterministic tests, one or more per line of the contract documented on
+//! `inbox_api::InboxStore`.
 //!
 //! Each is a plain `pub async fn` generic over a [`Harness`]; failures come
 //! back as [`Failure`]s naming what was expected and what was seen.
 
 use std::future::Future;
+use std::num::NonZeroU32;
 use std::pin::pin;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use futures::future::join_all;
 use inbox_api::{
-    Claim, ConsumerName, Handled, Inbox, InboxError, InboxKey, InboxRecord, InboxStore,
-    InboxTransaction, MessageId,
+    BatchTransaction, Claim, ConsumerName, Handled, Inbox, InboxError, InboxKey, InboxRecord,
+    InboxStats, InboxStore, InboxStoreExt, InboxTransaction, MessageId,
 };
+use std::collections::BTreeMap;
 
 use crate::{CrashKind, Failure, Harness, Outcome, check, check_eq};
 
@@ -390,11 +393,12 @@ pub async fn purge_deletes_old_processed_rows_in_batches<H: Harness>(h: &H) -> O
     process_once(h, &store, &recent).await?;
 
     let cutoff = h.store_now(&store).await - chrono::Duration::days(7);
-    let first = store.purge_processed_batch(cutoff, 2).await?;
+    let two = NonZeroU32::new(2).expect("non-zero");
+    let first = store.purge_processed_batch(cutoff, two).await?;
     check_eq!(first, 2, "first batch of 2");
-    let rest = store.purge_processed_before(cutoff, 2).await?;
+    let rest = store.purge_processed_before(cutoff, two).await?;
     check_eq!(rest, 1, "the remaining old processed row");
-    let again = store.purge_processed_before(cutoff, 2).await?;
+    let again = store.purge_processed_before(cutoff, two).await?;
     check_eq!(again, 0, "nothing left to purge");
 
     let left: Vec<InboxKey> = h
@@ -407,16 +411,96 @@ pub async fn purge_deletes_old_processed_rows_in_batches<H: Harness>(h: &H) -> O
     Ok(())
 }
 
-/// A zero batch size is refused, not treated as "unbounded".
-pub async fn purge_rejects_zero_batch<H: Harness>(h: &H) -> Outcome {
+/// The cutoff is exclusive: a row processed exactly at the cutoff stays, one
+/// processed a microsecond (the coarsest clock among the backends) before
+/// it goes. Retention must never be cut shorter than asked.
+pub async fn purge_keeps_rows_processed_at_the_cutoff<H: Harness>(h: &H) -> Outcome {
     let store = h.fresh_store().await;
-    let result = store
-        .purge_processed_batch(h.store_now(&store).await, 0)
-        .await;
+    let key = new_key("c1");
+    process_once(h, &store, &key).await?;
+    let Some(processed_at) = row_of(h, &store, &key).await.and_then(|r| r.processed_at) else {
+        return Err(Failure::new(format!("no processed row for {key}")));
+    };
+    let limit = NonZeroU32::new(10).expect("non-zero");
+    let at_cutoff = store.purge_processed_batch(processed_at, limit).await?;
+    check_eq!(at_cutoff, 0, "rows deleted with cutoff = processed_at");
     check!(
-        matches!(&result, Err(InboxError::InvalidArgument { .. })),
-        "purge with batch size 0: {result:?}"
+        row_of(h, &store, &key).await.is_some(),
+        "the row processed at the cutoff is kept"
     );
+    let just_after = processed_at + chrono::Duration::microseconds(1);
+    let deleted = store.purge_processed_before(just_after, limit).await?;
+    check_eq!(
+        deleted,
+        1,
+        "rows deleted with cutoff 1 µs after processed_at"
+    );
+    Ok(())
+}
+
+/// A shared store (`Arc<S>`) is the store: every call reaches it.
+pub async fn a_shared_store_forwards_every_call<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let shared = std::sync::Arc::new(store.clone());
+    let key = new_key("c1");
+    let mut tx = shared.begin().await?;
+    check_eq!(tx.claim(&key).await?, Claim::Fresh, "claim through the Arc");
+    h.record_effect(&mut tx, &key).await?;
+    tx.commit().await?;
+    expect_processed_once(h, &store, &key).await?;
+    let record = shared.lookup(&key).await?;
+    check_eq!(
+        record.map(|r| r.key),
+        Some(key.clone()),
+        "lookup through the Arc"
+    );
+    check_eq!(
+        shared.processed_counts().await?,
+        BTreeMap::from([("c1".to_owned(), 1)]),
+        "counts through the Arc"
+    );
+    let future = h.store_now(&store).await + chrono::Duration::days(1);
+    let limit = NonZeroU32::new(10).expect("non-zero");
+    check_eq!(
+        shared.purge_processed_batch(future, limit).await?,
+        1,
+        "purge through the Arc"
+    );
+    check_eq!(shared.lookup(&key).await?, None, "purged");
+    Ok(())
+}
+
+/// Row counts per consumer come from the store ([`InboxStats`]): committed
+/// rows only, per consumer name, never a pending claim.
+pub async fn processed_counts_are_per_consumer<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    check_eq!(
+        store.processed_counts().await?,
+        BTreeMap::new(),
+        "counts of an empty store"
+    );
+    let shared = MessageId::new_v7();
+    for key in [
+        InboxKey::new(shared, consumer_name("carrier")),
+        InboxKey::new(shared, consumer_name("notification")),
+        new_key("carrier"),
+        new_key("carrier"),
+    ] {
+        process_once(h, &store, &key).await?;
+    }
+    let mut pending = store.begin().await?;
+    check_eq!(
+        pending.claim(&new_key("audit")).await?,
+        Claim::Fresh,
+        "pending claim"
+    );
+    let expected = BTreeMap::from([("carrier".to_owned(), 3), ("notification".to_owned(), 1)]);
+    check_eq!(
+        store.processed_counts().await?,
+        expected,
+        "committed rows per consumer, the pending claim not among them"
+    );
+    pending.rollback().await?;
     Ok(())
 }
 
@@ -659,18 +743,27 @@ pub async fn handle_batch_runs_each_message_once<H: Harness>(h: &H) -> Outcome {
     let (a, b) = (new_key("c1"), new_key("c1"));
     let batch = [a.clone(), done.clone(), b.clone(), a.clone()];
     let runs = AtomicU32::new(0);
-    let items = inbox
-        .handle_batch(&batch, async |tx, i| {
+    let items = batch.iter().cloned().zip(0..).collect();
+    let outcomes = inbox
+        .handle_batch(items, async |tx, i: &usize| {
             runs.fetch_add(1, Ordering::SeqCst);
-            h.record_effect(tx, &batch[i]).await?;
-            Ok::<_, InboxError>(i)
+            h.record_effect(tx, &batch[*i]).await?;
+            Ok::<_, InboxError>(*i)
         })
-        .await?;
-    let summary: Vec<String> = items.iter().map(|item| format!("{item:?}")).collect();
+        .await;
+    let summary: Vec<String> = outcomes
+        .iter()
+        .map(|(key, i, outcome)| format!("{}:{i}:{outcome:?}", u8::from(*key == batch[*i])))
+        .collect();
     check_eq!(
         summary,
-        vec!["Processed(0)", "Duplicate", "Processed(2)", "Duplicate"],
-        "batch items"
+        vec![
+            "1:0:Ok(Processed(0))",
+            "1:1:Ok(Duplicate)",
+            "1:2:Ok(Processed(2))",
+            "1:3:Ok(Duplicate)"
+        ],
+        "batch outcomes, each with its own key and item, in order"
     );
     check_eq!(runs.load(Ordering::SeqCst), 2, "work runs");
     for key in [&a, &b, &done] {
@@ -686,26 +779,32 @@ pub async fn handle_batch_rolls_back_a_failing_message_alone<H: Harness>(h: &H) 
     let inbox = Inbox::new(store.clone());
     let (a, failing, b) = (new_key("c1"), new_key("c1"), new_key("c1"));
     let batch = [a.clone(), failing.clone(), b.clone(), failing.clone()];
-    let items = inbox
-        .handle_batch(&batch, async |tx, i| {
-            h.record_effect(tx, &batch[i]).await?;
-            if i == 1 {
+    let items = batch.iter().cloned().zip(0..).collect();
+    let outcomes = inbox
+        .handle_batch(items, async |tx, i: &usize| {
+            h.record_effect(tx, &batch[*i]).await?;
+            if *i == 1 {
                 return Err(InboxError::retryable_handler("carrier API timed out"));
             }
             Ok(())
         })
-        .await?;
-    let summary: Vec<String> = items
+        .await;
+    let summary: Vec<String> = outcomes
         .iter()
-        .map(|item| match item {
-            inbox_api::BatchItem::Failed(_) => "Failed".to_owned(),
-            other => format!("{other:?}"),
+        .map(|(_, _, outcome)| match outcome {
+            Ok(handled) => format!("{handled:?}"),
+            Err(error) => format!("Err({}, retryable: {})", error.kind(), error.is_retryable()),
         })
         .collect();
     check_eq!(
         summary,
-        vec!["Processed(())", "Failed", "Processed(())", "Redeliver"],
-        "batch items"
+        vec![
+            "Processed(())",
+            "Err(handler, retryable: true)",
+            "Processed(())",
+            "Err(deferred, retryable: true)"
+        ],
+        "batch outcomes"
     );
     expect_processed_once(h, &store, &a).await?;
     expect_processed_once(h, &store, &b).await?;

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use inbox_api::{InboxError, InboxKey, InboxRecord, InboxStore};
+use inbox_api::{BatchTransaction, InboxError, InboxKey, InboxRecord, InboxStats, InboxStore};
 
 /// The transaction type of a harness's store.
 pub type TxOf<H> = <<H as Harness>::Store as InboxStore>::Transaction;
@@ -29,7 +29,9 @@ pub enum CrashKind {
 #[async_trait]
 pub trait Harness: Send + Sync + 'static {
     /// The store under test. Cloning must share state (a pool, an `Arc`).
-    type Store: InboxStore + Clone;
+    /// The suite covers batched mode too, so the store's transactions must
+    /// offer the batch capability.
+    type Store: InboxStore<Transaction: BatchTransaction> + InboxStats + Clone;
 
     /// A short name for failure messages.
     fn name(&self) -> String;

@@ -16,7 +16,7 @@ use std::collections::VecDeque;
 use std::fmt;
 
 use inbox_api::{
-    BatchItem, Claim, Handled, Inbox, InboxError, InboxKey, InboxStore, InboxTransaction,
+    BatchTransaction, Claim, Handled, Inbox, InboxError, InboxKey, InboxStore, InboxTransaction,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner};
@@ -297,41 +297,43 @@ async fn deliver_batch<H: Harness>(
         let ack = on_error(&keys[0], error)?;
         Ok(vec![ack; keys.len()])
     };
-    let acks = |items: Vec<BatchItem<(), InboxError>>| -> Vec<Ack> {
-        items
+    // One settle rule for both modes: each message's outcome is the type
+    // `Inbox::handle` returns.
+    type Outcomes = Vec<(InboxKey, usize, Result<Handled<()>, InboxError>)>;
+    let acks = |outcomes: Outcomes| -> Result<Vec<Ack>, Failure> {
+        outcomes
             .into_iter()
-            .map(|item| match item {
-                BatchItem::Processed(()) | BatchItem::Duplicate => Ack::Ack,
-                BatchItem::Failed(_) | BatchItem::Redeliver => Ack::Redeliver,
+            .map(|(key, _, outcome)| match outcome {
+                Ok(_) => Ok(Ack::Ack),
+                Err(error) => on_error(&key, error),
             })
             .collect()
     };
+    let items = || keys.iter().cloned().zip(0..).collect::<Vec<_>>();
     let failing = failing % keys.len();
     match fault {
         Fault::None | Fault::AckLost => {
-            let handled = inbox
-                .handle_batch(keys, async |tx, i| work(h, tx, &keys[i]).await)
+            let outcomes = inbox
+                .handle_batch(items(), async |tx, i: &usize| work(h, tx, &keys[*i]).await)
                 .await;
-            match handled {
-                Ok(_) if fault == Fault::AckLost => all(Ack::Redeliver),
-                Ok(items) => Ok(acks(items)),
-                Err(error) => on_batch_error(error),
+            let acked = acks(outcomes)?;
+            if fault == Fault::AckLost {
+                all(Ack::Redeliver)
+            } else {
+                Ok(acked)
             }
         }
         Fault::HandlerError => {
-            let handled = inbox
-                .handle_batch(keys, async |tx, i| {
-                    work(h, tx, &keys[i]).await?;
-                    if i == failing {
+            let outcomes = inbox
+                .handle_batch(items(), async |tx, i: &usize| {
+                    work(h, tx, &keys[*i]).await?;
+                    if *i == failing {
                         return Err(InboxError::retryable_handler("carrier API timed out"));
                     }
                     Ok(())
                 })
                 .await;
-            match handled {
-                Ok(items) => Ok(acks(items)),
-                Err(error) => on_batch_error(error),
-            }
+            acks(outcomes)
         }
         Fault::CrashAfterClaim(_) | Fault::CrashAfterWork(_) | Fault::CommitLost { .. } => {
             let mut tx = match store.begin().await {
@@ -372,9 +374,9 @@ async fn deliver_batch<H: Harness>(
         Fault::CancelledInHandle => {
             let (reached, work_started) = tokio::sync::oneshot::channel::<()>();
             let reached = std::sync::Mutex::new(Some(reached));
-            let handling = inbox.handle_batch(keys, async |tx, i| {
-                work(h, tx, &keys[i]).await?;
-                if i == failing {
+            let handling = inbox.handle_batch(items(), async |tx, i: &usize| {
+                work(h, tx, &keys[*i]).await?;
+                if *i == failing {
                     let signal = reached
                         .lock()
                         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -387,10 +389,7 @@ async fn deliver_batch<H: Harness>(
                 Ok::<_, InboxError>(())
             });
             tokio::select! {
-                result = handling => match result {
-                    Ok(items) => Ok(acks(items)),
-                    Err(error) => on_batch_error(error),
-                },
+                outcomes = handling => acks(outcomes),
                 _ = work_started => all(Ack::Redeliver),
             }
         }

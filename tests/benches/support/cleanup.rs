@@ -4,6 +4,7 @@
 //! the purge's total time, its longest batch, and the claim+commit
 //! latency (p50/p99) while idle and during the purge.
 
+use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -17,7 +18,7 @@ use inbox_backend_sqlx::{SqlxStore, classify};
 #[derive(Debug)]
 pub(crate) struct Cleanup {
     pub(crate) rows: u64,
-    pub(crate) batch: u32,
+    pub(crate) batch: NonZeroU32,
     pub(crate) deleted: u64,
     pub(crate) batches: u64,
     pub(crate) total: Duration,
@@ -63,7 +64,7 @@ async fn claimer(
 pub(crate) async fn run(
     store: &SqlxStore,
     rows: u64,
-    batch: u32,
+    batch: NonZeroU32,
     idle: Duration,
 ) -> Result<Cleanup, InboxError> {
     let insert_started = Instant::now();
@@ -110,7 +111,7 @@ pub(crate) async fn run(
         longest = longest.max(one.elapsed());
         deleted += n;
         batches += 1;
-        if n < u64::from(batch) {
+        if n < u64::from(batch.get()) {
             break;
         }
     }

@@ -4,7 +4,11 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use inbox_api::{Claim, Handled, Inbox, InboxError, InboxKey, InboxStore, InboxTransaction};
+use std::num::NonZeroU32;
+
+use inbox_api::{
+    BatchTransaction, Claim, Handled, Inbox, InboxError, InboxKey, InboxStore, InboxTransaction,
+};
 use inbox_postgres::{LEDGER_TABLE, MIGRATIONS, sql};
 use tokio::sync::Barrier;
 
@@ -12,6 +16,10 @@ use super::PgHarness;
 use super::support::{EFFECTS_TABLE, TEST_PREFIX, unique_schema};
 use crate::contract::{effects_of, new_key};
 use crate::{Failure, Outcome, TxOf, check, check_eq};
+
+fn nz(n: u32) -> NonZeroU32 {
+    NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN)
+}
 
 /// A migrated store in a new schema with at most `pool` connections, and
 /// the suite's effects table.
@@ -443,7 +451,9 @@ pub async fn a_missing_table_is_a_permanent_schema_error<H: PgHarness>(h: &H) ->
     let claim = tx.claim(&key).await;
     drop(tx);
     let lookup = store.lookup(&key).await;
-    let purge = store.purge_processed_batch(chrono::Utc::now(), 10).await;
+    let purge = store
+        .purge_processed_batch(chrono::Utc::now(), nz(10))
+        .await;
     for (what, error) in [
         ("claim", claim.err()),
         ("lookup", lookup.err()),
@@ -529,7 +539,7 @@ pub async fn purge_uses_the_partial_index_and_deletes_exactly_the_expired_rows<H
     let cutoff = chrono::Utc::now() - chrono::Duration::days(7);
     let mut purged = 0;
     loop {
-        let n = store.purge_processed_batch(cutoff, 64).await?;
+        let n = store.purge_processed_batch(cutoff, nz(64)).await?;
         check!(n <= 64, "a batch of 64 deleted {n}");
         if n == 0 {
             break;
@@ -559,8 +569,8 @@ pub async fn concurrent_cleaners_skip_each_others_rows<H: PgHarness>(h: &H) -> O
     .await?;
     let started = Instant::now();
     let (a, b) = tokio::join!(
-        store.purge_processed_batch(cutoff, 50),
-        store.purge_processed_batch(cutoff, 50)
+        store.purge_processed_batch(cutoff, nz(50)),
+        store.purge_processed_batch(cutoff, nz(50))
     );
     let (a, b) = (a?, b?);
     check!(
@@ -570,7 +580,7 @@ pub async fn concurrent_cleaners_skip_each_others_rows<H: PgHarness>(h: &H) -> O
     check!(a <= 50 && b <= 50, "batches of 50 deleted {a} and {b}");
     let mut rest = 0;
     loop {
-        let n = store.purge_processed_batch(cutoff, 50).await?;
+        let n = store.purge_processed_batch(cutoff, nz(50)).await?;
         if n == 0 {
             break;
         }
@@ -578,7 +588,7 @@ pub async fn concurrent_cleaners_skip_each_others_rows<H: PgHarness>(h: &H) -> O
     }
     check_eq!(a + b + rest, 70, "every unlocked old row, once");
     holder.rollback().await?;
-    let locked = store.purge_processed_batch(cutoff, 50).await?;
+    let locked = store.purge_processed_batch(cutoff, nz(50)).await?;
     check_eq!(locked, 30, "the rows the holder had locked");
     let left = h
         .side_i64(&store, "SELECT count(*) FROM inbox_messages")
@@ -590,7 +600,9 @@ pub async fn concurrent_cleaners_skip_each_others_rows<H: PgHarness>(h: &H) -> O
 /// Nothing to purge: zero, no error.
 pub async fn purge_on_an_empty_table_deletes_nothing<H: PgHarness>(h: &H) -> Outcome {
     let store = migrated(h, 1).await?;
-    let n = store.purge_processed_batch(chrono::Utc::now(), 100).await?;
+    let n = store
+        .purge_processed_batch(chrono::Utc::now(), nz(100))
+        .await?;
     check_eq!(n, 0, "purged from an empty table");
     Ok(())
 }

@@ -36,9 +36,16 @@ impl inbox_api::InboxStore for MemoryUnderTest {
     async fn purge_processed_batch(
         &self,
         cutoff: DateTime<Utc>,
-        limit: u32,
+        limit: std::num::NonZeroU32,
     ) -> Result<u64, InboxError> {
         self.store.purge_processed_batch(cutoff, limit).await
+    }
+}
+
+#[async_trait]
+impl inbox_api::InboxStats for MemoryUnderTest {
+    async fn processed_counts(&self) -> Result<BTreeMap<String, u64>, InboxError> {
+        self.store.processed_counts().await
     }
 }
 
