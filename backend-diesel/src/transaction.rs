@@ -9,7 +9,7 @@ use diesel_async::{
     TransactionManager,
 };
 use inbox_api::{BatchTransaction, Claim, InboxError, InboxKey, InboxTransaction};
-use inbox_postgres::{Claims, sql};
+use inbox_postgres::{Claims, SavepointDriver, sql};
 
 use crate::error::{classify, is_unrecognised};
 use crate::statements::{ClaimBatch, ClaimOne};
@@ -62,21 +62,6 @@ impl DieselTransaction {
         Self {
             conn: Some(conn),
             claims: Claims::new(),
-        }
-    }
-
-    /// Runs generated, parameterless savepoint commands (possibly two in one
-    /// string) in one round trip over the simple query protocol.
-    ///
-    /// These savepoints bypass diesel's transaction manager on purpose: its
-    /// depth stays 1, so a `conn.transaction(..)` in the consumer's work
-    /// still nests as `diesel_savepoint_1` inside them (the names differ,
-    /// and SQL savepoints nest by time, not by name), and `commit` still
-    /// finds the depth it expects. COMMIT releases whatever is still open.
-    async fn savepoint_sql(&mut self, sql: String) -> Result<(), InboxError> {
-        match self.conn().batch_execute(&sql).await {
-            Ok(()) => Ok(()),
-            Err(error) => Err(self.refine(error).await),
         }
     }
 
@@ -180,6 +165,25 @@ impl Drop for DieselTransaction {
 }
 
 #[async_trait]
+impl SavepointDriver for DieselTransaction {
+    fn claims(&mut self) -> &mut Claims {
+        &mut self.claims
+    }
+
+    /// These savepoints bypass diesel's transaction manager on purpose: its
+    /// depth stays 1, so a `conn.transaction(..)` in the consumer's work
+    /// still nests as `diesel_savepoint_1` inside them (the names differ,
+    /// and SQL savepoints nest by time, not by name), and `commit` still
+    /// finds the depth it expects. COMMIT releases whatever is still open.
+    async fn send_simple(&mut self, sql: String) -> Result<(), InboxError> {
+        match self.conn().batch_execute(&sql).await {
+            Ok(()) => Ok(()),
+            Err(error) => Err(self.refine(error).await),
+        }
+    }
+}
+
+#[async_trait]
 impl InboxTransaction for DieselTransaction {
     /// `INSERT … ON CONFLICT DO NOTHING`: one statement, atomic. One row
     /// inserted → `Fresh` (and the row lock makes concurrent claims of the
@@ -268,17 +272,11 @@ impl BatchTransaction for DieselTransaction {
     }
 
     async fn savepoint(&mut self) -> Result<(), InboxError> {
-        let sql = self.claims.savepoint_sql();
-        self.savepoint_sql(sql).await?;
-        self.claims.savepoint_done();
-        Ok(())
+        inbox_postgres::savepoint(self).await
     }
 
     async fn rollback_to_savepoint(&mut self) -> Result<(), InboxError> {
-        let sql = self.claims.rollback_to_savepoint_sql()?;
-        self.savepoint_sql(sql).await?;
-        self.claims.rollback_done();
-        Ok(())
+        inbox_postgres::rollback_to_savepoint(self).await
     }
 
     async fn release_savepoint(&mut self) -> Result<(), InboxError> {

@@ -77,7 +77,7 @@ use inbox_api::{
     BatchTransaction, Claim, InboxError, InboxKey, InboxRecord, InboxStats, InboxStore,
     InboxTransaction,
 };
-use inbox_postgres::{Claims, MigrationConnection, key_columns, sql};
+use inbox_postgres::{Claims, MigrationConnection, SavepointDriver, key_columns, sql};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgConnection, PgPool, Postgres, Row};
 
@@ -290,10 +290,15 @@ impl SqlxTransaction {
     pub fn conn(&mut self) -> &mut PgConnection {
         &mut self.tx
     }
+}
 
-    /// Runs generated, parameterless SQL (savepoint commands, possibly two
-    /// in one string) in one round trip over the simple query protocol.
-    async fn simple(&mut self, sql: String) -> Result<(), InboxError> {
+#[async_trait]
+impl SavepointDriver for SqlxTransaction {
+    fn claims(&mut self) -> &mut Claims {
+        &mut self.claims
+    }
+
+    async fn send_simple(&mut self, sql: String) -> Result<(), InboxError> {
         sqlx::Executor::execute(&mut *self.tx, sql.as_str())
             .await
             .map_err(classify)?;
@@ -340,17 +345,11 @@ impl BatchTransaction for SqlxTransaction {
     }
 
     async fn savepoint(&mut self) -> Result<(), InboxError> {
-        let sql = self.claims.savepoint_sql();
-        self.simple(sql).await?;
-        self.claims.savepoint_done();
-        Ok(())
+        inbox_postgres::savepoint(self).await
     }
 
     async fn rollback_to_savepoint(&mut self) -> Result<(), InboxError> {
-        let sql = self.claims.rollback_to_savepoint_sql()?;
-        self.simple(sql).await?;
-        self.claims.rollback_done();
-        Ok(())
+        inbox_postgres::rollback_to_savepoint(self).await
     }
 
     async fn release_savepoint(&mut self) -> Result<(), InboxError> {

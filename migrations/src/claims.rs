@@ -10,6 +10,7 @@
 
 use std::collections::HashSet;
 
+use async_trait::async_trait;
 use inbox_api::{Claim, ConsumerName, InboxError, InboxKey, MessageId};
 
 /// The claim and savepoint state of one open transaction.
@@ -215,6 +216,43 @@ impl Claims {
         }
         Ok(())
     }
+}
+
+/// A driver's transaction, as the savepoint steps see it: its [`Claims`],
+/// and a way to send the parameterless statements they return.
+#[async_trait]
+pub trait SavepointDriver: Send {
+    /// The transaction's bookkeeping.
+    fn claims(&mut self) -> &mut Claims;
+
+    /// Sends parameterless SQL (possibly two statements) in one round trip
+    /// over the simple query protocol.
+    async fn send_simple(&mut self, sql: String) -> Result<(), InboxError>;
+}
+
+/// Opens a savepoint (with a deferred RELEASE in front when one is
+/// pending): `BatchTransaction::savepoint` for every driver.
+///
+/// # Errors
+/// The driver's, for the statement.
+pub async fn savepoint<D: SavepointDriver>(tx: &mut D) -> Result<(), InboxError> {
+    let sql = tx.claims().savepoint_sql();
+    tx.send_simple(sql).await?;
+    tx.claims().savepoint_done();
+    Ok(())
+}
+
+/// Undoes everything since the newest savepoint and drops it:
+/// `BatchTransaction::rollback_to_savepoint` for every driver.
+///
+/// # Errors
+/// [`InboxError::InvalidArgument`] when no savepoint is open; the
+/// driver's, for the statement.
+pub async fn rollback_to_savepoint<D: SavepointDriver>(tx: &mut D) -> Result<(), InboxError> {
+    let sql = tx.claims().rollback_to_savepoint_sql()?;
+    tx.send_simple(sql).await?;
+    tx.claims().rollback_done();
+    Ok(())
 }
 
 /// The keys as the two parallel arrays [`crate::sql::CLAIM_BATCH`] unnests.

@@ -33,7 +33,7 @@ mod schema_name;
 pub mod sql;
 mod sqlstate;
 
-pub use claims::{Claims, key_columns};
+pub use claims::{Claims, SavepointDriver, key_columns, rollback_to_savepoint, savepoint};
 pub use migrate::{
     ADVISORY_LOCK_KEY, LEDGER_TABLE, MIGRATIONS, Migration, MigrationConnection, migrate, pending,
 };
