@@ -271,17 +271,7 @@ impl BatchTransaction for DieselTransaction {
         }
     }
 
-    async fn savepoint(&mut self) -> Result<(), InboxError> {
-        inbox_postgres::savepoint(self).await
-    }
-
-    async fn rollback_to_savepoint(&mut self) -> Result<(), InboxError> {
-        inbox_postgres::rollback_to_savepoint(self).await
-    }
-
-    async fn release_savepoint(&mut self) -> Result<(), InboxError> {
-        self.claims.release_savepoint()
-    }
+    inbox_postgres::savepoint_methods!();
 
     async fn unclaim(&mut self, key: &InboxKey) -> Result<(), InboxError> {
         self.claims.may_unclaim(key)?;

@@ -344,17 +344,7 @@ impl BatchTransaction for SqlxTransaction {
         self.claims.claimed_batch(keys, inserted)
     }
 
-    async fn savepoint(&mut self) -> Result<(), InboxError> {
-        inbox_postgres::savepoint(self).await
-    }
-
-    async fn rollback_to_savepoint(&mut self) -> Result<(), InboxError> {
-        inbox_postgres::rollback_to_savepoint(self).await
-    }
-
-    async fn release_savepoint(&mut self) -> Result<(), InboxError> {
-        self.claims.release_savepoint()
-    }
+    inbox_postgres::savepoint_methods!();
 
     async fn unclaim(&mut self, key: &InboxKey) -> Result<(), InboxError> {
         self.claims.may_unclaim(key)?;

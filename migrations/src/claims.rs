@@ -255,6 +255,71 @@ pub async fn rollback_to_savepoint<D: SavepointDriver>(tx: &mut D) -> Result<(),
     Ok(())
 }
 
+/// The three savepoint methods of [`inbox_api::BatchTransaction`] for a
+/// driver transaction that implements [`SavepointDriver`], written inside its
+/// `#[async_trait] impl BatchTransaction` block.
+///
+/// A blanket `impl<T: SavepointDriver> BatchTransaction for T` would say it
+/// once without a macro, but the orphan rule forbids it here (neither the
+/// trait nor `T` is this crate's), and each driver would otherwise repeat the
+/// same three delegations. The methods are spelled in the form
+/// `#[async_trait]` gives trait methods, because an attribute macro does not
+/// expand macro calls inside the block it rewrites.
+#[macro_export]
+macro_rules! savepoint_methods {
+    () => {
+        fn savepoint<'life0, 'async_trait>(
+            &'life0 mut self,
+        ) -> ::core::pin::Pin<
+            ::std::boxed::Box<
+                dyn ::core::future::Future<Output = ::core::result::Result<(), $crate::InboxError>>
+                    + ::core::marker::Send
+                    + 'async_trait,
+            >,
+        >
+        where
+            'life0: 'async_trait,
+            Self: 'async_trait,
+        {
+            ::std::boxed::Box::pin($crate::savepoint(self))
+        }
+
+        fn rollback_to_savepoint<'life0, 'async_trait>(
+            &'life0 mut self,
+        ) -> ::core::pin::Pin<
+            ::std::boxed::Box<
+                dyn ::core::future::Future<Output = ::core::result::Result<(), $crate::InboxError>>
+                    + ::core::marker::Send
+                    + 'async_trait,
+            >,
+        >
+        where
+            'life0: 'async_trait,
+            Self: 'async_trait,
+        {
+            ::std::boxed::Box::pin($crate::rollback_to_savepoint(self))
+        }
+
+        fn release_savepoint<'life0, 'async_trait>(
+            &'life0 mut self,
+        ) -> ::core::pin::Pin<
+            ::std::boxed::Box<
+                dyn ::core::future::Future<Output = ::core::result::Result<(), $crate::InboxError>>
+                    + ::core::marker::Send
+                    + 'async_trait,
+            >,
+        >
+        where
+            'life0: 'async_trait,
+            Self: 'async_trait,
+        {
+            ::std::boxed::Box::pin(::core::future::ready(
+                $crate::SavepointDriver::claims(self).release_savepoint(),
+            ))
+        }
+    };
+}
+
 /// The keys as the two parallel arrays [`crate::sql::CLAIM_BATCH`] unnests.
 pub fn key_columns(keys: &[InboxKey]) -> (Vec<uuid::Uuid>, Vec<String>) {
     keys.iter()

@@ -39,3 +39,8 @@ pub use migrate::{
 };
 pub use schema_name::SchemaName;
 pub use sqlstate::{ErrorClass, classify_sqlstate};
+
+// The error type the exported `savepoint_methods!` names, so that a driver
+// calling the macro needs no import for it.
+#[doc(hidden)]
+pub use inbox_api::InboxError;
