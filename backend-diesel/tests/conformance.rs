@@ -13,9 +13,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use diesel::sql_types::{BigInt, Bool, Double, Integer, Text, Timestamptz};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use inbox_api::{
-    ConsumerName, InboxError, InboxKey, InboxRecord, InboxTransaction as _, MessageId,
-};
+use inbox_api::{InboxError, InboxKey, InboxRecord, InboxTransaction as _};
 use inbox_backend_diesel::classify;
 use inbox_backend_diesel::{DieselStore, DieselTransaction};
 use inbox_conformance::{CrashKind, Harness, PgHarness};
@@ -39,12 +37,7 @@ async fn harness() -> DieselHarness {
 
 inbox_conformance::conformance_tests!(harness);
 
-fn key_of(id: uuid::Uuid, consumer: String) -> InboxKey {
-    InboxKey::new(
-        MessageId::from_uuid(id),
-        ConsumerName::new(consumer).expect("stored consumer names are valid"),
-    )
-}
+use inbox_conformance::postgres::support::stored_key as key_of;
 
 #[derive(diesel::QueryableByName)]
 struct EffectCount {

@@ -13,17 +13,11 @@ use std::time::{Duration, Instant};
 use diesel::sql_types::{BigInt, Integer, Text};
 use diesel_async::{AnsiTransactionManager, AsyncConnection, RunQueryDsl, TransactionManager};
 use inbox_api::{
-    BatchTransaction, Claim, ConsumerName, Handled, Inbox, InboxError, InboxKey, InboxStore,
-    InboxTransaction, MessageId,
+    BatchTransaction, Claim, Handled, Inbox, InboxError, InboxKey, InboxStore, InboxTransaction,
 };
 use inbox_backend_diesel::{DieselStore, DieselTransaction, classify};
 
-fn key(consumer: &str) -> InboxKey {
-    InboxKey::new(
-        MessageId::new_v7(),
-        ConsumerName::new(consumer).expect("valid consumer name"),
-    )
-}
+use inbox_conformance::contract::new_key as key;
 
 /// Committed effects of `key`, counted outside the store's pool.
 async fn effects_of(store: &DieselStore, key: &InboxKey) -> i64 {

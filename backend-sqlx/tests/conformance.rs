@@ -54,12 +54,7 @@ async fn harness() -> SqlxHarness {
 
 inbox_conformance::conformance_tests!(harness);
 
-fn key_of(id: sqlx::types::Uuid, consumer: String) -> InboxKey {
-    InboxKey::new(
-        MessageId::from_uuid(id),
-        ConsumerName::new(consumer).expect("stored consumer names are valid"),
-    )
-}
+use inbox_conformance::postgres::support::stored_key as key_of;
 
 #[async_trait]
 impl Harness for SqlxHarness {

@@ -13,19 +13,13 @@ use std::time::{Duration, Instant};
 use common::relay::Relay;
 use common::{backend_pid, create_effects_table, effects_of, fresh_store, record_effect};
 use inbox_api::{
-    BatchTransaction, Claim, ConsumerName, Handled, Inbox, InboxError, InboxKey, InboxStore,
-    InboxTransaction, MessageId,
+    BatchTransaction, Claim, Handled, Inbox, InboxError, InboxKey, InboxStore, InboxTransaction,
 };
 use inbox_backend_sqlx::SqlxStore;
 use sqlx::postgres::PgPoolOptions;
 use tokio::sync::Barrier;
 
-fn new_key(consumer: &str) -> InboxKey {
-    InboxKey::new(
-        MessageId::new_v7(),
-        ConsumerName::new(consumer).expect("valid consumer"),
-    )
-}
+use inbox_conformance::contract::new_key;
 
 /// Polls `probe` until it holds, for at most `limit`.
 async fn eventually<F, Fut>(what: &str, limit: Duration, mut probe: F)

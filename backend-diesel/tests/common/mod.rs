@@ -20,8 +20,8 @@ use inbox_api::InboxError;
 use inbox_backend_diesel::{DieselStore, DieselTransaction, SchemaName, classify};
 
 pub use inbox_conformance::postgres::support::{
-    EFFECTS_TABLE, RECORD_EFFECT, TEST_PREFIX, database_url, is_stale, like_prefix, redacted,
-    unique_schema,
+    EFFECTS_TABLE, LIST_SCHEMAS, RECORD_EFFECT, TEST_PREFIX, database_url, drop_schema_sql,
+    like_prefix, redacted, stale_schemas, unique_schema,
 };
 
 /// `url` with `application_name` set, so a test can find a store's
@@ -71,35 +71,28 @@ struct Name {
 }
 
 /// Drops the test schemas whose embedded time is older than
-/// `SWEEP_AFTER` (see [`is_stale`]). Failures are logged, never fatal: another run may be
+/// `SWEEP_AFTER`. Failures are logged, never fatal: another run may be
 /// sweeping the same schema right now.
 pub async fn sweep_old_schemas(admin: &mut AsyncPgConnection) {
-    let names: Vec<Name> = match diesel::sql_query(format!(
-        "SELECT nspname FROM ({}) AS s(nspname)",
-        inbox_conformance::postgres::support::LIST_SCHEMAS
+    let listed: Result<Vec<Name>, _> = diesel::sql_query(format!(
+        "SELECT nspname FROM ({LIST_SCHEMAS}) AS s(nspname)"
     ))
     .bind::<Text, _>(like_prefix(TEST_PREFIX))
     .load(admin)
-    .await
-    {
-        Ok(names) => names,
-        Err(error) => {
+    .await;
+    let names = listed.map(|rows| rows.into_iter().map(|n| n.nspname).collect());
+    for schema in stale_schemas(
+        names.unwrap_or_else(|error: diesel::result::Error| {
             tracing::warn!(%error, "listing old test schemas failed");
-            return;
-        }
-    };
-    for Name { nspname } in names {
-        let old = is_stale(&nspname, TEST_PREFIX);
-        // Validated: a plain identifier, safe to quote.
-        let Ok(name) = SchemaName::new(&nspname) else {
-            continue;
-        };
-        if !old {
-            continue;
-        }
-        let drop = format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE");
-        if let Err(error) = diesel::sql_query(drop).execute(admin).await {
-            tracing::warn!(schema = %name, %error, "dropping an old test schema failed");
+            Vec::new()
+        }),
+        TEST_PREFIX,
+    ) {
+        if let Err(error) = diesel::sql_query(drop_schema_sql(&schema))
+            .execute(admin)
+            .await
+        {
+            tracing::warn!(%schema, %error, "dropping an old test schema failed");
         }
     }
 }

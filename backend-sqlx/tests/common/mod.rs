@@ -21,8 +21,8 @@ use inbox_backend_sqlx::{SqlxStore, SqlxTransaction, classify};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
 pub use inbox_conformance::postgres::support::{
-    EFFECTS_TABLE, LIST_SCHEMAS, RECORD_EFFECT, TEST_PREFIX, database_url, is_stale, like_prefix,
-    unique_schema, unreachable_database,
+    EFFECTS_TABLE, LIST_SCHEMAS, RECORD_EFFECT, TEST_PREFIX, database_url, drop_schema_sql,
+    like_prefix, stale_schemas, unique_schema, unreachable_database,
 };
 
 /// A small pool for the tests' own statements (creating and dropping
@@ -46,28 +46,20 @@ pub async fn connect(schema: &str) -> SqlxStore {
 }
 
 /// Drops the schemas starting with `prefix` whose embedded time is older
-/// than `SWEEP_AFTER` (see [`is_stale`]). Failures are logged, never fatal: another run may
+/// than `SWEEP_AFTER`. Failures are logged, never fatal: another run may
 /// be sweeping the same schema right now.
 pub async fn sweep_old_schemas(admin: &PgPool, prefix: &str) {
-    let names: Vec<String> = match sqlx::query_scalar(LIST_SCHEMAS)
+    let listed = sqlx::query_scalar(LIST_SCHEMAS)
         .bind(like_prefix(prefix))
         .fetch_all(admin)
-        .await
-    {
-        Ok(names) => names,
-        Err(error) => {
-            tracing::warn!(%error, "listing old test schemas failed");
-            return;
-        }
-    };
-    for name in names {
-        if !is_stale(&name, prefix) || inbox_backend_sqlx::SchemaName::new(&name).is_err() {
-            continue;
-        }
-        // Validated above: a plain identifier, safe to quote.
-        let drop = format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE");
-        if let Err(error) = sqlx::query(&drop).execute(admin).await {
-            tracing::warn!(schema = %name, %error, "dropping an old test schema failed");
+        .await;
+    let names = listed.unwrap_or_else(|error| {
+        tracing::warn!(%error, "listing old test schemas failed");
+        Vec::new()
+    });
+    for schema in stale_schemas(names, prefix) {
+        if let Err(error) = sqlx::query(&drop_schema_sql(&schema)).execute(admin).await {
+            tracing::warn!(%schema, %error, "dropping an old test schema failed");
         }
     }
 }

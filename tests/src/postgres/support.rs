@@ -99,6 +99,30 @@ pub fn is_stale(schema: &str, prefix: &str) -> bool {
     embedded_secs(schema, prefix).is_some_and(|secs| secs < limit)
 }
 
+/// Of the schemas [`LIST_SCHEMAS`] listed for `prefix`, the ones a run may
+/// drop: stale (see [`is_stale`]) and valid names, so that quoting them in
+/// [`drop_schema_sql`] is safe.
+pub fn stale_schemas(listed: Vec<String>, prefix: &str) -> Vec<inbox_postgres::SchemaName> {
+    listed
+        .into_iter()
+        .filter(|name| is_stale(name, prefix))
+        .filter_map(|name| inbox_postgres::SchemaName::new(&name).ok())
+        .collect()
+}
+
+/// Drops one test schema and everything in it.
+pub fn drop_schema_sql(schema: &inbox_postgres::SchemaName) -> String {
+    format!("DROP SCHEMA IF EXISTS {} CASCADE", schema.quoted())
+}
+
+/// The key of a stored row, as the suites read rows back.
+pub fn stored_key(id: uuid::Uuid, consumer: String) -> inbox_api::InboxKey {
+    inbox_api::InboxKey::new(
+        inbox_api::MessageId::from_uuid(id),
+        inbox_api::ConsumerName::new(consumer).expect("stored consumer names are valid"),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
