@@ -23,6 +23,12 @@
 //!   its UPDATEs, hand-built `INSERT … SELECT`s and `sql_query`s on every
 //!   call, so the batch claim is written as a fixed query fragment); prefer diesel's DSL over `sql_query` for the
 //!   consumer's own hot writes for the same reason.
+//! - The transactional outbox: [`DieselTransaction`] implements
+//!   [`inbox_api::OutboxTransaction`] (an outgoing message is one more row
+//!   of the business transaction) and [`DieselStore`] implements
+//!   [`inbox_api::OutboxStore`] for the relay, with `inbox-postgres`'s
+//!   statements: leases taken with `FOR UPDATE SKIP LOCKED`, expiring on
+//!   their own.
 //! - [`classify`] turns diesel errors into [`inbox_api::InboxError`]s that
 //!   say retry or dead-letter, by the SQLSTATE table both backends share.
 //!
@@ -81,6 +87,7 @@
 
 mod error;
 mod migrate;
+mod outbox;
 pub mod schema;
 mod statements;
 mod store;

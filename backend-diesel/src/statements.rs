@@ -8,13 +8,15 @@
 //! inbox ran at 0.74 of the sqlx inbox at 16 tasks). The SQL text is
 //! `inbox-postgres`'s, sent piece by piece with diesel's own bind markers;
 //! since it never varies, a static [`QueryId`] lets the statement cache keep
-//! it. The rarer statements (unclaim, lookup, purge) go through `sql_query`.
+//! it. The rarer statements (unclaim, lookup, purge, the outbox's marks
+//! and counts) go through `sql_query`; the outbox's enqueue (the producer's
+//! hot path) and take (the relay's) are fragments too.
 
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::result::{Error as DieselError, QueryResult};
-use diesel::sql_types::{Array, Text, Uuid};
-use inbox_api::InboxKey;
+use diesel::sql_types::{Array, BigInt, Bytea, Integer, Nullable, Text, Timestamptz, Uuid};
+use inbox_api::{InboxKey, OutgoingMessage};
 use inbox_postgres::sql::{self, Piece};
 
 /// Sends `statement`, binding its parameter `$n` with `bind(n, out)`.
@@ -86,6 +88,116 @@ impl QueryFragment<Pg> for ClaimBatch {
         walk(sql::CLAIM_BATCH, &mut out, |n, out| match n {
             1 => out.push_bind_param::<Array<Uuid>, _>(&self.ids),
             2 => out.push_bind_param::<Array<Text>, _>(&self.consumers),
+            n => Err(no_such_parameter(n)),
+        })
+    }
+}
+
+/// The SQL types of [`inbox_postgres::OutboxColumns`].
+type OutboxSqlType = (
+    Uuid,
+    BigInt,
+    Text,
+    Text,
+    Text,
+    Array<Text>,
+    Array<Text>,
+    Bytea,
+    Timestamptz,
+    Nullable<Timestamptz>,
+    Nullable<Timestamptz>,
+    Integer,
+);
+
+/// [`sql::ENQUEUE`] for one message, in the producer's transaction (its
+/// hot path, so prepared once); executes to the rows inserted (0 or 1).
+pub(crate) struct Enqueue<'m> {
+    pub(crate) id: uuid::Uuid,
+    pub(crate) message: &'m OutgoingMessage,
+    pub(crate) names: Vec<String>,
+    pub(crate) values: Vec<String>,
+}
+
+impl<'m> Enqueue<'m> {
+    pub(crate) fn of(message: &'m OutgoingMessage) -> Self {
+        let (names, values) = inbox_postgres::header_columns(message);
+        Self {
+            id: *message.id().as_uuid(),
+            message,
+            names,
+            values,
+        }
+    }
+}
+
+/// The statement cache's key for [`Enqueue`].
+pub(crate) struct EnqueueId;
+
+impl QueryId for Enqueue<'_> {
+    type QueryId = EnqueueId;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl QueryFragment<Pg> for Enqueue<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        let m = self.message;
+        walk(sql::ENQUEUE, &mut out, |n, out| match n {
+            1 => out.push_bind_param::<Uuid, _>(&self.id),
+            2 => out.push_bind_param::<Text, _>(m.exchange()),
+            3 => out.push_bind_param::<Text, _>(m.routing_key()),
+            4 => out.push_bind_param::<Text, _>(m.message_type()),
+            5 => out.push_bind_param::<Array<Text>, _>(&self.names),
+            6 => out.push_bind_param::<Array<Text>, _>(&self.values),
+            7 => out.push_bind_param::<Bytea, _>(m.body()),
+            n => Err(no_such_parameter(n)),
+        })
+    }
+}
+
+/// [`sql::TAKE_PENDING`]; loads [`inbox_postgres::OutboxColumns`]. The
+/// relay's hot path, so prepared once per connection.
+pub(crate) struct TakePending {
+    pub(crate) lease_millis: i64,
+    pub(crate) lease_id: uuid::Uuid,
+    pub(crate) limit: i64,
+}
+
+impl QueryId for TakePending {
+    type QueryId = TakePending;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl Query for TakePending {
+    type SqlType = OutboxSqlType;
+}
+
+impl QueryFragment<Pg> for TakePending {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        walk(sql::TAKE_PENDING, &mut out, |n, out| match n {
+            1 => out.push_bind_param::<BigInt, _>(&self.lease_millis),
+            2 => out.push_bind_param::<Uuid, _>(&self.lease_id),
+            3 => out.push_bind_param::<BigInt, _>(&self.limit),
+            n => Err(no_such_parameter(n)),
+        })
+    }
+}
+
+/// [`sql::LOOKUP_OUTGOING`]; loads [`inbox_postgres::OutboxColumns`].
+pub(crate) struct LookupOutgoing(pub(crate) uuid::Uuid);
+
+impl QueryId for LookupOutgoing {
+    type QueryId = LookupOutgoing;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl Query for LookupOutgoing {
+    type SqlType = OutboxSqlType;
+}
+
+impl QueryFragment<Pg> for LookupOutgoing {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        walk(sql::LOOKUP_OUTGOING, &mut out, |n, out| match n {
+            1 => out.push_bind_param::<Uuid, _>(&self.0),
             n => Err(no_such_parameter(n)),
         })
     }

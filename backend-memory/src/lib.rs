@@ -38,6 +38,12 @@
 //!   cutoff, at most `limit` per batch, through a per-shard index on
 //!   `processed_at`, one shard lock at a time.
 //!
+//! - **Outbox.** [`OutboxTransaction::enqueue`](inbox_api::OutboxTransaction::enqueue)
+//!   buffers the outgoing message with the writes; it reaches the outbox
+//!   with the commit or never. Relays lease pending messages until a
+//!   deadline on the store clock, so a relay that dies gives them back when
+//!   its lease runs out, exactly as `locked_until` does on Postgres.
+//!
 //! Where it differs from Postgres, knowingly: business keys carry no row
 //! locks, so two transactions writing the same business key do not wait for
 //! each other and the last commit wins. Effects should use unique keys (the
@@ -76,6 +82,7 @@
 
 mod clock;
 mod deadlock;
+mod outbox;
 mod processed;
 mod store;
 mod transaction;

@@ -11,12 +11,13 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use foldhash::fast::RandomState;
-use inbox_api::{InboxError, InboxKey, InboxRecord, InboxStats, InboxStore};
+use inbox_api::{InboxError, InboxKey, InboxRecord, InboxStats, InboxStore, OutgoingMessage};
 use smallvec::SmallVec;
 use tokio_sync::sync::Notify;
 
 use crate::clock::{Clock, SystemClock};
 use crate::deadlock::{TxId, WaitGraph};
+use crate::outbox::Outbox;
 use crate::processed::ProcessedIndex;
 use crate::transaction::{Claims, MemoryTransaction};
 use crate::writes::Writes;
@@ -242,6 +243,9 @@ pub(crate) struct Shared {
     kv: Box<[Padded<Mutex<KvShard>>]>,
     next_tx: AtomicU64,
     pub(crate) waits: WaitGraph,
+    /// Committed outgoing rows; locked after every inbox and key-value
+    /// shard, last in the global lock order.
+    outbox: Mutex<Outbox>,
 }
 
 impl Shared {
@@ -253,6 +257,7 @@ impl Shared {
             kv: (0..SHARDS).map(|_| Padded::default()).collect(),
             next_tx: AtomicU64::new(1),
             waits: WaitGraph::default(),
+            outbox: Mutex::default(),
         }
     }
 
@@ -285,6 +290,10 @@ impl Shared {
         lock(&self.kv[shard].0)
     }
 
+    pub(crate) fn lock_outbox(&self) -> MutexGuard<'_, Outbox> {
+        lock(&self.outbox)
+    }
+
     /// The committed value of a business key.
     pub(crate) fn kv_get(&self, key: &str) -> Option<Vec<u8>> {
         self.lock_kv(self.kv_shard_of(key)).get(key).cloned()
@@ -300,15 +309,23 @@ impl Shared {
         self.kv.iter().map(|shard| lock(&shard.0)).collect()
     }
 
-    /// Makes `owner`'s claims and writes visible, all at once.
+    /// Makes `owner`'s claims, writes and outgoing messages visible, all at
+    /// once.
     ///
     /// Every shard involved is locked before anything changes, in the one
     /// global order every multi-shard lock in this crate follows (inbox
-    /// shards by ascending index, then key-value shards by ascending index),
+    /// shards by ascending index, then key-value shards by ascending index,
+    /// then the outbox),
     /// so two commits can never deadlock and no reader that locks shards in
     /// that order sees half of a commit. Waiters are woken after the locks
     /// are released, so they do not wake into a held lock.
-    pub(crate) fn commit(&self, owner: TxId, mut claims: Claims, writes: Writes) {
+    pub(crate) fn commit(
+        &self,
+        owner: TxId,
+        mut claims: Claims,
+        writes: Writes,
+        outgoing: Vec<(OutgoingMessage, DateTime<Utc>)>,
+    ) {
         // Inline lists: a message's transaction (one claim, a write or two,
         // so one or two shards of each kind) commits without allocating.
         claims.sort_unstable_by_key(|claim| claim.shard);
@@ -328,6 +345,7 @@ impl Shared {
             .filter_map(|group| group.first())
             .map(|write| self.lock_kv(write.0))
             .collect();
+        let outbox_guard = (!outgoing.is_empty()).then(|| self.lock_outbox());
 
         let mut wake: SmallVec<[Arc<Notify>; 1]> = SmallVec::new();
         for (group, shard) in claims
@@ -355,6 +373,11 @@ impl Shared {
                 }
             }
         }
+        if let Some(mut outbox) = outbox_guard {
+            for (message, created_at) in outgoing {
+                outbox.insert(message, created_at);
+            }
+        }
         drop(kv_guards);
         drop(inbox_guards);
         for notify in wake {
@@ -370,7 +393,7 @@ impl Shared {
 /// See the crate docs for the semantics.
 #[derive(Clone)]
 pub struct MemoryStore {
-    shared: Arc<Shared>,
+    pub(crate) shared: Arc<Shared>,
 }
 
 impl MemoryStore {

@@ -4,7 +4,11 @@ use std::fmt;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use inbox_api::{BatchTransaction, Claim, InboxError, InboxKey, InboxTransaction};
+use chrono::{DateTime, Utc};
+use inbox_api::{
+    BatchTransaction, Claim, EnqueueOutcome, InboxError, InboxKey, InboxTransaction,
+    OutboxTransaction, OutgoingMessage,
+};
 use smallvec::SmallVec;
 
 use crate::deadlock::{Aborted, TxId};
@@ -41,6 +45,9 @@ pub struct MemoryTransaction {
     /// Usually one; searched linearly, newest first.
     claims: Claims,
     writes: Writes,
+    /// Outgoing messages enqueued, with their enqueue time; published to
+    /// the outbox at commit, like the writes.
+    outgoing: Vec<(OutgoingMessage, DateTime<Utc>)>,
     /// Set when a claim was refused as a deadlock: Postgres aborts the whole
     /// transaction then, and so do we (claims released, writes dropped);
     /// only rollback or drop remain useful.
@@ -56,6 +63,7 @@ struct Savepoint {
     /// A copy, not a journal: batches are small and writes few per message.
     writes: Writes,
     claims: usize,
+    outgoing: usize,
 }
 
 impl MemoryTransaction {
@@ -66,6 +74,7 @@ impl MemoryTransaction {
             id,
             claims: Claims::new(),
             writes: Writes::default(),
+            outgoing: Vec::new(),
             aborted: false,
             savepoints: Vec::new(),
         }
@@ -125,6 +134,7 @@ impl MemoryTransaction {
     /// visible atomically.
     fn release(&mut self) {
         self.writes.clear();
+        self.outgoing.clear();
         self.savepoints.clear();
         let claims = std::mem::take(&mut self.claims);
         for claim in &claims {
@@ -146,6 +156,7 @@ impl fmt::Debug for MemoryTransaction {
             .field("id", &self.id)
             .field("claims", &self.claims)
             .field("writes", &self.writes.len())
+            .field("outgoing", &self.outgoing.len())
             .field("aborted", &self.aborted)
             .finish()
     }
@@ -207,7 +218,8 @@ impl InboxTransaction for MemoryTransaction {
         }
         let claims = std::mem::take(&mut self.claims);
         let writes = std::mem::take(&mut self.writes);
-        self.shared.commit(self.id, claims, writes);
+        let outgoing = std::mem::take(&mut self.outgoing);
+        self.shared.commit(self.id, claims, writes, outgoing);
         Ok(())
     }
 
@@ -224,6 +236,7 @@ impl BatchTransaction for MemoryTransaction {
         self.savepoints.push(Savepoint {
             writes: self.writes.clone(),
             claims: self.claims.len(),
+            outgoing: self.outgoing.len(),
         });
         Ok(())
     }
@@ -235,6 +248,7 @@ impl BatchTransaction for MemoryTransaction {
         self.ensure_open()?;
         let savepoint = self.savepoints.pop().ok_or_else(|| self.no_savepoint())?;
         self.writes = savepoint.writes;
+        self.outgoing.truncate(savepoint.outgoing);
         let keep = savepoint.claims.min(self.claims.len());
         let later: Claims = self.claims.drain(keep..).collect();
         for claim in &later {
@@ -271,5 +285,30 @@ impl BatchTransaction for MemoryTransaction {
             }
         }
         Ok(())
+    }
+}
+
+#[async_trait]
+impl OutboxTransaction for MemoryTransaction {
+    /// Buffers `message`, published to the outbox at commit together with
+    /// the claims and writes, and discarded with them by a rollback or a
+    /// drop. The enqueue time is the store clock's now.
+    ///
+    /// An id this transaction enqueued already, or one already committed,
+    /// is [`EnqueueOutcome::AlreadyEnqueued`]. Where PostgreSQL makes an
+    /// enqueue of an id another *open* transaction enqueued wait, this store
+    /// does not: both answer `Enqueued` and the first commit's row is the
+    /// one kept, so either way one row, with one id, is published.
+    async fn enqueue(&mut self, message: &OutgoingMessage) -> Result<EnqueueOutcome, InboxError> {
+        self.ensure_open()?;
+        let id = message.id();
+        if self.outgoing.iter().any(|(m, _)| m.id() == id)
+            || self.shared.lock_outbox().contains(&id)
+        {
+            return Ok(EnqueueOutcome::AlreadyEnqueued);
+        }
+        self.outgoing
+            .push((message.clone(), self.shared.clock.now()));
+        Ok(EnqueueOutcome::Enqueued)
     }
 }

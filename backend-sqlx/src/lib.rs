@@ -56,6 +56,12 @@
 //!   message's claim is deleted again (`unclaim`) before the one COMMIT.
 //! - **Cleanup**: one short `DELETE` per batch through the partial index on
 //!   `processed_at`, skipping rows another cleaner has locked.
+//! - **Outbox**: [`SqlxTransaction`] implements
+//!   [`inbox_api::OutboxTransaction`], so an outgoing message is one more
+//!   row of the business transaction (`INSERT … ON CONFLICT DO NOTHING`
+//!   into `outbox_messages`); [`SqlxStore`] implements
+//!   [`inbox_api::OutboxStore`] for the relay: leases taken with `FOR
+//!   UPDATE SKIP LOCKED` in one short statement, expiring on their own.
 //! - **Errors**: [`classify`] reads the SQLSTATE (or sqlx's error kind) and
 //!   maps it through `inbox-postgres`'s table onto retryable and permanent
 //!   [`InboxError`]s.
@@ -66,6 +72,7 @@
 #![deny(missing_docs)]
 
 mod error;
+mod outbox;
 
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;

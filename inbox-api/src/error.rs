@@ -49,6 +49,20 @@ pub enum InboxError {
         reason: &'static str,
     },
 
+    /// An outgoing message breaks a rule of [`crate::OutgoingMessage`]
+    /// (a name the broker would refuse, an oversized body). Permanent: the
+    /// producer's transaction must not commit a message that can never be
+    /// published.
+    #[error("invalid outgoing message: {field} {value:?}: {reason}")]
+    InvalidOutgoingMessage {
+        /// Which part of the message.
+        field: &'static str,
+        /// The offending text, truncated (empty for sizes and counts).
+        value: String,
+        /// Which rule it broke.
+        reason: &'static str,
+    },
+
     /// An argument outside its domain (a zero batch size, a bad schema
     /// name). Permanent: a programming or configuration error.
     #[error("invalid argument: {message}")]
@@ -157,6 +171,7 @@ impl InboxError {
         match self {
             Self::InvalidMessageId { .. }
             | Self::InvalidConsumerName { .. }
+            | Self::InvalidOutgoingMessage { .. }
             | Self::InvalidArgument { .. }
             | Self::Schema { .. } => false,
             Self::Connection { .. }
@@ -182,6 +197,7 @@ impl InboxError {
         match self {
             Self::InvalidMessageId { .. } => "invalid_message_id",
             Self::InvalidConsumerName { .. } => "invalid_consumer_name",
+            Self::InvalidOutgoingMessage { .. } => "invalid_outgoing_message",
             Self::InvalidArgument { .. } => "invalid_argument",
             Self::Connection { .. } => "connection",
             Self::PoolTimeout { .. } => "pool_timeout",
@@ -261,6 +277,15 @@ mod tests {
                     reason: "r",
                 },
                 "invalid_consumer_name",
+                false,
+            ),
+            (
+                InboxError::InvalidOutgoingMessage {
+                    field: "exchange",
+                    value: "x".into(),
+                    reason: "r",
+                },
+                "invalid_outgoing_message",
                 false,
             ),
             (

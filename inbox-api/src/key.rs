@@ -202,7 +202,7 @@ impl fmt::Display for InboxKey {
 
 /// Cuts `text` to at most `max` bytes on a char boundary, for error messages
 /// that quote user input.
-fn truncate(text: &str, max: usize) -> String {
+pub(crate) fn truncate(text: &str, max: usize) -> String {
     if text.len() <= max {
         return text.to_owned();
     }

@@ -17,6 +17,10 @@
 //! - [`Inbox::handle`] / [`Inbox::handle_batch`]: the middleware a consumer
 //!   runs inside; both answer each message with the same outcome type.
 //! - [`InboxError`]: one error type, each error retryable or permanent.
+//! - [`OutgoingMessage`], [`OutboxTransaction`], [`OutboxStore`]: the
+//!   transactional outbox, the producer's half: an outgoing message is
+//!   enqueued in the transaction of the business writes, and a relay
+//!   publishes what committed ([`OutboxStoreExt`] for its conveniences).
 //! - [`metrics`]: the metric names, documented in one place.
 //!
 //! This crate depends on no backend and no runtime.
@@ -26,11 +30,16 @@ mod error;
 mod inbox;
 mod key;
 pub mod metrics;
+mod outbox;
 mod store;
 
 pub use error::{BoxError, Disposition, InboxError};
 pub use inbox::{AsyncWork, AsyncWorkMut, Handled, Inbox};
 pub use key::{ConsumerName, InboxKey, MessageId};
+pub use outbox::{
+    EnqueueOutcome, LeaseId, OutboxLease, OutboxRecord, OutboxStore, OutboxStoreExt,
+    OutboxTransaction, OutgoingMessage,
+};
 pub use store::{
     BatchTransaction, Claim, InboxRecord, InboxStats, InboxStore, InboxStoreExt, InboxTransaction,
 };

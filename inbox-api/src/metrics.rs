@@ -15,6 +15,8 @@
 //! | `inbox_purged_rows_total` | counter | none | [`crate::InboxStoreExt::purge_processed_before`], once per batch |
 //! | `inbox_dead_lettered_total` | counter | `consumer`, `reason` | the consuming application |
 //! | `inbox_rows` | gauge | none | the consuming application (periodic count) |
+//! | `outbox_purged_rows_total` | counter | none | [`crate::OutboxStoreExt::purge_published_before`], once per batch |
+//! | `outbox_pending_messages` | gauge | none | [`crate::OutboxStoreExt::record_pending`] |
 
 /// Messages whose work committed.
 pub const PROCESSED: &str = "inbox_processed_total";
@@ -33,6 +35,12 @@ pub const PURGED_ROWS: &str = "inbox_purged_rows_total";
 pub const DEAD_LETTERED: &str = "inbox_dead_lettered_total";
 /// Rows in the inbox table (a gauge the application refreshes).
 pub const ROWS: &str = "inbox_rows";
+
+/// Published outbox rows deleted by cleanup.
+pub const OUTBOX_PURGED_ROWS: &str = "outbox_purged_rows_total";
+/// Committed outgoing messages not yet published (a gauge): a relay that
+/// falls behind, or a broker that refuses, shows as a rising line.
+pub const OUTBOX_PENDING: &str = "outbox_pending_messages";
 
 /// Registers help texts and units for every name above.
 pub fn describe() {
@@ -61,6 +69,14 @@ pub fn describe() {
         "Deliveries rejected into a dead-letter queue, per consumer and reason"
     );
     describe_gauge!(ROWS, "Rows in the inbox table");
+    describe_counter!(
+        OUTBOX_PURGED_ROWS,
+        "Published outbox rows deleted by cleanup"
+    );
+    describe_gauge!(
+        OUTBOX_PENDING,
+        "Committed outgoing messages not yet published"
+    );
 }
 
 #[cfg(test)]
@@ -84,11 +100,13 @@ mod tests {
                 BATCH_RERUNS,
                 PURGED_ROWS,
                 DEAD_LETTERED,
+                OUTBOX_PURGED_ROWS,
             ] {
                 metrics::counter!(name).increment(1);
             }
             metrics::histogram!(HANDLE_DURATION).record(0.1);
             metrics::gauge!(ROWS).set(1.0);
+            metrics::gauge!(OUTBOX_PENDING).set(1.0);
         });
         let described: Vec<(String, Option<metrics::Unit>, String)> = snapshotter
             .snapshot()
@@ -99,7 +117,7 @@ mod tests {
                 (key.key().name().to_owned(), unit, help)
             })
             .collect();
-        assert_eq!(described.len(), 8, "{described:?}");
+        assert_eq!(described.len(), 10, "{described:?}");
         for (name, unit, help) in &described {
             assert!(help.len() > 10, "{name} has no help text: {help:?}");
             let expected = (name == HANDLE_DURATION).then_some(metrics::Unit::Seconds);

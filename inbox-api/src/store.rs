@@ -267,17 +267,35 @@ pub trait InboxStoreExt: InboxStore {
         cutoff: DateTime<Utc>,
         batch_size: NonZeroU32,
     ) -> Result<u64, InboxError> {
-        let mut total = 0;
-        loop {
-            let deleted = self.purge_processed_batch(cutoff, batch_size).await?;
-            metrics::counter!(crate::metrics::PURGED_ROWS).increment(deleted);
-            total += deleted;
-            if deleted < u64::from(batch_size.get()) {
-                tracing::debug!(total, "inbox purge finished");
-                return Ok(total);
-            }
-        }
+        purge_in_batches(batch_size, crate::metrics::PURGED_ROWS, || {
+            self.purge_processed_batch(cutoff, batch_size)
+        })
+        .await
     }
 }
 
 impl<S: InboxStore + ?Sized> InboxStoreExt for S {}
+
+/// Runs `batch` until it deletes fewer than `batch_size` rows, counting each
+/// batch's rows in the counter `metric`: the loop of every cleanup, inbox's
+/// and outbox's.
+pub(crate) async fn purge_in_batches<F, Fut>(
+    batch_size: NonZeroU32,
+    metric: &'static str,
+    mut batch: F,
+) -> Result<u64, InboxError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<u64, InboxError>>,
+{
+    let mut total = 0;
+    loop {
+        let deleted = batch().await?;
+        metrics::counter!(metric).increment(deleted);
+        total += deleted;
+        if deleted < u64::from(batch_size.get()) {
+            tracing::debug!(total, metric, "purge finished");
+            return Ok(total);
+        }
+    }
+}

@@ -8,7 +8,10 @@
 //!   and [`migrate()`], the runner both drivers use, with one ledger
 //!   ([`LEDGER_TABLE`]), checksums and an advisory lock. A schema migrated
 //!   through one driver is migrated for the other.
-//! - [`sql`]: every statement the inbox sends.
+//! - [`sql`]: every statement the inbox and its outbox send, and the
+//!   outbox table (`outbox_messages`) among the migrations.
+//! - [`OutboxRow`] and its helpers: the outbox's parameters and rows,
+//!   decoded once for both drivers.
 //! - [`ErrorClass`]: the SQLSTATE table deciding retry or dead-letter.
 //! - [`SchemaName`]: the one validation of a schema name.
 //! - [`Claims`]: which keys a transaction holds, and the savepoint
@@ -29,6 +32,7 @@
 
 mod claims;
 mod migrate;
+mod outbox;
 mod schema_name;
 pub mod sql;
 mod sqlstate;
@@ -36,6 +40,9 @@ mod sqlstate;
 pub use claims::{Claims, SavepointDriver, key_columns, rollback_to_savepoint, savepoint};
 pub use migrate::{
     ADVISORY_LOCK_KEY, LEDGER_TABLE, MIGRATIONS, Migration, MigrationConnection, migrate, pending,
+};
+pub use outbox::{
+    OutboxColumns, OutboxRow, enqueued, header_columns, id_column, lease_from_rows, lease_millis,
 };
 pub use schema_name::SchemaName;
 pub use sqlstate::{ErrorClass, classify_sqlstate};

@@ -59,6 +59,11 @@ pub static MIGRATIONS: &[Migration] = &[
         description: "processed at set by the claim",
         sql: include_str!("../20261203000001_processed_at_set_by_the_claim.sql"),
     },
+    Migration {
+        version: 20261204000001,
+        description: "create outbox messages",
+        sql: include_str!("../20261204000001_create_outbox_messages.sql"),
+    },
 ];
 
 /// The ledger: one row per applied migration, in the store's schema.

@@ -1,4 +1,4 @@
-//! Every SQL statement of the inbox, once, for every driver.
+//! Every SQL statement of the inbox and its outbox, once, for every driver.
 //!
 //! Names are unqualified: each store picks its schema through `search_path`,
 //! so statements stay constant (prepared once per connection) and no text
@@ -65,6 +65,91 @@ pub const PURGE_BATCH: &str = "DELETE FROM inbox_messages WHERE ctid = ANY(ARRAY
 pub const PROCESSED_COUNTS: &str = "SELECT consumer_type::text, count(*) \
      FROM inbox_messages GROUP BY consumer_type";
 
+/// The columns of one outgoing row, as [`crate::OutboxRow`] reads them,
+/// for a statement that names the table `o`. The headers come back as two
+/// arrays sorted by name, so drivers decode text arrays, not JSON.
+macro_rules! outbox_row_columns {
+    () => {
+        "o.message_id, o.position, o.exchange::text AS exchange, \
+         o.routing_key::text AS routing_key, o.message_type::text AS message_type, \
+         ARRAY(SELECT h.key FROM jsonb_each_text(o.headers) AS h ORDER BY h.key) AS header_names, \
+         ARRAY(SELECT h.value FROM jsonb_each_text(o.headers) AS h ORDER BY h.key) AS header_values, \
+         o.body, o.created_at, o.published_at, o.locked_until, o.attempts"
+    };
+}
+
+/// Enqueues one outgoing message in the caller's transaction: `$1`
+/// message id (uuid), `$2` exchange, `$3` routing key, `$4` type (text),
+/// `$5` header names and `$6` header values (text[], parallel, see
+/// [`crate::header_columns`]), `$7` body (bytea). Affects one row when
+/// enqueued, none when the id exists.
+///
+/// `ON CONFLICT DO NOTHING`, like the claim: the same id twice is an
+/// outcome, not a unique violation, and an enqueue of an id another open
+/// transaction enqueued waits for it. The row is invisible to relays until
+/// COMMIT, and gone with a rollback.
+pub const ENQUEUE: &str = "INSERT INTO outbox_messages \
+     (message_id, exchange, routing_key, message_type, headers, body) \
+     VALUES ($1, $2, $3, $4, jsonb_object($5::text[], $6::text[]), $7) \
+     ON CONFLICT (message_id) DO NOTHING";
+
+/// Leases the oldest due messages, in one statement and so one short
+/// transaction: `$1` lease length in milliseconds (int8), `$2` lease id
+/// (uuid), `$3` batch size (int8). Returns the leased rows (in no
+/// particular order: [`crate::lease_from_rows`] sorts them).
+///
+/// The inner SELECT walks the partial index of pending rows in enqueue
+/// order, skips rows whose lease has not run out, and stops after `$3`;
+/// `FOR UPDATE SKIP LOCKED` makes relays taking at the same moment skip
+/// each other's rows instead of waiting for them or taking them twice. A
+/// row another relay leased and committed in between is re-checked under
+/// its lock (READ COMMITTED's re-evaluation) and left out, since its
+/// `locked_until` now lies ahead.
+pub const TAKE_PENDING: &str = concat!(
+    "UPDATE outbox_messages AS o \
+     SET locked_until = now() + $1::float8 * interval '1 millisecond', \
+         lease_id = $2, attempts = o.attempts + 1 \
+     FROM (SELECT message_id FROM outbox_messages \
+           WHERE published_at IS NULL AND (locked_until IS NULL OR locked_until <= now()) \
+           ORDER BY position LIMIT $3 FOR UPDATE SKIP LOCKED) AS due \
+     WHERE o.message_id = due.message_id RETURNING ",
+    outbox_row_columns!()
+);
+
+/// Marks messages published: `$1` message ids (uuid[]). Affects the rows
+/// that were still pending; repeating it changes nothing.
+///
+/// Not restricted to the caller's lease: whoever got the broker's confirm
+/// knows the message went out, even if its lease ran out meanwhile.
+pub const MARK_PUBLISHED: &str = "UPDATE outbox_messages \
+     SET published_at = now(), locked_until = NULL, lease_id = NULL \
+     WHERE message_id = ANY($1) AND published_at IS NULL";
+
+/// Gives a lease's unpublished messages back: `$1` message ids (uuid[]),
+/// `$2` lease id. Rows another lease took since (after this one expired)
+/// keep that lease. By primary key, so no index on `lease_id` is needed.
+pub const RELEASE: &str = "UPDATE outbox_messages SET locked_until = NULL, lease_id = NULL \
+     WHERE message_id = ANY($1) AND lease_id = $2 AND published_at IS NULL";
+
+/// One committed outgoing row: `$1` message id. Returns the columns of
+/// [`crate::OutboxRow`].
+pub const LOOKUP_OUTGOING: &str = concat!(
+    "SELECT ",
+    outbox_row_columns!(),
+    " FROM outbox_messages AS o WHERE o.message_id = $1"
+);
+
+/// Committed messages not yet published. Returns one int8.
+pub const PENDING_COUNT: &str = "SELECT count(*) FROM outbox_messages WHERE published_at IS NULL";
+
+/// One batch of outbox cleanup: `$1` cutoff (timestamptz), `$2` batch size
+/// (int8). Affects the rows deleted. The same shape as [`PURGE_BATCH`],
+/// through the partial index on `published_at`; pending rows have none and
+/// are never deleted.
+pub const PURGE_PUBLISHED_BATCH: &str = "DELETE FROM outbox_messages WHERE ctid = ANY(ARRAY(\
+     SELECT ctid FROM outbox_messages WHERE published_at < $1 \
+     ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED))";
+
 /// A part of a statement: text to send as it is, or a parameter marker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Piece<'a> {
@@ -78,7 +163,7 @@ pub enum Piece<'a> {
 ///
 /// For drivers whose query builders emit their own placeholders (diesel's
 /// `push_bind_param`): they send the text pieces and bind the parameter a
-/// marker names. The inbox statements have no string literals or dollar
+/// marker names. The statements have no `$` inside string literals, no dollar
 /// quoting, so every `$` followed by digits is a parameter.
 pub fn pieces(sql: &str) -> Vec<Piece<'_>> {
     let bytes = sql.as_bytes();
@@ -141,6 +226,13 @@ mod tests {
             (LOOKUP, 2),
             (PURGE_BATCH, 2),
             (PROCESSED_COUNTS, 0),
+            (ENQUEUE, 7),
+            (TAKE_PENDING, 3),
+            (MARK_PUBLISHED, 1),
+            (RELEASE, 2),
+            (LOOKUP_OUTGOING, 1),
+            (PENDING_COUNT, 0),
+            (PURGE_PUBLISHED_BATCH, 2),
         ] {
             let params: Vec<usize> = pieces(sql)
                 .into_iter()

@@ -1,0 +1,141 @@
+//! The outbox on the diesel backend: `inbox-postgres`'s statements, sent.
+//!
+//! The enqueue and the take are prepared fragments ([`crate::statements`]);
+//! the rarer statements go through `sql_query`. Parameters, row decoding
+//! and the lease's deadline are `inbox-postgres`'s, shared with the sqlx
+//! backend.
+
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use diesel::OptionalExtension;
+use diesel::sql_types::{Array, BigInt, Timestamptz, Uuid};
+use diesel_async::RunQueryDsl;
+use inbox_api::{
+    EnqueueOutcome, InboxError, LeaseId, MessageId, OutboxLease, OutboxRecord, OutboxStore,
+    OutboxTransaction, OutgoingMessage,
+};
+use inbox_postgres::{OutboxColumns, OutboxRow, sql};
+
+use crate::error::classify_pool;
+use crate::statements::{Enqueue, LookupOutgoing, TakePending};
+use crate::transaction::{Pooled, refine};
+use crate::{DieselStore, DieselTransaction};
+
+/// The rows a statement affected, as the trait counts them.
+fn affected(rows: usize) -> u64 {
+    u64::try_from(rows).unwrap_or(u64::MAX)
+}
+
+impl DieselStore {
+    /// A pooled connection for one statement of the relay.
+    async fn relay_connection(&self) -> Result<Pooled, InboxError> {
+        self.pool().get().await.map_err(classify_pool)
+    }
+}
+
+#[async_trait]
+impl OutboxTransaction for DieselTransaction {
+    async fn enqueue(&mut self, message: &OutgoingMessage) -> Result<EnqueueOutcome, InboxError> {
+        match Enqueue::of(message).execute(self.conn()).await {
+            Ok(rows) => inbox_postgres::enqueued(affected(rows)),
+            Err(error) => Err(refine(self.conn(), error).await),
+        }
+    }
+}
+
+#[async_trait]
+impl OutboxStore for DieselStore {
+    async fn take_pending(
+        &self,
+        limit: NonZeroU32,
+        lease: Duration,
+    ) -> Result<OutboxLease, InboxError> {
+        let id = LeaseId::new();
+        let take = TakePending {
+            lease_millis: inbox_postgres::lease_millis(lease),
+            lease_id: *id.as_uuid(),
+            limit: i64::from(limit.get()),
+        };
+        let mut conn = self.relay_connection().await?;
+        match take.load::<OutboxColumns>(&mut *conn).await {
+            Ok(rows) => inbox_postgres::lease_from_rows(id, lease, rows),
+            Err(error) => Err(refine(&mut conn, error).await),
+        }
+    }
+
+    async fn mark_published(&self, ids: &[MessageId]) -> Result<u64, InboxError> {
+        let mut conn = self.relay_connection().await?;
+        let marked = diesel::sql_query(sql::MARK_PUBLISHED)
+            .bind::<Array<Uuid>, _>(inbox_postgres::id_column(ids))
+            .execute(&mut *conn)
+            .await;
+        match marked {
+            Ok(rows) => Ok(affected(rows)),
+            Err(error) => Err(refine(&mut conn, error).await),
+        }
+    }
+
+    async fn release(&self, lease: &OutboxLease) -> Result<u64, InboxError> {
+        let mut conn = self.relay_connection().await?;
+        let released = diesel::sql_query(sql::RELEASE)
+            .bind::<Array<Uuid>, _>(inbox_postgres::id_column(&lease.ids()))
+            .bind::<Uuid, _>(lease.id.as_uuid())
+            .execute(&mut *conn)
+            .await;
+        match released {
+            Ok(rows) => Ok(affected(rows)),
+            Err(error) => Err(refine(&mut conn, error).await),
+        }
+    }
+
+    async fn lookup_outgoing(&self, id: &MessageId) -> Result<Option<OutboxRecord>, InboxError> {
+        let mut conn = self.relay_connection().await?;
+        let row = LookupOutgoing(*id.as_uuid())
+            .get_result::<OutboxColumns>(&mut *conn)
+            .await
+            .optional();
+        match row {
+            Ok(row) => row
+                .map(|columns| OutboxRow::from(columns).into_record())
+                .transpose(),
+            Err(error) => Err(refine(&mut conn, error).await),
+        }
+    }
+
+    async fn pending_count(&self) -> Result<u64, InboxError> {
+        let mut conn = self.relay_connection().await?;
+        let count = diesel::select(diesel::dsl::sql::<BigInt>(&format!(
+            "({})",
+            sql::PENDING_COUNT
+        )))
+        .get_result::<i64>(&mut *conn)
+        .await;
+        match count {
+            Ok(count) => Ok(u64::try_from(count).unwrap_or(0)),
+            Err(error) => Err(refine(&mut conn, error).await),
+        }
+    }
+
+    async fn purge_published_batch(
+        &self,
+        cutoff: DateTime<Utc>,
+        limit: NonZeroU32,
+    ) -> Result<u64, InboxError> {
+        let mut conn = self.relay_connection().await?;
+        let deleted = diesel::sql_query(sql::PURGE_PUBLISHED_BATCH)
+            .bind::<Timestamptz, _>(cutoff)
+            .bind::<BigInt, _>(i64::from(limit.get()))
+            .execute(&mut *conn)
+            .await;
+        match deleted {
+            Ok(rows) => {
+                tracing::debug!(deleted = rows, %cutoff, limit, "purged published outbox rows");
+                Ok(affected(rows))
+            }
+            Err(error) => Err(refine(&mut conn, error).await),
+        }
+    }
+}
