@@ -217,3 +217,49 @@ async fn purge_counts_every_deleted_row_once() {
         "{found:?}"
     );
 }
+
+/// The outbox's conveniences: the purge counts every row it deleted, batch
+/// by batch, and the pending gauge shows the backlog.
+#[tokio::test]
+async fn outbox_purge_and_pending_are_recorded() {
+    use inbox_api::{OutboxStore, OutboxStoreExt, OutboxTransaction, OutgoingMessage};
+
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let clock = std::sync::Arc::new(inbox_backend_memory::ManualClock::new(chrono::Utc::now()));
+    let store = MemoryStore::with_clock(clock.clone());
+    let mut tx = inbox_api::InboxStore::begin(&store).await.expect("begin");
+    for _ in 0..7 {
+        let message =
+            OutgoingMessage::new(MessageId::new_v7(), "parcels", "k", "T", b"{}".to_vec())
+                .expect("valid");
+        let _ = tx.enqueue(&message).await.expect("enqueue");
+    }
+    tx.commit().await.expect("commit");
+    let nz = |n| NonZeroU32::new(n).expect("non-zero");
+    assert_eq!(store.record_pending().await.expect("pending"), 7);
+    let lease = store
+        .take_pending(nz(5), std::time::Duration::from_secs(30))
+        .await
+        .expect("take");
+    assert_eq!(store.mark_published(&lease.ids()).await.expect("mark"), 5);
+    clock.advance(std::time::Duration::from_secs(60));
+    let purged = store
+        .purge_published_before(clock_now(&clock), nz(2))
+        .await
+        .expect("purge");
+    assert_eq!(purged, 5);
+    assert_eq!(store.record_pending().await.expect("pending"), 2);
+    expect(
+        &series(&snapshotter),
+        &[
+            ("outbox_pending_messages{}", 2.0),
+            ("outbox_purged_rows_total{}", 5.0),
+        ],
+    );
+}
+
+fn clock_now(clock: &inbox_backend_memory::ManualClock) -> chrono::DateTime<chrono::Utc> {
+    inbox_backend_memory::Clock::now(clock)
+}

@@ -14,11 +14,12 @@ use chrono::{DateTime, Utc};
 use std::num::NonZeroU32;
 
 use inbox_api::{
-    BatchTransaction, Claim, InboxError, InboxKey, InboxRecord, InboxStats, InboxStore,
-    InboxTransaction,
+    BatchTransaction, Claim, EnqueueOutcome, InboxError, InboxKey, InboxRecord, InboxStats,
+    InboxStore, InboxTransaction, MessageId, OutboxLease, OutboxRecord, OutboxStore,
+    OutboxTransaction, OutgoingMessage,
 };
 
-use crate::{CrashKind, Harness, TxOf};
+use crate::{CrashKind, Harness, OutboxHarness, TxOf};
 
 /// Which promise the store breaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -36,16 +37,28 @@ pub enum Broken {
     /// Treats a key claimed by another *open* transaction as done instead of
     /// waiting for it: if that transaction rolls back, the message is lost.
     ClaimWithoutWaiting,
+    /// An outbox whose enqueue commits in a transaction of its own, before
+    /// the business transaction: the message is published even when the
+    /// business writes roll back (a producer that publishes before COMMIT).
+    PublishBeforeCommit,
+    /// An outbox whose relay ignores other relays' leases: a message a live
+    /// lease holds is handed to the next relay too (a take without
+    /// `SKIP LOCKED` and without `locked_until`).
+    LeaseIgnored,
 }
 
 impl Broken {
-    /// Every broken store.
+    /// Every store with a broken inbox: the inbox suite must reject each.
     pub const ALL: [Broken; 4] = [
         Broken::CheckThenInsert,
         Broken::ClaimInOwnTransaction,
         Broken::WorkBeforeClaim,
         Broken::ClaimWithoutWaiting,
     ];
+
+    /// Every store with a broken outbox (its inbox is sound): the outbox
+    /// suite must reject each.
+    pub const OUTBOX: [Broken; 2] = [Broken::PublishBeforeCommit, Broken::LeaseIgnored];
 }
 
 /// Keys claimed by open transactions of one [`BrokenStore`], so that
@@ -63,6 +76,8 @@ pub struct BrokenStore<S> {
     inner: S,
     kind: Broken,
     in_flight: InFlight,
+    /// Every message [`Broken::LeaseIgnored`] handed out, to hand out again.
+    leased: Arc<Mutex<Vec<MessageId>>>,
 }
 
 impl<S> BrokenStore<S> {
@@ -72,6 +87,7 @@ impl<S> BrokenStore<S> {
             inner,
             kind,
             in_flight: Arc::default(),
+            leased: Arc::default(),
         }
     }
 
@@ -205,6 +221,8 @@ impl<S: InboxStore + Clone> InboxTransaction for BrokenTransaction<S> {
                 self.held.keys.push(key.clone());
                 self.inner.claim(key).await
             }
+            // Outbox bugs: the inbox is sound.
+            Broken::PublishBeforeCommit | Broken::LeaseIgnored => self.inner.claim(key).await,
         }
     }
 
@@ -241,6 +259,92 @@ where
             return Ok(());
         }
         self.inner.unclaim(key).await
+    }
+}
+
+#[async_trait]
+impl<S> OutboxTransaction for BrokenTransaction<S>
+where
+    S: OutboxStore + Clone,
+{
+    async fn enqueue(&mut self, message: &OutgoingMessage) -> Result<EnqueueOutcome, InboxError> {
+        if self.store.kind != Broken::PublishBeforeCommit {
+            return self.inner.enqueue(message).await;
+        }
+        // Its own transaction, committed at once: relays see the message
+        // whatever becomes of the business writes.
+        let mut own = self.store.inner.begin().await?;
+        let outcome = own.enqueue(message).await?;
+        own.commit().await?;
+        Ok(outcome)
+    }
+}
+
+#[async_trait]
+impl<S: OutboxStore + Clone> OutboxStore for BrokenStore<S> {
+    async fn take_pending(
+        &self,
+        limit: std::num::NonZeroU32,
+        lease: Duration,
+    ) -> Result<OutboxLease, InboxError> {
+        let mut taken = self.inner.take_pending(limit, lease).await?;
+        if self.kind != Broken::LeaseIgnored {
+            return Ok(taken);
+        }
+        // Whatever an earlier lease holds and is still unpublished is due
+        // again for this relay.
+        let earlier: Vec<MessageId> = self
+            .leased
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        for id in earlier {
+            if taken.messages.len() >= limit.get() as usize {
+                break;
+            }
+            if taken.ids().contains(&id) {
+                continue;
+            }
+            if let Some(record) = self.inner.lookup_outgoing(&id).await?
+                && record.published_at.is_none()
+            {
+                taken.messages.push(record.message);
+            }
+        }
+        let mut leased = self
+            .leased
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for id in taken.ids() {
+            if !leased.contains(&id) {
+                leased.push(id);
+            }
+        }
+        Ok(taken)
+    }
+
+    async fn mark_published(&self, ids: &[MessageId]) -> Result<u64, InboxError> {
+        self.inner.mark_published(ids).await
+    }
+
+    async fn release(&self, lease: &OutboxLease) -> Result<u64, InboxError> {
+        self.inner.release(lease).await
+    }
+
+    async fn lookup_outgoing(&self, id: &MessageId) -> Result<Option<OutboxRecord>, InboxError> {
+        self.inner.lookup_outgoing(id).await
+    }
+
+    async fn pending_count(&self) -> Result<u64, InboxError> {
+        self.inner.pending_count().await
+    }
+
+    async fn purge_published_batch(
+        &self,
+        cutoff: DateTime<Utc>,
+        limit: NonZeroU32,
+    ) -> Result<u64, InboxError> {
+        self.inner.purge_published_batch(cutoff, limit).await
     }
 }
 
@@ -316,5 +420,15 @@ impl<H: Harness> Harness for BrokenHarness<H> {
 
     fn blocking_probe(&self) -> Duration {
         self.inner.blocking_probe()
+    }
+}
+
+#[async_trait]
+impl<H: OutboxHarness> OutboxHarness for BrokenHarness<H>
+where
+    H::Store: OutboxStore,
+{
+    async fn age_outbox(&self, store: &Self::Store, age: Duration) {
+        self.inner.age_outbox(store.inner(), age).await;
     }
 }

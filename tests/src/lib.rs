@@ -19,18 +19,24 @@
 //! Postgres backends also implement [`PgHarness`] and call
 //! [`postgres_tests!`]: the live PostgreSQL scenarios of [`postgres`].
 //!
-//! `PROPTEST_CASES` sets the model's case count (default 1,000).
+//! Stores that are also a transactional outbox implement [`OutboxHarness`]
+//! and call [`outbox_conformance_tests!`]: the outbox's contract tests and
+//! its relay crash-point model ([`outbox`]).
+//!
+//! `PROPTEST_CASES` sets the models' case count (default 1,000).
 #![deny(missing_docs)]
 
 pub mod broken;
 pub mod contract;
 mod harness;
 pub mod model;
+pub mod outbox;
 pub mod postgres;
 
 use std::fmt;
 
 pub use harness::{CrashKind, Harness, TxOf};
+pub use outbox::OutboxHarness;
 pub use postgres::PgHarness;
 
 /// A broken promise of the contract, with what was seen.

@@ -6,7 +6,7 @@ mod common;
 
 use inbox_conformance::broken::{Broken, BrokenHarness};
 use inbox_conformance::model::Mode;
-use inbox_conformance::{contract, model, runtime};
+use inbox_conformance::{contract, model, outbox, runtime};
 
 /// Cases the model gets to find each bug (with a fixed seed, so the test is
 /// stable); the healthy store passes the same schedules.
@@ -49,6 +49,45 @@ fn batched_crash_point_model_rejects_every_broken_store() {
 }
 
 #[test]
+fn outbox_contract_tests_reject_every_broken_outbox() {
+    let rt = runtime();
+    for kind in Broken::OUTBOX {
+        let harness = BrokenHarness::new(common::MemoryHarness, kind);
+        let failures = rt.block_on(outbox::contract::run_all(&harness));
+        assert!(
+            !failures.is_empty(),
+            "the outbox contract tests accepted a store broken by {kind:?}"
+        );
+        let names: Vec<_> = failures.iter().map(|(name, _)| *name).collect();
+        println!("{kind:?} rejected by {names:?}");
+    }
+}
+
+#[test]
+fn outbox_model_rejects_every_broken_outbox() {
+    let rt = runtime();
+    for kind in Broken::OUTBOX {
+        let harness = BrokenHarness::new(common::MemoryHarness, kind);
+        match outbox::model::run_deterministic(&rt, &harness, MODEL_CASES) {
+            Ok(()) => panic!("the outbox crash-point model accepted a store broken by {kind:?}"),
+            Err(failure) => println!("{kind:?} rejected by the outbox model:\n{failure}\n"),
+        }
+    }
+}
+
+/// An outbox bug is not an inbox bug: the inbox suite still passes over
+/// the broken outboxes, so the rejections above are the outbox suite's.
+#[test]
+fn the_inbox_suite_passes_over_a_broken_outbox() {
+    let rt = runtime();
+    for kind in Broken::OUTBOX {
+        let harness = BrokenHarness::new(common::MemoryHarness, kind);
+        let failures = rt.block_on(contract::run_all(&harness));
+        assert!(failures.is_empty(), "{kind:?}: {failures:?}");
+    }
+}
+
+#[test]
 fn healthy_store_passes_what_rejects_the_broken_ones() {
     let rt = runtime();
     let failures = rt.block_on(contract::run_all(&common::MemoryHarness));
@@ -60,4 +99,11 @@ fn healthy_store_passes_what_rejects_the_broken_ones() {
         model::run_deterministic(&rt, &common::MemoryHarness, MODEL_CASES, mode)
             .unwrap_or_else(|failure| panic!("{failure}"));
     }
+    let failures = rt.block_on(outbox::contract::run_all(&common::MemoryHarness));
+    assert!(
+        failures.is_empty(),
+        "healthy memory outbox failed: {failures:?}"
+    );
+    outbox::model::run_deterministic(&rt, &common::MemoryHarness, MODEL_CASES)
+        .unwrap_or_else(|failure| panic!("{failure}"));
 }

@@ -49,6 +49,44 @@ impl inbox_api::InboxStats for MemoryUnderTest {
     }
 }
 
+#[async_trait]
+impl inbox_api::OutboxStore for MemoryUnderTest {
+    async fn take_pending(
+        &self,
+        limit: std::num::NonZeroU32,
+        lease: Duration,
+    ) -> Result<inbox_api::OutboxLease, InboxError> {
+        self.store.take_pending(limit, lease).await
+    }
+
+    async fn mark_published(&self, ids: &[MessageId]) -> Result<u64, InboxError> {
+        self.store.mark_published(ids).await
+    }
+
+    async fn release(&self, lease: &inbox_api::OutboxLease) -> Result<u64, InboxError> {
+        self.store.release(lease).await
+    }
+
+    async fn lookup_outgoing(
+        &self,
+        id: &MessageId,
+    ) -> Result<Option<inbox_api::OutboxRecord>, InboxError> {
+        self.store.lookup_outgoing(id).await
+    }
+
+    async fn pending_count(&self) -> Result<u64, InboxError> {
+        self.store.pending_count().await
+    }
+
+    async fn purge_published_batch(
+        &self,
+        cutoff: DateTime<Utc>,
+        limit: std::num::NonZeroU32,
+    ) -> Result<u64, InboxError> {
+        self.store.purge_published_batch(cutoff, limit).await
+    }
+}
+
 pub(crate) struct MemoryHarness;
 
 #[allow(dead_code)] // used by memory.rs, not by every test file
@@ -114,5 +152,13 @@ impl Harness for MemoryHarness {
 
     async fn store_now(&self, store: &MemoryUnderTest) -> DateTime<Utc> {
         inbox_backend_memory::Clock::now(&*store.clock)
+    }
+}
+
+#[async_trait]
+impl inbox_conformance::OutboxHarness for MemoryHarness {
+    /// The manual clock moves: leases run out and rows age together.
+    async fn age_outbox(&self, store: &MemoryUnderTest, age: Duration) {
+        store.clock.advance(age);
     }
 }
