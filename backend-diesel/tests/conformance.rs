@@ -189,6 +189,23 @@ impl Harness for DieselHarness {
 
 inbox_conformance::postgres_tests!(harness);
 
+inbox_conformance::outbox_conformance_tests!(
+    harness,
+    cases = inbox_conformance::postgres::support::OUTBOX_MODEL_CASES
+);
+
+#[async_trait]
+impl inbox_conformance::OutboxHarness for DieselHarness {
+    async fn age_outbox(&self, store: &DieselStore, age: Duration) {
+        let mut conn = common::live_conn(store).await;
+        diesel::sql_query(inbox_conformance::postgres::support::AGE_OUTBOX)
+            .bind::<Double, _>(age.as_secs_f64())
+            .execute(&mut *conn)
+            .await
+            .expect("age the outbox");
+    }
+}
+
 #[derive(diesel::QueryableByName)]
 struct Int8 {
     #[diesel(sql_type = BigInt)]

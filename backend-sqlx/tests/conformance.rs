@@ -226,6 +226,22 @@ async fn harness_commit_lost_is_real() {
 
 inbox_conformance::postgres_tests!(harness);
 
+inbox_conformance::outbox_conformance_tests!(
+    harness,
+    cases = inbox_conformance::postgres::support::OUTBOX_MODEL_CASES
+);
+
+#[async_trait]
+impl inbox_conformance::OutboxHarness for SqlxHarness {
+    async fn age_outbox(&self, store: &SqlxStore, age: Duration) {
+        sqlx::query(inbox_conformance::postgres::support::AGE_OUTBOX)
+            .bind(age.as_secs_f64())
+            .execute(store.pool())
+            .await
+            .expect("age the outbox");
+    }
+}
+
 /// A connection of its own (outside every store's pool) in `store`'s
 /// schema.
 async fn side(store: &SqlxStore) -> sqlx::PgConnection {

@@ -4,7 +4,9 @@
 //! leaves nothing behind, a missing table is a permanent schema error, the
 //! purge goes through the partial index and cleaners share the work, the
 //! pool is clean after crashes, and migrations are shared, idempotent and
-//! safe to run at once.
+//! safe to run at once. The outbox's lease statements skip rows other
+//! connections lock, run out on the database clock, and walk their partial
+//! indexes; an enqueue waits for an open enqueue of its id.
 //!
 //! Shaped like the contract suite: plain `pub async fn`s generic over a
 //! [`PgHarness`], each returning an [`crate::Outcome`], and one macro,
@@ -12,12 +14,14 @@
 //! one named `#[test]` per scenario. [`support`] holds what the drivers'
 //! test scaffolding shares (database URL, schema names, the sweep rule).
 
+mod outbox;
 mod scenarios;
 pub mod support;
 
 use async_trait::async_trait;
 use inbox_api::InboxError;
 
+pub use outbox::*;
 pub use scenarios::*;
 
 use crate::{Harness, TxOf};
@@ -60,8 +64,8 @@ pub trait PgHarness: Harness {
 }
 
 /// Expands to one `#[test]` per Postgres scenario, each building its
-/// harness with `$setup` (an `async fn() -> impl PgHarness`) on its own
-/// multi-threaded runtime.
+/// harness with `$setup` (an `async fn() -> impl PgHarness +
+/// OutboxHarness`) on its own multi-threaded runtime.
 #[macro_export]
 macro_rules! postgres_tests {
     ($setup:path) => {
@@ -111,6 +115,11 @@ macro_rules! __with_postgres_tests {
             concurrent_migrations_of_one_schema_succeed,
             an_edited_migration_is_refused,
             a_cancelled_migration_does_not_block_other_instances,
+            outbox_relays_on_two_connections_skip_locked_rows,
+            outbox_parallel_relays_take_each_message_once,
+            outbox_a_dead_relays_lease_runs_out_on_the_database_clock,
+            outbox_an_enqueue_waits_for_an_open_enqueue_of_its_id,
+            outbox_take_and_purge_use_their_partial_indexes,
         }
     };
 }

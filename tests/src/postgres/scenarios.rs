@@ -23,7 +23,7 @@ fn nz(n: u32) -> NonZeroU32 {
 
 /// A migrated store in a new schema with at most `pool` connections, and
 /// the suite's effects table.
-async fn migrated<H: PgHarness>(h: &H, pool: usize) -> Result<H::Store, Failure> {
+pub(super) async fn migrated<H: PgHarness>(h: &H, pool: usize) -> Result<H::Store, Failure> {
     let store = h.store_in(&unique_schema(TEST_PREFIX), pool).await;
     h.migrate(&store).await?;
     h.side_execute(&store, EFFECTS_TABLE).await?;
@@ -85,13 +85,16 @@ async fn expect_no_trace<H: PgHarness>(h: &H, store: &H::Store, key: &InboxKey) 
 }
 
 /// Whether `fut` is still pending after `wait`: it is blocked.
-async fn still_pending<F: Future>(fut: &mut std::pin::Pin<&mut F>, wait: Duration) -> bool {
+pub(super) async fn still_pending<F: Future>(
+    fut: &mut std::pin::Pin<&mut F>,
+    wait: Duration,
+) -> bool {
     tokio::time::timeout(wait, fut.as_mut()).await.is_err()
 }
 
 /// Kills the server process behind `tx` from a side connection and waits
 /// (up to 5 s) until it is gone, its locks released.
-async fn terminate<H: PgHarness>(h: &H, store: &H::Store, tx: &mut TxOf<H>) -> Outcome {
+pub(super) async fn terminate<H: PgHarness>(h: &H, store: &H::Store, tx: &mut TxOf<H>) -> Outcome {
     let pid = h.tx_i64(tx, "SELECT pg_backend_pid()::int8").await?;
     let killed = h
         .side_i64(

@@ -30,6 +30,18 @@ pub const EFFECTS_TABLE: &str = "CREATE TABLE IF NOT EXISTS conformance_effects 
 pub const RECORD_EFFECT: &str =
     "INSERT INTO conformance_effects (message_id, consumer) VALUES ($1, $2)";
 
+/// Lets time pass for the outbox (`OutboxHarness::age_outbox`): `$1`
+/// seconds (float8) off every row's timestamps and lease deadline.
+pub const AGE_OUTBOX: &str = "UPDATE outbox_messages SET \
+     created_at = created_at - make_interval(secs => $1), \
+     published_at = published_at - make_interval(secs => $1), \
+     locked_until = locked_until - make_interval(secs => $1)";
+
+/// Outbox model cases for a Postgres backend's default run: each case runs
+/// a few dozen real statements, so CI keeps it short; run more with
+/// `PROPTEST_CASES`.
+pub const OUTBOX_MODEL_CASES: u32 = 100;
+
 /// `DATABASE_URL`, or the local test database.
 pub fn database_url() -> String {
     std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())
