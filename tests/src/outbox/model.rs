@@ -20,8 +20,8 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
-use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::num::NonZeroU32;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use inbox_api::{
