@@ -99,6 +99,20 @@ mod tests {
     }
 
     #[test]
+    fn a_tie_between_queue_and_tree_is_named_and_popped_alike() {
+        let mut index = ProcessedIndex::default();
+        index.insert(entry(5, 0));
+        index.insert(entry(9, 1));
+        index.insert(entry(5, 2)); // older than the newest queued: the tree
+        assert_eq!(index.out_of_order.len(), 1);
+        for _ in 0..3 {
+            let first = index.first().cloned().unwrap();
+            assert_eq!(Some(first), index.pop_first());
+        }
+        assert!(index.first().is_none());
+    }
+
+    #[test]
     fn in_order_inserts_stay_out_of_the_tree() {
         let mut index = ProcessedIndex::default();
         for n in 0..100 {

@@ -303,6 +303,11 @@ async fn crossed_claims_are_a_deadlock_that_aborts_one_transaction() {
         .unwrap_err();
     assert!(matches!(err, InboxError::Conflict { .. }), "{err}");
     assert_eq!(err.disposition(), Disposition::Retry);
+    // The log line an operator reads names the cause, as Postgres's 40P01 does.
+    assert!(
+        source_text(&err).starts_with("deadlock detected"),
+        "{err:?}"
+    );
 
     // b's claims are released at once, so a proceeds.
     let (claim, a) = finish(a_claims_k2).await;
@@ -310,10 +315,12 @@ async fn crossed_claims_are_a_deadlock_that_aborts_one_transaction() {
     a.commit().await.unwrap();
 
     // The aborted transaction refuses further work and cannot commit.
-    assert!(matches!(
-        b.savepoint().await,
-        Err(InboxError::Conflict { .. })
-    ));
+    let refused = b.savepoint().await.unwrap_err();
+    assert!(matches!(refused, InboxError::Conflict { .. }), "{refused}");
+    assert!(
+        source_text(&refused).contains("aborted by a deadlock"),
+        "{refused:?}"
+    );
     assert!(
         b.commit().await.is_err(),
         "an aborted transaction never commits"
@@ -764,4 +771,12 @@ async fn handle_works_through_an_arc_store() {
         .unwrap();
     assert_eq!(outcome, Handled::Processed(()));
     assert_eq!(store.get("via-arc"), Some(b"1".to_vec()));
+}
+
+/// The message of the error beneath `err` (what a log line shows after the
+/// kind).
+fn source_text(err: &InboxError) -> String {
+    std::error::Error::source(err)
+        .map(ToString::to_string)
+        .unwrap_or_default()
 }

@@ -1,47 +1,26 @@
-//! Parcel Tracking: a RabbitMQ service whose two consumers act exactly once
-//! per message, through the inbox.
+//! Exactly-once effects for RabbitMQ consumers through the inbox: a generic
+//! runtime, the Parcel Tracking service built on it, and the tools around
+//! both.
 //!
-//! `ParcelCreatedEvent`s are published to a topic exchange and routed to two
-//! quorum queues. [`consumers::NotificationConsumer`] records (and after
-//! commit sends) a notification; [`consumers::CarrierAssignmentConsumer`]
-//! reserves (and after commit books) a carrier slot. Neither contains any
-//! idempotency code: the message path ([`worker`]) wraps each in
-//! [`inbox_api::Inbox::handle`], scoped by the consumer's name, and acks only
-//! after the commit.
+//! Three places, each knowing only the ones before it:
 //!
-//! - [`event`]: the event and the validation of a delivery (bad input).
-//! - [`effects`]: the business writes, one trait over every store.
-//! - [`downstream`]: the non-transactional calls and the trade-off chosen.
-//! - [`dispatch`]: marking intents dispatched, the reconciler, the durable
-//!   stub ledger.
-//! - [`worker`]: one delivery from decode to ack, retry or dead-letter.
-//! - [`batch`]: batched mode, many deliveries per transaction.
-//! - [`service`]: consuming, reconnecting, shutting down, cleanup.
-//! - [`topology`], [`amqp`]: RabbitMQ names and plumbing.
-//! - [`store`]: the stores (cargo features `sqlx`, `diesel`, `memory`).
-//! - [`publish`], [`demo`], [`telemetry`]: the load generator, the demo,
-//!   logs and metrics.
+//! - [`runtime`]: the generic RabbitMQ runtime (delivery → key →
+//!   [`inbox_api::Inbox::handle`] / `handle_batch` → settle, reason headers,
+//!   batching, shutdown, reconnect, metrics). It knows no domain: a consumer
+//!   is a [`runtime::Handler`], wired in with [`runtime::Service`].
+//! - [`parcel`]: the Parcel Tracking domain, the runtime's first user: two
+//!   consumers of `parcel.created`, their effects, downstream calls, events,
+//!   and one file per store backend.
+//! - [`tools`]: what exercises both: the command line's pieces, the demo,
+//!   the load generator, store selection and fault injection.
+
 #![deny(missing_docs)]
 
-pub mod amqp;
-pub mod batch;
-pub mod consumers;
-pub mod demo;
-pub mod dispatch;
-pub mod downstream;
-pub mod effects;
-pub mod error;
-pub mod event;
-pub mod publish;
-pub mod redact;
-pub mod service;
-pub mod store;
-pub mod tally;
-pub mod telemetry;
-pub mod topology;
-pub mod worker;
+pub mod parcel;
+pub mod runtime;
+pub mod tools;
 
-pub use error::AppError;
+pub use runtime::AppError;
 
 #[cfg(not(any(feature = "sqlx", feature = "diesel", feature = "memory")))]
 compile_error!("enable at least one store feature: sqlx, diesel or memory");

@@ -8,16 +8,17 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use consumer_app::amqp::{Outgoing, connect};
-use consumer_app::batch::BatchConfig;
-use consumer_app::consumers::Role;
-use consumer_app::downstream::{StubCarrier, StubNotifier};
-use consumer_app::publish::{Plan, publish};
-use consumer_app::service::{Downstreams, ServiceConfig, spawn};
-use consumer_app::store::ParcelStore;
-use consumer_app::tally::{Faults, get};
-use consumer_app::topology::Topology;
-use consumer_app::worker::{WorkerConfig, header_text};
+use consumer_app::parcel::downstream::{Downstreams, StubCarrier, StubNotifier};
+use consumer_app::parcel::role::Role;
+use consumer_app::parcel::service::{consumers, with_handlers};
+use consumer_app::parcel::store::ParcelStore;
+use consumer_app::parcel::topology::Topology;
+use consumer_app::runtime::amqp::{Outgoing, connect};
+use consumer_app::runtime::message::header_text;
+use consumer_app::runtime::tally::get;
+use consumer_app::runtime::{BatchConfig, ServiceConfig, WorkerConfig};
+use consumer_app::tools::faults::Faults;
+use consumer_app::tools::publish::{Plan, publish};
 use inbox_api::{ConsumerName, InboxKey};
 use lapin::options::BasicGetOptions;
 
@@ -82,7 +83,7 @@ async fn batched_exactly_once<S: ParcelStore>(store: S, names: Names) {
     if let Err(error) = connect(AMQP_URL, "parcel-inbox test probe").await {
         panic!(
             "RabbitMQ is not reachable at 127.0.0.1:5672 ({}); start it with `bash .ci/services.sh`",
-            consumer_app::error::chain(&error)
+            consumer_app::runtime::error::chain(&error)
         );
     }
     let topology = Topology::new(&names.prefix);
@@ -102,7 +103,7 @@ async fn batched_exactly_once<S: ParcelStore>(store: S, names: Names) {
         30,
         Outgoing {
             message_id: None,
-            kind: Some(consumer_app::event::EVENT_TYPE.to_owned()),
+            kind: Some(consumer_app::parcel::events::EVENT_TYPE.to_owned()),
             body: br#"{"parcel_id":"P-x","tracking_number":"TNx","destination":"Oslo"}"#.to_vec(),
         },
     );
@@ -117,22 +118,25 @@ async fn batched_exactly_once<S: ParcelStore>(store: S, names: Names) {
     ));
     let carrier = Arc::new(StubCarrier::default());
     let notifier = Arc::new(StubNotifier::default());
-    let service = spawn(
+    let (notification_consumer, carrier_consumer) = consumers(Downstreams {
+        carrier: carrier.clone(),
+        notifier: notifier.clone(),
+    })
+    .expect("consumers");
+    let service = with_handlers(
         store.clone(),
         ServiceConfig {
             amqp_url: AMQP_URL.to_owned(),
-            topology: topology.clone(),
             worker: worker_config(),
             connection_name: names.connection.clone(),
             cleanup: None,
             gauge_interval: None,
         },
-        Downstreams {
-            carrier: carrier.clone(),
-            notifier: notifier.clone(),
-        },
-        faults,
+        &topology,
+        faults.wrap(notification_consumer),
+        faults.wrap(carrier_consumer),
     )
+    .spawn()
     .expect("service starts");
     let tally = Arc::clone(&service.tally);
     let total = N + copies;
@@ -140,8 +144,8 @@ async fn batched_exactly_once<S: ParcelStore>(store: S, names: Names) {
         "every delivery finished by both consumers",
         Duration::from_secs(60),
         || {
-            let n = tally.role(Role::Notification);
-            let c = tally.role(Role::Carrier);
+            let n = tally.consumer(Role::Notification.consumer_name());
+            let c = tally.consumer(Role::Carrier.consumer_name());
             n.finished() > total
                 && get(&c.processed) + get(&c.duplicates) >= total - 1 - copies_of(&plan, poison)
                 && c.dead_lettered()
@@ -155,7 +159,7 @@ async fn batched_exactly_once<S: ParcelStore>(store: S, names: Names) {
     service.shutdown();
     service.join().await.expect("clean shutdown");
 
-    let notification = tally.role(Role::Notification);
+    let notification = tally.consumer(Role::Notification.consumer_name());
     assert_eq!(get(&notification.processed), N);
     assert_eq!(
         get(&notification.duplicates),
@@ -173,7 +177,7 @@ async fn batched_exactly_once<S: ParcelStore>(store: S, names: Names) {
         "batched: {batches} batches for {N} messages"
     );
 
-    let carrier_tally = tally.role(Role::Carrier);
+    let carrier_tally = tally.consumer(Role::Carrier.consumer_name());
     assert_eq!(get(&carrier_tally.processed), N - 1, "all but the poison");
     assert_eq!(
         carrier_tally.dead_lettered().get("retries_exhausted"),

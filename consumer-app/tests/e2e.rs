@@ -12,16 +12,18 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use consumer_app::amqp::{Outgoing, connect};
-use consumer_app::consumers::Role;
-use consumer_app::downstream::{StubCarrier, StubNotifier};
-use consumer_app::event::{BadInputReason, EVENT_TYPE};
-use consumer_app::publish::{Plan, publish};
-use consumer_app::service::{Downstreams, ServiceConfig, ServiceHandle, spawn};
-use consumer_app::store::{ParcelStore, Stats};
-use consumer_app::tally::{Faults, get};
-use consumer_app::topology::Topology;
-use consumer_app::worker::{WorkerConfig, header_text};
+use consumer_app::parcel::downstream::{Downstreams, StubCarrier, StubNotifier};
+use consumer_app::parcel::events::EVENT_TYPE;
+use consumer_app::parcel::role::Role;
+use consumer_app::parcel::service::{consumers, with_handlers};
+use consumer_app::parcel::store::{ParcelStore, Stats};
+use consumer_app::parcel::topology::Topology;
+use consumer_app::runtime::amqp::{Outgoing, connect};
+use consumer_app::runtime::message::{BadInputReason, header_text};
+use consumer_app::runtime::tally::get;
+use consumer_app::runtime::{ServiceConfig, ServiceHandle, WorkerConfig};
+use consumer_app::tools::faults::Faults;
+use consumer_app::tools::publish::{Plan, publish};
 use inbox_api::{ConsumerName, InboxKey};
 use lapin::options::BasicGetOptions;
 
@@ -38,6 +40,15 @@ fn with_application_name(url: &str, name: &str) -> String {
 fn database_url() -> String {
     std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+#[cfg(any(feature = "sqlx", feature = "diesel"))]
+fn unreachable_postgres(error: &inbox_api::InboxError) -> ! {
+    panic!(
+        "PostgreSQL is not reachable at {} ({}); start it with `bash .ci/services.sh`",
+        consumer_app::runtime::redact::redact_url(&database_url()),
+        consumer_app::runtime::error::chain(error)
+    )
 }
 
 fn unique() -> String {
@@ -64,7 +75,7 @@ async fn require_rabbitmq() {
     if let Err(error) = connect(AMQP_URL, "parcel-inbox test probe").await {
         panic!(
             "RabbitMQ is not reachable at 127.0.0.1:5672 ({}); start it with `bash .ci/services.sh`",
-            consumer_app::error::chain(&error)
+            consumer_app::runtime::error::chain(&error)
         );
     }
 }
@@ -94,26 +105,29 @@ async fn start<S: ParcelStore>(store: &S, names: &Names, faults: Faults) -> Runn
 
 async fn start_with<S: ParcelStore>(store: &S, names: &Names, faults: Arc<Faults>) -> Running {
     if std::env::var_os("RUST_LOG").is_some() {
-        consumer_app::telemetry::init_logging();
+        consumer_app::runtime::telemetry::init_logging();
     }
     let carrier = Arc::new(StubCarrier::default());
     let notifier = Arc::new(StubNotifier::default());
-    let service = spawn(
+    let (notification_consumer, carrier_consumer) = consumers(Downstreams {
+        carrier: carrier.clone(),
+        notifier: notifier.clone(),
+    })
+    .expect("consumers");
+    let service = with_handlers(
         store.clone(),
         ServiceConfig {
             amqp_url: AMQP_URL.to_owned(),
-            topology: Topology::new(&names.prefix),
             worker: worker_config(),
             connection_name: names.connection.clone(),
             cleanup: None,
             gauge_interval: None,
         },
-        Downstreams {
-            carrier: carrier.clone(),
-            notifier: notifier.clone(),
-        },
-        faults,
+        &Topology::new(&names.prefix),
+        faults.wrap(notification_consumer),
+        faults.wrap(carrier_consumer),
     )
+    .spawn()
     .expect("service starts");
     service
         .wait_consuming(1, Duration::from_secs(20))
@@ -225,14 +239,18 @@ async fn duplicates_are_discarded_per_consumer<S: ParcelStore>(store: S, names: 
     eventually(
         "90 deliveries per consumer",
         Duration::from_secs(30),
-        async || Role::ALL.iter().all(|r| tally.role(*r).finished() >= 90),
+        async || {
+            Role::ALL
+                .iter()
+                .all(|r| tally.consumer(r.consumer_name()).finished() >= 90)
+        },
     )
     .await;
     run.service.shutdown();
     run.service.join().await.expect("clean shutdown");
 
     for role in Role::ALL {
-        let t = tally.role(role);
+        let t = tally.consumer(role.consumer_name());
         assert_eq!(get(&t.processed), 60, "{role:?}");
         assert_eq!(get(&t.duplicates), 30, "{role:?}: every copy discarded");
         assert_eq!(t.dead_lettered_total(), 0, "{role:?}");
@@ -342,7 +360,7 @@ async fn bad_input_is_dead_lettered_with_reason<S: ParcelStore>(store: S, names:
         Duration::from_secs(20),
         async || {
             Role::ALL.iter().all(|r| {
-                let t = tally.role(*r);
+                let t = tally.consumer(r.consumer_name());
                 t.dead_lettered_total() >= 6 && get(&t.processed) >= 1
             })
         },
@@ -358,7 +376,11 @@ async fn bad_input_is_dead_lettered_with_reason<S: ParcelStore>(store: S, names:
         .expect("connect");
     let channel = connection.create_channel().await.expect("channel");
     for role in Role::ALL {
-        let counted: BTreeSet<String> = tally.role(role).dead_lettered().into_keys().collect();
+        let counted: BTreeSet<String> = tally
+            .consumer(role.consumer_name())
+            .dead_lettered()
+            .into_keys()
+            .collect();
         assert_eq!(counted, expected, "{role:?}: one dead-letter per class");
         let dlq = topology.dead_letter_queue(role);
         let mut reasons = BTreeSet::new();
@@ -428,14 +450,17 @@ async fn retryable_failures_are_capped<S: ParcelStore>(store: S, names: Names) {
         "the poison message dead-lettered",
         Duration::from_secs(30),
         async || {
-            tally.role(Role::Carrier).dead_lettered_total() >= 1
-                && get(&tally.role(Role::Notification).processed) >= 5
+            tally
+                .consumer(Role::Carrier.consumer_name())
+                .dead_lettered_total()
+                >= 1
+                && get(&tally.consumer(Role::Notification.consumer_name()).processed) >= 5
         },
     )
     .await;
     run.service.shutdown();
     run.service.join().await.expect("clean shutdown");
-    let carrier = tally.role(Role::Carrier);
+    let carrier = tally.consumer(Role::Carrier.consumer_name());
     assert_eq!(
         carrier.dead_lettered().into_iter().collect::<Vec<_>>(),
         vec![("retries_exhausted".to_owned(), 1)]
@@ -542,20 +567,31 @@ async fn database_connections_killed_mid_work<S: ParcelStore>(
         async || {
             Role::ALL
                 .iter()
-                .all(|r| get(&tally.role(*r).processed) >= N)
+                .all(|r| get(&tally.consumer(r.consumer_name()).processed) >= N)
         },
     )
     .await;
     run.service.shutdown();
     run.service.join().await.expect("clean shutdown");
-    let retried: u64 = Role::ALL.iter().map(|r| get(&tally.role(*r).retried)).sum();
+    let retried: u64 = Role::ALL
+        .iter()
+        .map(|r| get(&tally.consumer(r.consumer_name()).retried))
+        .sum();
     assert!(
         retried >= 2 * concurrency,
         "the killed transactions were retried ({retried})"
     );
     for role in Role::ALL {
-        assert_eq!(get(&tally.role(role).processed), N, "{role:?}");
-        assert_eq!(tally.role(role).dead_lettered_total(), 0, "{role:?}");
+        assert_eq!(
+            get(&tally.consumer(role.consumer_name()).processed),
+            N,
+            "{role:?}"
+        );
+        assert_eq!(
+            tally.consumer(role.consumer_name()).dead_lettered_total(),
+            0,
+            "{role:?}"
+        );
     }
     let stats = store.stats().await.expect("stats");
     assert_exactly_once(&stats, N);
@@ -648,7 +684,10 @@ async fn closed_connection_redelivers_exactly_once<S: ParcelStore>(store: S, nam
 
     let redelivered: u64 = Role::ALL
         .iter()
-        .map(|r| get(&tally.role(*r).redelivered_processed) + get(&tally.role(*r).duplicates))
+        .map(|r| {
+            get(&tally.consumer(r.consumer_name()).redelivered_processed)
+                + get(&tally.consumer(r.consumer_name()).duplicates)
+        })
         .sum();
     assert!(
         redelivered >= 1,
@@ -657,7 +696,7 @@ async fn closed_connection_redelivers_exactly_once<S: ParcelStore>(store: S, nam
     );
     for role in Role::ALL {
         assert_eq!(
-            get(&tally.role(role).processed),
+            get(&tally.consumer(role.consumer_name()).processed),
             N,
             "{role:?}: processed once each"
         );
@@ -739,7 +778,7 @@ async fn graceful_shutdown_loses_nothing<S: ParcelStore>(store: S, names: Names)
     eventually("some work done", Duration::from_secs(20), async || {
         Role::ALL
             .iter()
-            .all(|r| get(&tally.role(*r).processed) >= 4)
+            .all(|r| get(&tally.consumer(r.consumer_name()).processed) >= 4)
     })
     .await;
     first.service.shutdown();
@@ -749,7 +788,7 @@ async fn graceful_shutdown_loses_nothing<S: ParcelStore>(store: S, names: Names)
         .expect("clean shutdown");
     let done_first: Vec<u64> = Role::ALL
         .iter()
-        .map(|r| get(&tally.role(*r).processed))
+        .map(|r| get(&tally.consumer(r.consumer_name()).processed))
         .collect();
     assert!(
         done_first.iter().all(|n| *n < 60),
@@ -765,111 +804,20 @@ async fn graceful_shutdown_loses_nothing<S: ParcelStore>(store: S, names: Names)
         Role::ALL
             .iter()
             .zip(&done_first)
-            .all(|(r, before)| get(&tally2.role(*r).processed) + before >= 60)
+            .all(|(r, before)| get(&tally2.consumer(r.consumer_name()).processed) + before >= 60)
     })
     .await;
     second.service.shutdown();
     second.service.join().await.expect("clean shutdown");
     for role in Role::ALL {
         assert_eq!(
-            get(&tally2.role(role).duplicates),
+            get(&tally2.consumer(role.consumer_name()).duplicates),
             0,
             "{role:?}: every committed delivery was acked before shutdown"
         );
     }
     let stats = store.stats().await.expect("stats");
     assert_exactly_once(&stats, 60);
-    cleanup(&store, &names).await;
-}
-
-/// The consumer process is killed (SIGKILL) mid-work: its open transactions
-/// die with it, the broker redelivers its unacked deliveries to a new
-/// instance, and every effect happens exactly once. (Postgres stores only:
-/// a memory store dies with its process.)
-#[cfg(any(feature = "sqlx", feature = "diesel"))]
-async fn killed_process_redelivers_exactly_once<S: ParcelStore>(
-    store: S,
-    names: Names,
-    kind: &str,
-) {
-    require_rabbitmq().await;
-    let _teardown = Teardown::new(&store, &names);
-    let topology = Topology::new(&names.prefix);
-    // `publish` declares the topology itself, so the messages are routed
-    // whether or not the child got there first.
-    let plan = Plan::new(40, 0.0, 9, &format!("P{}", names.schema)).expect("plan");
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
-        .args([
-            "--store",
-            kind,
-            "--database-url",
-            &database_url(),
-            "--amqp-url",
-            AMQP_URL,
-            "--schema",
-            &names.schema,
-            "--prefix",
-            &names.prefix,
-            "consume",
-            "--metrics-addr",
-            "off",
-            "--concurrency",
-            "4",
-            "--cleanup-interval-secs",
-            "0",
-            "--fault-work-delay-ms",
-            "200",
-        ])
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start parcel-inbox consume");
-    publish(AMQP_URL, &topology, &plan.messages, false)
-        .await
-        .expect("publish");
-    eventually(
-        "the child did some work",
-        Duration::from_secs(30),
-        async || {
-            let stats = store.stats().await.expect("stats");
-            stats.carrier_assignments.rows >= 4 && stats.notifications.rows >= 4
-        },
-    )
-    .await;
-    child.kill().await.expect("SIGKILL the consumer");
-    let before = store.stats().await.expect("stats");
-    assert!(
-        before.carrier_assignments.rows < 40,
-        "killed mid-stream: {before}"
-    );
-
-    let run = start(&store, &names, Faults::default()).await;
-    let tally = Arc::clone(&run.service.tally);
-    eventually(
-        "every effect present",
-        Duration::from_secs(40),
-        async || {
-            let stats = store.stats().await.expect("stats");
-            stats.carrier_assignments.rows >= 40 && stats.notifications.rows >= 40
-        },
-    )
-    .await;
-    // Give redeliveries of committed work time to arrive as duplicates.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    run.service.shutdown();
-    run.service.join().await.expect("clean shutdown");
-    let redelivered: u64 = Role::ALL
-        .iter()
-        .map(|r| get(&tally.role(*r).redelivered_processed) + get(&tally.role(*r).duplicates))
-        .sum();
-    assert!(
-        redelivered >= 1,
-        "the killed process's unacked deliveries came back"
-    );
-    let stats = store.stats().await.expect("stats");
-    assert_exactly_once(&stats, 40);
     cleanup(&store, &names).await;
 }
 
@@ -922,6 +870,64 @@ async fn demo_command_proves_exactly_once(store: &str) {
 
 // ------------------------------------------------------------ the backends
 
+/// One named `#[tokio::test]` per scenario for a backend: `$store` is an
+/// async fn from the test's [`Names`] to a migrated store, `$kind` the
+/// `--store` name; `postgres` adds the scenarios only a database that
+/// outlives the process can run.
+macro_rules! e2e_tests {
+    ($store:path, $kind:literal) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn duplicates_are_discarded_per_consumer() {
+            let names = names(concat!("dup-", $kind));
+            super::duplicates_are_discarded_per_consumer($store(&names).await, names).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn bad_input_is_dead_lettered_with_reason() {
+            let names = names(concat!("bad-", $kind));
+            super::bad_input_is_dead_lettered_with_reason($store(&names).await, names).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn retryable_failures_are_capped() {
+            let names = names(concat!("cap-", $kind));
+            super::retryable_failures_are_capped($store(&names).await, names).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn demo_command_proves_exactly_once() {
+            super::demo_command_proves_exactly_once($kind).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn closed_connection_redelivers_exactly_once() {
+            let names = names(concat!("close-", $kind));
+            super::closed_connection_redelivers_exactly_once($store(&names).await, names).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn graceful_shutdown_loses_nothing() {
+            let names = names(concat!("stop-", $kind));
+            super::graceful_shutdown_loses_nothing($store(&names).await, names).await;
+        }
+    };
+    ($store:path, $kind:literal, postgres) => {
+        e2e_tests!($store, $kind);
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn database_connections_killed_mid_work() {
+            let names = names(concat!("pgkill-", $kind));
+            let application_name = names.schema.clone();
+            super::database_connections_killed_mid_work(
+                $store(&names).await,
+                names,
+                &application_name,
+            )
+            .await;
+        }
+    };
+}
+
 #[cfg(feature = "sqlx")]
 mod sqlx_store {
     use super::*;
@@ -931,65 +937,12 @@ mod sqlx_store {
         let url = with_application_name(&database_url(), &names.schema);
         let store = SqlxStore::connect(&url, &names.schema)
             .await
-            .unwrap_or_else(|e| {
-                panic!(
-                    "PostgreSQL is not reachable at {} ({}); start it with `bash .ci/services.sh`",
-                    consumer_app::redact::redact_url(&database_url()),
-                    consumer_app::error::chain(&e)
-                )
-            });
+            .unwrap_or_else(|e| unreachable_postgres(&e));
         store.migrate_all().await.expect("migrate");
         store
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn duplicates_are_discarded_per_consumer() {
-        let names = names("dup-sqlx");
-        super::duplicates_are_discarded_per_consumer(store(&names).await, names).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn bad_input_is_dead_lettered_with_reason() {
-        let names = names("bad-sqlx");
-        super::bad_input_is_dead_lettered_with_reason(store(&names).await, names).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn retryable_failures_are_capped() {
-        let names = names("cap-sqlx");
-        super::retryable_failures_are_capped(store(&names).await, names).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn database_connections_killed_mid_work() {
-        let names = names("pgkill-sqlx");
-        let application_name = names.schema.clone();
-        super::database_connections_killed_mid_work(store(&names).await, names, &application_name)
-            .await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn demo_command_proves_exactly_once() {
-        super::demo_command_proves_exactly_once("sqlx").await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn closed_connection_redelivers_exactly_once() {
-        let names = names("close-sqlx");
-        super::closed_connection_redelivers_exactly_once(store(&names).await, names).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn graceful_shutdown_loses_nothing() {
-        let names = names("stop-sqlx");
-        super::graceful_shutdown_loses_nothing(store(&names).await, names).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn killed_process_redelivers_exactly_once() {
-        let names = names("kill-sqlx");
-        super::killed_process_redelivers_exactly_once(store(&names).await, names, "sqlx").await;
-    }
+    e2e_tests!(store, "sqlx", postgres);
 }
 
 #[cfg(feature = "diesel")]
@@ -1001,65 +954,12 @@ mod diesel_store {
         let url = with_application_name(&database_url(), &names.schema);
         let store = DieselStore::connect(&url, &names.schema, 8)
             .await
-            .unwrap_or_else(|e| {
-                panic!(
-                    "PostgreSQL is not reachable at {} ({}); start it with `bash .ci/services.sh`",
-                    consumer_app::redact::redact_url(&database_url()),
-                    consumer_app::error::chain(&e)
-                )
-            });
+            .unwrap_or_else(|e| unreachable_postgres(&e));
         store.migrate_all().await.expect("migrate");
         store
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn duplicates_are_discarded_per_consumer() {
-        let names = names("dup-diesel");
-        super::duplicates_are_discarded_per_consumer(store(&names).await, names).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn bad_input_is_dead_lettered_with_reason() {
-        let names = names("bad-diesel");
-        super::bad_input_is_dead_lettered_with_reason(store(&names).await, names).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn retryable_failures_are_capped() {
-        let names = names("cap-diesel");
-        super::retryable_failures_are_capped(store(&names).await, names).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn database_connections_killed_mid_work() {
-        let names = names("pgkill-diesel");
-        let application_name = names.schema.clone();
-        super::database_connections_killed_mid_work(store(&names).await, names, &application_name)
-            .await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn demo_command_proves_exactly_once() {
-        super::demo_command_proves_exactly_once("diesel").await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn closed_connection_redelivers_exactly_once() {
-        let names = names("close-diesel");
-        super::closed_connection_redelivers_exactly_once(store(&names).await, names).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn graceful_shutdown_loses_nothing() {
-        let names = names("stop-diesel");
-        super::graceful_shutdown_loses_nothing(store(&names).await, names).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn killed_process_redelivers_exactly_once() {
-        let names = names("kill-diesel");
-        super::killed_process_redelivers_exactly_once(store(&names).await, names, "diesel").await;
-    }
+    e2e_tests!(store, "diesel", postgres);
 }
 
 #[cfg(feature = "memory")]
@@ -1067,34 +967,9 @@ mod memory_store {
     use super::*;
     use inbox_backend_memory::MemoryStore;
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn duplicates_are_discarded_per_consumer() {
-        super::duplicates_are_discarded_per_consumer(MemoryStore::new(), names("dup-mem")).await;
+    async fn store(_names: &Names) -> MemoryStore {
+        MemoryStore::new()
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn bad_input_is_dead_lettered_with_reason() {
-        super::bad_input_is_dead_lettered_with_reason(MemoryStore::new(), names("bad-mem")).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn retryable_failures_are_capped() {
-        super::retryable_failures_are_capped(MemoryStore::new(), names("cap-mem")).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn demo_command_proves_exactly_once() {
-        super::demo_command_proves_exactly_once("memory").await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn closed_connection_redelivers_exactly_once() {
-        super::closed_connection_redelivers_exactly_once(MemoryStore::new(), names("close-mem"))
-            .await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn graceful_shutdown_loses_nothing() {
-        super::graceful_shutdown_loses_nothing(MemoryStore::new(), names("stop-mem")).await;
-    }
+    e2e_tests!(store, "memory");
 }

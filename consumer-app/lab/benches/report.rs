@@ -1,0 +1,935 @@
+//! What the inbox costs on PostgreSQL: messages per second at 1, 4 and 16
+//! concurrent consumers, for
+//!
+//! - (a) a bare transaction doing only the business write: BEGIN, one
+//!   INSERT, COMMIT. The limit any inbox is measured against.
+//! - (b) the inbox: `Inbox::handle` on the sqlx backend around the same
+//!   write (BEGIN, claim (which sets `processed_at`), write, COMMIT).
+//! - (c) the article's algorithm ported: BEGIN, `SELECT EXISTS` on the inbox
+//!   table, plain INSERT into it, the write, COMMIT. Its table has the same
+//!   definition as (b)'s, so only the algorithm differs.
+//! - (d) (a) through diesel-async: `conn.transaction(..)` on a connection of
+//!   a deadpool pool of the same size, the same INSERT (diesel DSL, so that
+//!   diesel prepares it once per connection as sqlx does; a `sql_query` is
+//!   re-prepared on every call).
+//! - (e) (b) on the diesel backend: `Inbox::handle` on `DieselStore`, in the
+//!   same schema, around (d)'s INSERT. `e/b` is the diesel inbox's rate over
+//!   the sqlx inbox's.
+//!
+//! The first table delivers every message once (new v7 ids): the steady
+//! state of a consumer. The second delivers every message twice at once, a
+//! redelivery racing the first delivery: there (c)'s losing copy fails with
+//! a unique violation where (b)'s waits and answers `Duplicate`. Cells are
+//! interleaved in short slices so that drift on a shared machine spreads
+//! over all columns alike.
+//!
+//! The same run also measures, into one report (`docs/benchmark.md` and
+//! the chart `docs/benchmark.svg`, ratios to the bare baselines of this
+//! run):
+//!
+//! - (f)–(i) batched mode: `Inbox::handle_batch` over K = 10 and 100 new
+//!   messages per transaction, sqlx and diesel (diesel's rows are skipped
+//!   if its store refuses savepoints);
+//! - the memory store through `Inbox::handle`, on one core (a
+//!   current-thread runtime on its own thread);
+//! - end to end through RabbitMQ (`support/e2e.rs`): bare consume+ack with
+//!   no database, against the app (`consumer_app::parcel::service`) per message
+//!   and batched (K = 100), draining a pre-published queue;
+//! - cleanup at scale (`support/cleanup.rs`): 1,000,000 expired rows purged
+//!   in batches of 10,000, with the claim latency beside it.
+//!
+//! Run: `cargo bench -p parcel-lab --bench report` (PostgreSQL
+//! and RabbitMQ up: `bash .ci/services.sh`).
+//! `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`),
+//! `INBOX_BENCH_SECS` (seconds per cell, default 2), `INBOX_BENCH_TASKS`
+//! (default `1,4,16`), `INBOX_BENCH_E2E_EVENTS` (events per end-to-end
+//! cell, default 10,000), `INBOX_BENCH_CLEANUP_ROWS` (default 1,000,000; 0
+//! skips the cleanup run).
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use inbox_api::{ConsumerName, Handled, Inbox, InboxError, InboxKey, MessageId};
+use inbox_backend_sqlx::sqlx::{self, PgPool, postgres::PgPoolOptions};
+use inbox_backend_sqlx::{SqlxStore, classify};
+
+use diesel::ExpressionMethods as _;
+use inbox_backend_diesel::{DieselStore, classify as classify_diesel};
+
+diesel::table! {
+    /// `bench_events` for diesel's DSL. The table has no primary key;
+    /// diesel's `table!` wants one and only uses it for `find`.
+    bench_events (message_id) {
+        message_id -> Uuid,
+        payload -> Text,
+    }
+}
+
+const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+/// Each cell's time is cut into slices of about this length, run in turn
+/// with the other variants' slices.
+const SLICE: Duration = Duration::from_millis(250);
+
+const BUSINESS: &str = "INSERT INTO bench_events (message_id, payload) VALUES ($1, $2)";
+const ARTICLE_CHECK: &str =
+    "SELECT EXISTS (SELECT 1 FROM article_inbox WHERE id = $1 AND consumer_type = $2)";
+const ARTICLE_INSERT: &str = "INSERT INTO article_inbox (id, consumer_type) VALUES ($1, $2)";
+const PAYLOAD: &str = "parcel P-1 scanned at depot 7";
+
+/// One way of handling a delivery. New variants (other backends) go here
+/// and into [`Variant::ALL`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Variant {
+    BareTx,
+    Inbox,
+    Article,
+    DieselBareTx,
+    DieselInbox,
+    /// (b) in batched mode: `Inbox::handle_batch` over K new messages.
+    SqlxBatch(usize),
+    /// (e) in batched mode.
+    DieselBatch(usize),
+}
+
+impl Variant {
+    const ALL: [Self; 5] = [
+        Self::BareTx,
+        Self::Inbox,
+        Self::Article,
+        Self::DieselBareTx,
+        Self::DieselInbox,
+    ];
+
+    fn header(self) -> &'static str {
+        match self {
+            Self::BareTx => "(a) bare tx, business write only (sqlx)",
+            Self::Inbox => "(b) inbox per message (sqlx)",
+            Self::Article => "(c) article's check-then-insert (sqlx)",
+            Self::DieselBareTx => "(d) bare tx, business write only (diesel)",
+            Self::DieselInbox => "(e) inbox per message (diesel)",
+            Self::SqlxBatch(10) => "(f) inbox batched K=10 (sqlx)",
+            Self::SqlxBatch(_) => "(g) inbox batched K=100 (sqlx)",
+            Self::DieselBatch(10) => "(h) inbox batched K=10 (diesel)",
+            Self::DieselBatch(_) => "(i) inbox batched K=100 (diesel)",
+        }
+    }
+}
+
+/// What every variant works on: one schema, one pool.
+struct Bench {
+    pool: PgPool,
+    inbox: Inbox<SqlxStore>,
+    diesel: Inbox<DieselStore>,
+    consumer: ConsumerName,
+}
+
+impl Bench {
+    /// Handles one delivery of `key` (batched variants: of `key` and K - 1
+    /// more new messages); how many messages' work ran.
+    async fn deliver(&self, variant: Variant, key: &InboxKey) -> Result<u64, InboxError> {
+        match variant {
+            Variant::SqlxBatch(k) => {
+                let outcomes = self
+                    .inbox
+                    .handle_batch(batch_items(key, k), async |tx, id: &uuid::Uuid| {
+                        sqlx::query(BUSINESS)
+                            .bind(id)
+                            .bind(PAYLOAD)
+                            .execute(tx.conn())
+                            .await
+                            .map_err(classify)?;
+                        Ok::<_, InboxError>(())
+                    })
+                    .await;
+                return processed(outcomes);
+            }
+            Variant::DieselBatch(k) => {
+                use inbox_backend_diesel::diesel_async::RunQueryDsl as _;
+                let outcomes = self
+                    .diesel
+                    .handle_batch(batch_items(key, k), async |tx, id: &uuid::Uuid| {
+                        diesel::insert_into(bench_events::table)
+                            .values((
+                                bench_events::message_id.eq(id),
+                                bench_events::payload.eq(PAYLOAD),
+                            ))
+                            .execute(tx.conn())
+                            .await
+                            .map_err(classify_diesel)?;
+                        Ok::<_, InboxError>(())
+                    })
+                    .await;
+                return processed(outcomes);
+            }
+            _ => {}
+        }
+        self.deliver_one(variant, key).await.map(u64::from)
+    }
+
+    /// Handles one delivery of `key`; `true` when its work ran.
+    async fn deliver_one(&self, variant: Variant, key: &InboxKey) -> Result<bool, InboxError> {
+        let id = key.message_id.as_uuid();
+        match variant {
+            Variant::SqlxBatch(_) | Variant::DieselBatch(_) => Ok(false),
+            Variant::BareTx => {
+                let mut tx = self.pool.begin().await.map_err(classify)?;
+                sqlx::query(BUSINESS)
+                    .bind(id)
+                    .bind(PAYLOAD)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(classify)?;
+                tx.commit().await.map_err(classify)?;
+                Ok(true)
+            }
+            Variant::Inbox => {
+                let handled = self
+                    .inbox
+                    .handle(key, async |tx| {
+                        sqlx::query(BUSINESS)
+                            .bind(id)
+                            .bind(PAYLOAD)
+                            .execute(tx.conn())
+                            .await
+                            .map_err(classify)?;
+                        Ok::<_, InboxError>(())
+                    })
+                    .await?;
+                Ok(matches!(handled, Handled::Processed(())))
+            }
+            Variant::Article => {
+                let mut tx = self.pool.begin().await.map_err(classify)?;
+                let seen: bool = sqlx::query_scalar(ARTICLE_CHECK)
+                    .bind(id)
+                    .bind(key.consumer.as_str())
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(classify)?;
+                if seen {
+                    tx.rollback().await.map_err(classify)?;
+                    return Ok(false);
+                }
+                sqlx::query(ARTICLE_INSERT)
+                    .bind(id)
+                    .bind(key.consumer.as_str())
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(classify)?;
+                sqlx::query(BUSINESS)
+                    .bind(id)
+                    .bind(PAYLOAD)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(classify)?;
+                tx.commit().await.map_err(classify)?;
+                Ok(true)
+            }
+            Variant::DieselBareTx => {
+                // Scoped: diesel-async's `RunQueryDsl` is implemented for
+                // every type and would shadow `AtomicU64::load` below.
+                use inbox_backend_diesel::diesel_async::{AsyncConnection as _, RunQueryDsl as _};
+                let mut conn = self
+                    .diesel
+                    .store()
+                    .pool()
+                    .get()
+                    .await
+                    .map_err(inbox_backend_diesel::classify_pool)?;
+                conn.transaction(async |conn| {
+                    diesel::insert_into(bench_events::table)
+                        .values((
+                            bench_events::message_id.eq(id),
+                            bench_events::payload.eq(PAYLOAD),
+                        ))
+                        .execute(conn)
+                        .await
+                })
+                .await
+                .map_err(classify_diesel)?;
+                Ok(true)
+            }
+            Variant::DieselInbox => {
+                use inbox_backend_diesel::diesel_async::RunQueryDsl as _;
+                let handled = self
+                    .diesel
+                    .handle(key, async |tx| {
+                        diesel::insert_into(bench_events::table)
+                            .values((
+                                bench_events::message_id.eq(id),
+                                bench_events::payload.eq(PAYLOAD),
+                            ))
+                            .execute(tx.conn())
+                            .await
+                            .map_err(classify_diesel)?;
+                        Ok::<_, InboxError>(())
+                    })
+                    .await?;
+                Ok(matches!(handled, Handled::Processed(())))
+            }
+        }
+    }
+}
+
+/// `key` and `k - 1` new messages of the same consumer, each paired with
+/// its id for the business write.
+fn batch_items(key: &InboxKey, k: usize) -> Vec<(InboxKey, uuid::Uuid)> {
+    std::iter::once(key.clone())
+        .chain((1..k).map(|_| InboxKey::new(MessageId::new_v7(), key.consumer.clone())))
+        .map(|key| {
+            let id = *key.message_id.as_uuid();
+            (key, id)
+        })
+        .collect()
+}
+
+/// How many messages of a batch ran their work; the first error, if any.
+fn processed<I, T>(
+    outcomes: Vec<(InboxKey, I, Result<Handled<T>, InboxError>)>,
+) -> Result<u64, InboxError> {
+    let mut ran = 0;
+    for (_, _, outcome) in outcomes {
+        if let Handled::Processed(_) = outcome? {
+            ran += 1;
+        }
+    }
+    Ok(ran)
+}
+
+/// What a slice did.
+#[derive(Clone, Copy, Debug, Default)]
+struct Tally {
+    /// Messages whose work ran and committed.
+    processed: u64,
+    /// Deliveries that ended in an error (a broker would redeliver or
+    /// dead-letter them).
+    failed: u64,
+    /// From the start to the end of the last delivery in flight at the
+    /// deadline.
+    elapsed: Duration,
+}
+
+/// Runs `tasks` consumers of `variant` for `span`, each delivering every new
+/// message `copies` times at once (1: the steady state; 2: a redelivery
+/// racing the first delivery).
+async fn run_slice(
+    bench: &Arc<Bench>,
+    variant: Variant,
+    tasks: usize,
+    copies: usize,
+    span: Duration,
+) -> Tally {
+    let processed = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let deadline = started + span;
+    let workers: Vec<_> = (0..tasks)
+        .map(|_| {
+            let (bench, processed, failed) = (bench.clone(), processed.clone(), failed.clone());
+            tokio::spawn(async move {
+                while Instant::now() < deadline {
+                    let key = InboxKey::new(MessageId::new_v7(), bench.consumer.clone());
+                    let deliveries = (0..copies).map(|_| bench.deliver(variant, &key));
+                    for result in futures::future::join_all(deliveries).await {
+                        match result {
+                            Ok(n) => {
+                                processed.fetch_add(n, Ordering::Relaxed);
+                            }
+                            // A single delivery of a new message must not
+                            // fail; a racing copy may (that is the point).
+                            Err(error) if copies == 1 => panic!("{variant:?} failed: {error:?}"),
+                            Err(_) => {
+                                failed.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        if let Err(error) = worker.await {
+            std::panic::resume_unwind(error.into_panic());
+        }
+    }
+    Tally {
+        processed: processed.load(Ordering::Relaxed),
+        failed: failed.load(Ordering::Relaxed),
+        elapsed: started.elapsed(),
+    }
+}
+
+/// Runs every variant in `variants` at `tasks` consumers for `secs` each,
+/// interleaved in slices; returns (messages/s, failed deliveries/s) per
+/// variant.
+async fn measure(
+    bench: &Arc<Bench>,
+    variants: &[Variant],
+    tasks: usize,
+    copies: usize,
+    secs: f64,
+) -> Vec<(f64, f64)> {
+    // Whole slices, at least 3, whose total is the cell's time.
+    let slices = ((secs / SLICE.as_secs_f64()).round() as u32).max(3);
+    let slice = Duration::from_secs_f64(secs / f64::from(slices));
+    let mut tallies = vec![Tally::default(); variants.len()];
+    for _ in 0..slices {
+        for (i, variant) in variants.iter().enumerate() {
+            let t = run_slice(bench, *variant, tasks, copies, slice).await;
+            tallies[i].processed += t.processed;
+            tallies[i].failed += t.failed;
+            tallies[i].elapsed += t.elapsed;
+        }
+    }
+    tallies
+        .iter()
+        .map(|t| {
+            let total = t.elapsed.as_secs_f64();
+            (t.processed as f64 / total, t.failed as f64 / total)
+        })
+        .collect()
+}
+
+fn env_secs() -> f64 {
+    std::env::var("INBOX_BENCH_SECS")
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+        .filter(|s| *s > 0.0)
+        .unwrap_or(2.0)
+}
+
+fn env_tasks() -> Vec<usize> {
+    std::env::var("INBOX_BENCH_TASKS")
+        .ok()
+        .map(|v| {
+            v.split(',')
+                .filter_map(|t| t.trim().parse().ok())
+                .filter(|t| *t > 0)
+                .collect::<Vec<usize>>()
+        })
+        .filter(|t| !t.is_empty())
+        .unwrap_or_else(|| vec![1, 4, 16])
+}
+
+async fn setting(pool: &PgPool, name: &str) -> String {
+    sqlx::query_scalar("SELECT current_setting($1)")
+        .bind(name)
+        .fetch_one(pool)
+        .await
+        .unwrap_or_else(|e| format!("? ({e})"))
+}
+
+async fn setup(url: &str, schema: &str, pool_size: u32) -> Result<Arc<Bench>, InboxError> {
+    let options = SqlxStore::connect_options(url, schema)?.application_name(schema);
+    let pool = PgPoolOptions::new()
+        .max_connections(pool_size)
+        .min_connections(pool_size)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(options)
+        .await
+        .map_err(classify)?;
+    let store = SqlxStore::new(pool.clone(), schema)?;
+    store.migrate().await?;
+    for ddl in [
+        "CREATE TABLE bench_events (message_id uuid NOT NULL, payload text NOT NULL)",
+        "CREATE TABLE article_inbox (LIKE inbox_messages INCLUDING ALL)",
+    ] {
+        sqlx::query(ddl).execute(&pool).await.map_err(classify)?;
+    }
+    // The diesel backend on the same schema and tables, with a pool of the
+    // same size, opened in full up front as sqlx's `min_connections` does.
+    let diesel_store = DieselStore::builder(url, schema)?
+        .pool_size(usize::try_from(pool_size).unwrap_or(17))
+        .wait_timeout(Duration::from_secs(30))
+        .connect()
+        .await?;
+    diesel_store.migrate().await?;
+    let mut opened = Vec::new();
+    for _ in 0..pool_size {
+        opened.push(
+            diesel_store
+                .pool()
+                .get()
+                .await
+                .map_err(inbox_backend_diesel::classify_pool)?,
+        );
+    }
+    drop(opened);
+    Ok(Arc::new(Bench {
+        pool,
+        inbox: Inbox::new(store),
+        diesel: Inbox::new(diesel_store),
+        consumer: ConsumerName::new("bench")?,
+    }))
+}
+
+#[path = "support/chart.rs"]
+mod chart;
+#[path = "support/cleanup.rs"]
+mod cleanup;
+#[path = "support/e2e.rs"]
+mod e2e;
+
+use e2e::{BoxError, E2e};
+
+/// The batched variants, measured in the same interleaved slices.
+const BATCHED: [Variant; 4] = [
+    Variant::SqlxBatch(10),
+    Variant::SqlxBatch(100),
+    Variant::DieselBatch(10),
+    Variant::DieselBatch(100),
+];
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".to_owned())
+}
+
+/// Claim+commit/s of the memory store through `Inbox::handle` (one put as
+/// the business write), `tasks` tasks on one current-thread runtime on a
+/// thread of its own: one core.
+fn memory_rate(tasks: usize, secs: f64) -> Result<f64, BoxError> {
+    use inbox_backend_memory::MemoryStore;
+    let run = move || -> Result<f64, BoxError> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        rt.block_on(async move {
+            let inbox = Arc::new(Inbox::new(MemoryStore::new()));
+            let consumer = ConsumerName::new("bench")?;
+            let started = Instant::now();
+            let deadline = started + Duration::from_secs_f64(secs);
+            let workers: Vec<_> = (0..tasks)
+                .map(|_| {
+                    let (inbox, consumer) = (Arc::clone(&inbox), consumer.clone());
+                    tokio::spawn(async move {
+                        let mut done = 0_u64;
+                        while Instant::now() < deadline {
+                            for _ in 0..64 {
+                                let key = InboxKey::new(MessageId::new_v7(), consumer.clone());
+                                let handled = inbox
+                                    .handle(&key, async |tx| {
+                                        tx.put(format!("effect/{done}"), PAYLOAD.as_bytes());
+                                        Ok::<_, InboxError>(())
+                                    })
+                                    .await?;
+                                done += u64::from(matches!(handled, Handled::Processed(())));
+                            }
+                        }
+                        Ok::<_, InboxError>(done)
+                    })
+                })
+                .collect();
+            let mut total = 0;
+            for worker in workers {
+                total += worker.await??;
+            }
+            Ok::<f64, BoxError>(total as f64 / started.elapsed().as_secs_f64())
+        })
+    };
+    std::thread::spawn(run)
+        .join()
+        .map_err(|_| -> BoxError { "memory bench thread panicked".into() })?
+}
+
+/// Whether the diesel backend runs batched mode (it may not have landed).
+async fn diesel_batches(bench: &Bench) -> bool {
+    let key = InboxKey::new(MessageId::new_v7(), bench.consumer.clone());
+    match bench.deliver(Variant::DieselBatch(2), &key).await {
+        Ok(_) => true,
+        Err(error) => {
+            eprintln!("diesel batched mode unavailable, its rows are skipped: {error}");
+            false
+        }
+    }
+}
+
+/// One row of the report.
+struct Row {
+    label: String,
+    rates: Vec<Option<f64>>,
+    /// The row whose rates this one is divided by.
+    baseline: Option<usize>,
+}
+
+fn fmt_rate(rate: Option<f64>) -> String {
+    rate.map_or_else(|| "n/a".to_owned(), |r| format!("{r:.0}"))
+}
+
+fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    Some(a? / b?).filter(|r| r.is_finite())
+}
+
+fn min_ratio(a: &[Option<f64>], b: &[Option<f64>]) -> Option<f64> {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| ratio(*x, *y))
+        .collect::<Option<Vec<f64>>>()
+        .and_then(|v| v.into_iter().reduce(f64::min))
+}
+
+async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
+    let secs = env_secs();
+    let tasks = env_tasks();
+    let pool_size = u32::try_from(tasks.iter().copied().max().unwrap_or(16))
+        .unwrap_or(16)
+        .max(16)
+        + 1;
+    let load_before = load_average();
+    let bench = setup(url, schema, pool_size).await?;
+    let diesel_batched = diesel_batches(&bench).await;
+    let mut variants: Vec<Variant> = Variant::ALL.to_vec();
+    variants.extend(
+        BATCHED
+            .iter()
+            .filter(|v| diesel_batched || !matches!(v, Variant::DieselBatch(_))),
+    );
+
+    // Warm up: connections, prepared statements, caches.
+    for &variant in &variants {
+        run_slice(&bench, variant, 4, 1, Duration::from_millis(300)).await;
+    }
+
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "PostgreSQL {} (fsync={}, synchronous_commit={}), pool {pool_size}, \
+         {secs} s per cell in interleaved slices of about {} ms, {} cores, \
+         load average at start {load_before}.\n",
+        setting(&bench.pool, "server_version").await,
+        setting(&bench.pool, "fsync").await,
+        setting(&bench.pool, "synchronous_commit").await,
+        SLICE.as_millis(),
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+    );
+
+    // Every message new and delivered once.
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+    for &n in &tasks {
+        let cell = measure(&bench, &variants, n, 1, secs).await;
+        eprintln!("{n:>2} tasks, single deliveries: {cell:.0?}");
+        for (i, (rate, _)) in cell.into_iter().enumerate() {
+            rates[i].push(rate);
+        }
+    }
+    let of = |v: Variant| -> Vec<Option<f64>> {
+        variants.iter().position(|x| *x == v).map_or_else(
+            || vec![None; tasks.len()],
+            |i| rates[i].iter().map(|r| Some(*r)).collect(),
+        )
+    };
+    let mut memory = Vec::new();
+    for &n in &tasks {
+        let rate = memory_rate(n, secs)?;
+        eprintln!("{n:>2} tasks, memory store on one core: {rate:.0}");
+        memory.push(Some(rate));
+    }
+
+    // End to end through RabbitMQ.
+    let e2e_events = std::env::var("INBOX_BENCH_E2E_EVENTS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(10_000);
+    let app_schema = format!("{schema}_app");
+    let app_store = e2e::store(url, &app_schema, pool_size).await?;
+    let modes = [E2e::Bare, E2e::PerMessage, E2e::Batched(100)];
+    let mut e2e_rates = vec![Vec::new(); modes.len()];
+    let e2e_result: Result<(), BoxError> = async {
+        for &n in &tasks {
+            for (m, &mode) in modes.iter().enumerate() {
+                let prefix = format!("{schema}.{m}.{n}.");
+                let rate = e2e::cell(mode, n, e2e_events, &app_store, &prefix).await?;
+                eprintln!("{n:>2} tasks, end to end {mode:?}: {rate:.0} deliveries/s");
+                e2e_rates[m].push(Some(rate));
+            }
+        }
+        Ok::<(), BoxError>(())
+    }
+    .await;
+    let _ = consumer_app::parcel::store::ParcelStore::drop_schema(&app_store).await;
+    if let Err(error) = e2e_result {
+        eprintln!("end-to-end rows skipped (is RabbitMQ running?): {error}");
+        for r in &mut e2e_rates {
+            r.resize(tasks.len(), None);
+        }
+    }
+
+    let rows = vec![
+        Row {
+            label: Variant::BareTx.header().into(),
+            rates: of(Variant::BareTx),
+            baseline: None,
+        },
+        Row {
+            label: Variant::DieselBareTx.header().into(),
+            rates: of(Variant::DieselBareTx),
+            baseline: None,
+        },
+        Row {
+            label: Variant::Inbox.header().into(),
+            rates: of(Variant::Inbox),
+            baseline: Some(0),
+        },
+        Row {
+            label: Variant::DieselInbox.header().into(),
+            rates: of(Variant::DieselInbox),
+            baseline: Some(1),
+        },
+        Row {
+            label: Variant::SqlxBatch(10).header().into(),
+            rates: of(Variant::SqlxBatch(10)),
+            baseline: Some(0),
+        },
+        Row {
+            label: Variant::SqlxBatch(100).header().into(),
+            rates: of(Variant::SqlxBatch(100)),
+            baseline: Some(0),
+        },
+        Row {
+            label: Variant::DieselBatch(10).header().into(),
+            rates: of(Variant::DieselBatch(10)),
+            baseline: Some(1),
+        },
+        Row {
+            label: Variant::DieselBatch(100).header().into(),
+            rates: of(Variant::DieselBatch(100)),
+            baseline: Some(1),
+        },
+        Row {
+            label: Variant::Article.header().into(),
+            rates: of(Variant::Article),
+            baseline: Some(0),
+        },
+        Row {
+            label: "memory store, Inbox::handle, 1 core".into(),
+            rates: memory,
+            baseline: None,
+        },
+        Row {
+            label: "RabbitMQ bare consume+ack, no database".into(),
+            rates: e2e_rates[0].clone(),
+            baseline: None,
+        },
+        Row {
+            label: "RabbitMQ + app per message (sqlx)".into(),
+            rates: e2e_rates[1].clone(),
+            baseline: Some(10),
+        },
+        Row {
+            label: "RabbitMQ + app batched K=100 (sqlx)".into(),
+            rates: e2e_rates[2].clone(),
+            baseline: Some(10),
+        },
+    ];
+
+    let _ = write!(out, "| messages/s | ");
+    for n in &tasks {
+        let _ = write!(out, "{n} task{} | ", if *n == 1 { "" } else { "s" });
+    }
+    for n in &tasks {
+        let _ = write!(out, "ratio @{n} | ");
+    }
+    let _ = writeln!(out, "ratio to |");
+    let _ = writeln!(
+        out,
+        "|---|{}{}---|",
+        "---:|".repeat(tasks.len()),
+        "---:|".repeat(tasks.len())
+    );
+    for row in &rows {
+        let _ = write!(out, "| {} | ", row.label);
+        for rate in &row.rates {
+            let _ = write!(out, "{} | ", fmt_rate(*rate));
+        }
+        for (c, rate) in row.rates.iter().enumerate() {
+            let r = row.baseline.and_then(|b| ratio(*rate, rows[b].rates[c]));
+            let _ = write!(
+                out,
+                "{} | ",
+                r.map_or_else(|| "".to_owned(), |r| format!("{r:.2}"))
+            );
+        }
+        let _ = writeln!(
+            out,
+            "{} |",
+            row.baseline.map_or("", |b| rows[b].label.as_str())
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\nEnd-to-end rows: {e2e_events} events pre-published to the app's topic exchange, each routed \
+         to both consumers' queues; rate = deliveries acked per second over both queues; \
+         tasks = consumers per queue (bare) or the app's concurrency per queue (prefetch \
+         max(32, 4 × tasks) per message, 2 × 100 × tasks batched so that the next batch arrives while one commits, batch wait 20 ms)."
+    );
+
+    // Targets, from this run.
+    let check = |ok: Option<bool>| match ok {
+        Some(true) => "met",
+        Some(false) => "MISSED",
+        None => "not measured",
+    };
+    let mut targets = String::new();
+    let _ = writeln!(
+        targets,
+        "\n### Targets (worst ratio over the concurrencies of this run)\n"
+    );
+    let _ = writeln!(targets, "| target | worst ratio | |\n|---|---:|---|");
+    for (name, a, b, want) in [
+        ("batched K=100 ≥ 8 × per message (sqlx)", 5, 2, 8.0),
+        ("batched K=100 ≥ 8 × per message (diesel)", 7, 3, 8.0),
+        (
+            "end-to-end batched ≥ 0.5 × bare RabbitMQ consume+ack",
+            12,
+            10,
+            0.5,
+        ),
+        ("per-message inbox ≥ 0.80 × bare tx (sqlx)", 2, 0, 0.8),
+        ("per-message inbox ≥ 0.80 × bare tx (diesel)", 3, 1, 0.8),
+    ] {
+        let r = min_ratio(&rows[a].rates, &rows[b].rates);
+        let _ = writeln!(
+            targets,
+            "| {name} | {} | {} |",
+            r.map_or_else(|| "n/a".to_owned(), |r| format!("{r:.2}")),
+            check(r.map(|r| r >= want))
+        );
+    }
+    let best_memory = rows[9].rates.iter().flatten().copied().reduce(f64::max);
+    let _ = writeln!(
+        targets,
+        "| memory ≥ 1,000,000 claim+commit/s on one core | {} /s (best) | {} |",
+        fmt_rate(best_memory),
+        check(best_memory.map(|m| m >= 1_000_000.0))
+    );
+    out.push_str(&targets);
+
+    let _ = writeln!(out);
+    // A redelivery racing the first delivery: the case the inbox exists for.
+    // Two connections per task, so at most half the pool's tasks; (a) is left
+    // out, it has no deduplication to race.
+    let _ = writeln!(
+        out,
+        "\nEvery message delivered twice at once (a redelivery racing the first delivery); \
+         failed = deliveries that ended in an error:\n"
+    );
+    let _ = writeln!(
+        out,
+        "| tasks | (b) inbox msg/s | (b) failed/s | (c) article msg/s | (c) failed/s | b/c \
+         | (e) inbox (diesel) msg/s | (e) failed/s | e/b |"
+    );
+    let _ = writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let pair = [Variant::Inbox, Variant::Article, Variant::DieselInbox];
+    let max_pairs = usize::try_from(pool_size - 1).unwrap_or(16) / 2;
+    let mut pair_tasks: Vec<usize> = tasks.iter().map(|n| (*n).min(max_pairs)).collect();
+    pair_tasks.dedup();
+    for n in pair_tasks {
+        let rates = measure(&bench, &pair, n, 2, secs).await;
+        eprintln!("{n:>2} tasks, racing copies: {rates:.0?}");
+        let ((b, b_failed), (c, c_failed), (e, e_failed)) = (rates[0], rates[1], rates[2]);
+        let _ = writeln!(
+            out,
+            "| {n} | {b:.0} | {b_failed:.0} | {c:.0} | {c_failed:.0} | {:.2} \
+             | {e:.0} | {e_failed:.0} | {:.2} |",
+            b / c,
+            e / b
+        );
+    }
+
+    // Cleanup at scale.
+    let rows_env = std::env::var("INBOX_BENCH_CLEANUP_ROWS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(1_000_000);
+    let mut cleanup_md = String::new();
+    if rows_env > 0 {
+        let result = cleanup::run(
+            bench.inbox.store(),
+            rows_env,
+            std::num::NonZeroU32::new(10_000).expect("non-zero"),
+            Duration::from_secs_f64(secs.max(1.0) * 2.0),
+        )
+        .await?;
+        eprintln!("cleanup: {result:?}");
+        cleanup_md = result.markdown();
+    }
+    let _ = writeln!(out, "\nLoad average at the end: {}.", load_average());
+
+    let chart_rows: Vec<chart::Bars> = rows
+        .iter()
+        .map(|r| chart::Bars {
+            label: r.label.clone(),
+            rates: r.rates.clone(),
+        })
+        .collect();
+    let svg = chart::svg(
+        "Inbox throughput, messages/s (one run)",
+        &tasks,
+        &chart_rows,
+    )?;
+    bench.pool.close().await;
+    Ok((format!("{out}\n{cleanup_md}"), svg))
+}
+
+fn main() {
+    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned());
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let random = uuid::Uuid::new_v4().simple().to_string();
+    let schema = format!("inbox_bench_{secs}_{}", &random[..8]);
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let result = rt.block_on(bench(&url, &schema));
+
+    // Drop the schemas whatever happened.
+    rt.block_on(async {
+        match PgPoolOptions::new().max_connections(1).connect(&url).await {
+            Ok(admin) => {
+                // `schema` is built above from digits and hex only.
+                for name in [schema.clone(), format!("{schema}_app")] {
+                    let drop = format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE");
+                    if let Err(error) = sqlx::query(&drop).execute(&admin).await {
+                        eprintln!("could not drop {name}: {error}");
+                    }
+                }
+            }
+            Err(error) => eprintln!("could not drop {schema}: {error}"),
+        }
+    });
+
+    match result {
+        Ok((report, svg)) => {
+            println!("{report}");
+            // Into the workspace's docs/, for the README.
+            let docs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs");
+            let md = format!(
+                "# Benchmark\n\n\
+                 One run of `cargo bench -p parcel-lab --bench report` \
+                 (PostgreSQL and RabbitMQ on localhost; the chart is \
+                 [benchmark.svg](benchmark.svg); what bounds the missed targets: \
+                 [benchmark-notes.md](benchmark-notes.md)).\n\n![messages/s](benchmark.svg)\n\n{report}"
+            );
+            let written = std::fs::create_dir_all(&docs)
+                .and_then(|()| std::fs::write(docs.join("benchmark.md"), md))
+                .and_then(|()| std::fs::write(docs.join("benchmark.svg"), svg));
+            match written {
+                Ok(()) => eprintln!("wrote {}/benchmark.md and benchmark.svg", docs.display()),
+                Err(error) => eprintln!("could not write {}: {error}", docs.display()),
+            }
+        }
+        Err(error) => {
+            eprintln!(
+                "benchmark failed: {error}: {:?}\n(is PostgreSQL running at DATABASE_URL?)",
+                std::error::Error::source(&*error)
+            );
+            std::process::exit(1);
+        }
+    }
+}

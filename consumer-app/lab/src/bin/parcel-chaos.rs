@@ -1,0 +1,1401 @@
+//! `parcel-chaos`: a Jepsen-style run of the Parcel Tracking service with
+//! real processes, to check "exactly-once effects" under faults.
+//!
+//! It starts K consume processes (`parcel-lab-consume`, the service's
+//! consume path with fault injection: the binary next to this one, or
+//! `--consume-binary`) on one queue prefix and one schema of its own,
+//! publishes N events plus copies reusing their message ids (same id, same
+//! body; some right behind their original, and two publisher channels
+//! sending at once) plus bad input of every class the app knows, and while
+//! that runs, at seeded random moments: SIGKILLs a consumer and restarts it,
+//! terminates its PostgreSQL backends (found by the `application_name` each
+//! process gets in its database URL) and has RabbitMQ close its connection
+//! (`rabbitmqctl close_connection`, found by the connection name, which holds
+//! the process id). Then it waits until the work queues are empty (ready and
+//! unacked) and every intent is dispatched, stops the consumers, and checks
+//! from the database, the stub downstreams' durable ledger and the
+//! dead-letter queues:
+//!
+//! - every valid (message, consumer) effect exactly once (no double, none lost);
+//! - inbox rows = the distinct valid (message, consumer) pairs, each with its effect;
+//! - carrier bookings = notifications sent = distinct parcels (ledger keys);
+//! - every bad message in both dead-letter queues with its reason, and no
+//!   valid message dead-lettered.
+//!
+//! It prints one summary table and exits 1 on any violation (2 when the run
+//! itself could not be carried out). The seed is printed first: the same seed
+//! gives the same publish plan (message ids included) and the same fault
+//! schedule (times, kinds, targets), so a failing run can be replayed.
+//!
+//! CI size (the `chaos` test): `parcel-chaos --events 2000 --kills 6`.
+//! Full size, by hand:
+//!
+//! ```text
+//! bash .ci/services.sh
+//! cargo build -p parcel-lab --bins
+//! target/debug/parcel-chaos --store sqlx --events 10000 --kills 20
+//! ```
+//!
+//! `--broken claim-in-own-transaction` runs the consumers on the
+//! conformance suite's deliberately broken store: the run must then report
+//! losses or doubles.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use consumer_app::parcel::dispatch::{CARRIER_LEDGER, NOTIFIER_LEDGER};
+use consumer_app::parcel::events::{EVENT_TYPE, ParcelCreatedEvent, ROUTING_KEY};
+use consumer_app::parcel::role::Role;
+use consumer_app::parcel::store::{ParcelStore, StoreKind};
+use consumer_app::parcel::topology::Topology;
+use consumer_app::runtime::amqp::{Outgoing, Publisher, connect};
+use consumer_app::runtime::error::chain;
+use consumer_app::runtime::message::{BadInputReason, header_text};
+use consumer_app::runtime::redact::redact_url;
+use consumer_app::runtime::{AppError, telemetry};
+use consumer_app::tools::stores::{StoreConfig, WithStore, with_store};
+use lapin::options::BasicGetOptions;
+use sqlx::Row;
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use tokio::process::{Child, Command};
+
+/// Largest body the consumers accept in a chaos run (`--max-body-bytes`);
+/// the oversized class is just above it.
+const MAX_BODY: usize = 4096;
+/// Deliveries each consume process handles at once (per queue).
+const CONCURRENCY: u16 = 4;
+
+/// Chaos run: K consume processes, duplicates, bad input, kill -9, PostgreSQL
+/// backends terminated, AMQP connections closed; then exactly-once checked.
+///
+/// Exit status: 0 all checks held, 1 a violation (lost, doubled, missing
+/// dead letter…), 2 the run could not be carried out.
+///
+/// CI size: `parcel-chaos --events 2000 --kills 6`. Full size:
+/// `parcel-chaos --events 10000 --kills 20`. Replay: add `--seed <printed seed>`.
+#[derive(Parser, Debug)]
+#[command(name = "parcel-chaos", version, about, long_about)]
+struct Cli {
+    /// The consumers' store: sqlx or diesel.
+    #[arg(long, default_value = "sqlx")]
+    store: StoreKind,
+    /// Consume processes (at least 3).
+    #[arg(long, default_value_t = 3)]
+    consumers: usize,
+    /// Distinct valid events (one parcel each).
+    #[arg(long, default_value_t = 2000)]
+    events: usize,
+    /// Copies (same message id, same body) per event on average.
+    #[arg(long, default_value_t = 0.15)]
+    duplicate_rate: f64,
+    /// Bad messages of EACH class, as a fraction of --events (at least one each).
+    #[arg(long, default_value_t = 0.01)]
+    bad_rate: f64,
+    /// kill -9 (and restart) of a consume process.
+    #[arg(long, default_value_t = 6)]
+    kills: usize,
+    /// pg_terminate_backend of one process's connections (default: --kills).
+    #[arg(long)]
+    pg_kills: Option<usize>,
+    /// rabbitmqctl close_connection of one process's connection (default: --kills).
+    #[arg(long)]
+    amqp_kills: Option<usize>,
+    /// Seed of the plan and the fault schedule (default: from the clock; printed).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Run the consumers on a deliberately broken inbox store
+    /// (claim-in-own-transaction, check-then-insert, work-before-claim,
+    /// claim-without-waiting).
+    #[arg(long)]
+    broken: Option<String>,
+    /// Messages published per second (both publisher channels together): the
+    /// faults are spread over the publishing time plus two seconds.
+    #[arg(long, default_value_t = 200.0)]
+    publish_rate: f64,
+    /// Time each consumer transaction holds after its writes (widens the
+    /// "killed mid-transaction" window).
+    #[arg(long, default_value_t = 5)]
+    work_delay_ms: u64,
+    /// Run the consumers in batched mode with this batch size (batch wait
+    /// 20 ms, prefetch 2 × size × concurrency); per-message mode without it.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(2..=1000))]
+    batch_size: Option<u16>,
+    /// Seconds to wait for the queues to drain after the last publish.
+    #[arg(long, default_value_t = 240)]
+    drain_timeout_secs: u64,
+    /// PostgreSQL URL.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        default_value = "postgres://postgres@127.0.0.1:5432/test"
+    )]
+    database_url: String,
+    /// RabbitMQ URL.
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        hide_env_values = true,
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
+    )]
+    amqp_url: String,
+    /// The parcel-lab-consume binary (default: next to this one).
+    #[arg(long, alias = "parcel-inbox")]
+    consume_binary: Option<PathBuf>,
+    /// Keep the schema, queues and logs even when the run passes (they are
+    /// always kept when it fails).
+    #[arg(long)]
+    keep: bool,
+    /// Drop the schema and queues even when the run fails (tests).
+    #[arg(long)]
+    always_clean: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    telemetry::init_logging();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the runtime: {error}");
+            return ExitCode::from(2);
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(error) => {
+            eprintln!("error: {}", chain(&error));
+            ExitCode::from(2)
+        }
+    }
+}
+
+// ------------------------------------------------------------------ plan
+
+/// xorshift64*: small, deterministic, good enough to place copies and faults.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        // splitmix64 of the seed, so that small seeds spread.
+        let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        Self((z ^ (z >> 31)).max(1))
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        if n == 0 {
+            return 0;
+        }
+        usize::try_from(self.next() % n as u64).unwrap_or(0)
+    }
+
+    fn unit(&mut self) -> f64 {
+        #[expect(clippy::cast_precision_loss, reason = "53 random bits")]
+        let x = (self.next() >> 11) as f64 / (1_u64 << 53) as f64;
+        x
+    }
+
+    fn uuid(&mut self) -> uuid::Uuid {
+        let mut bytes = [0_u8; 16];
+        bytes[..8].copy_from_slice(&self.next().to_le_bytes());
+        bytes[8..].copy_from_slice(&self.next().to_le_bytes());
+        uuid::Builder::from_random_bytes(bytes).into_uuid()
+    }
+}
+
+/// What a published message is, for the checks.
+#[derive(Clone, Debug)]
+enum Kind {
+    /// Valid event number `n` (parcel `C-{n}`); copies have the same kind.
+    Valid(usize),
+    /// A bad message (`BAD-{n}` in its body).
+    Bad,
+}
+
+struct Plan {
+    messages: Vec<(Kind, Outgoing)>,
+    /// Message ids of the valid events, by number.
+    valid_ids: Vec<uuid::Uuid>,
+    copies: usize,
+    back_to_back: usize,
+    bad: Vec<BadInputReason>,
+}
+
+fn event_for(parcel_id: String, rng: &mut Rng) -> ParcelCreatedEvent {
+    let destinations = ["Lyon", "Porto", "Gdansk", "Utrecht", "Bologna", "Ghent"];
+    ParcelCreatedEvent {
+        parcel_id,
+        tracking_number: format!("TN{:010}", rng.next() % 10_000_000_000),
+        destination: destinations[rng.below(destinations.len())].to_owned(),
+    }
+}
+
+fn json(event: &ParcelCreatedEvent) -> Result<Vec<u8>, AppError> {
+    serde_json::to_vec(event).map_err(|e| AppError::Config(format!("serialise: {e}")))
+}
+
+fn bad_message(n: usize, reason: BadInputReason, rng: &mut Rng) -> Result<Outgoing, AppError> {
+    let marker = format!("BAD-{n:06}");
+    let good = json(&event_for(marker.clone(), rng))?;
+    let id = Some(rng.uuid().to_string());
+    let kind = Some(EVENT_TYPE.to_owned());
+    Ok(match reason {
+        BadInputReason::MissingMessageId => Outgoing {
+            message_id: None,
+            kind,
+            body: good,
+        },
+        BadInputReason::InvalidMessageId => Outgoing {
+            message_id: Some(format!("order-{marker}")),
+            kind,
+            body: good,
+        },
+        BadInputReason::InvalidJson => Outgoing {
+            message_id: id,
+            kind,
+            body: format!("{{\"parcel_id\": \"{marker}\", ").into_bytes(),
+        },
+        BadInputReason::InvalidEvent => Outgoing {
+            message_id: id,
+            kind,
+            body: format!("{{\"parcel\": \"{marker}\"}}").into_bytes(),
+        },
+        BadInputReason::UnknownType => Outgoing {
+            message_id: id,
+            kind: Some("parcel.deleted".to_owned()),
+            body: good,
+        },
+        BadInputReason::Oversized => {
+            let mut event = event_for(marker, rng);
+            event.destination = "x".repeat(MAX_BODY + 10);
+            Outgoing {
+                message_id: id,
+                kind,
+                body: json(&event)?,
+            }
+        }
+    })
+}
+
+impl Plan {
+    fn new(cli: &Cli, rng: &mut Rng) -> Result<Self, AppError> {
+        let mut messages = Vec::new();
+        let mut valid_ids = Vec::with_capacity(cli.events);
+        for n in 0..cli.events {
+            let id = rng.uuid();
+            let event = event_for(format!("C-{n:06}"), rng);
+            messages.push((
+                Kind::Valid(n),
+                Outgoing {
+                    message_id: Some(id.to_string()),
+                    kind: Some(EVENT_TYPE.to_owned()),
+                    body: json(&event)?,
+                },
+            ));
+            valid_ids.push(id);
+        }
+        #[expect(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            clippy::cast_precision_loss,
+            reason = "a count times a small rate"
+        )]
+        let scaled = |rate: f64| (cli.events as f64 * rate).ceil() as usize;
+        let copies = scaled(cli.duplicate_rate);
+        let mut back_to_back = 0;
+        for _ in 0..copies {
+            let n = rng.below(cli.events);
+            let copy = messages
+                .iter()
+                .find(|(k, _)| matches!(k, Kind::Valid(m) if *m == n))
+                .map(|(k, o)| (k.clone(), o.clone()));
+            let Some(copy) = copy else { continue };
+            // Half right behind the original (the two publisher channels
+            // take alternate messages, so these go out at the same time),
+            // half anywhere.
+            let at = if rng.below(2) == 0 {
+                back_to_back += 1;
+                messages
+                    .iter()
+                    .position(|(k, _)| matches!(k, Kind::Valid(m) if *m == n))
+                    .map_or(0, |p| p + 1)
+            } else {
+                rng.below(messages.len() + 1)
+            };
+            messages.insert(at, copy);
+        }
+        let per_class = scaled(cli.bad_rate).max(1);
+        let mut bad = Vec::new();
+        for reason in BadInputReason::ALL {
+            for _ in 0..per_class {
+                let n = bad.len();
+                let message = bad_message(n, reason, rng)?;
+                let at = rng.below(messages.len() + 1);
+                messages.insert(at, (Kind::Bad, message));
+                bad.push(reason);
+            }
+        }
+        Ok(Self {
+            messages,
+            valid_ids,
+            copies,
+            back_to_back,
+            bad,
+        })
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FaultKind {
+    Kill,
+    Postgres,
+    Amqp,
+}
+
+#[derive(Clone, Debug)]
+struct Fault {
+    at: Duration,
+    kind: FaultKind,
+    target: usize,
+}
+
+fn schedule(cli: &Cli, window: Duration, rng: &mut Rng) -> Vec<Fault> {
+    let mut kinds = Vec::new();
+    kinds.extend(std::iter::repeat_n(FaultKind::Kill, cli.kills));
+    kinds.extend(std::iter::repeat_n(
+        FaultKind::Postgres,
+        cli.pg_kills.unwrap_or(cli.kills),
+    ));
+    kinds.extend(std::iter::repeat_n(
+        FaultKind::Amqp,
+        cli.amqp_kills.unwrap_or(cli.kills),
+    ));
+    let mut faults: Vec<Fault> = kinds
+        .into_iter()
+        .map(|kind| Fault {
+            at: Duration::from_millis(300) + window.mul_f64(rng.unit()),
+            kind,
+            target: rng.below(cli.consumers),
+        })
+        .collect();
+    faults.sort_by_key(|f| f.at);
+    faults
+}
+
+// ------------------------------------------------------------- processes
+
+struct Names {
+    prefix: String,
+    schema: String,
+    logs: PathBuf,
+}
+
+impl Names {
+    fn application_name(&self, k: usize) -> String {
+        format!("{}-c{k}", self.schema)
+    }
+}
+
+fn with_application_name(url: &str, name: &str) -> String {
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}application_name={name}")
+}
+
+struct Consumers<'a> {
+    cli: &'a Cli,
+    names: &'a Names,
+    binary: PathBuf,
+    children: Vec<Child>,
+    generation: Vec<usize>,
+    unexpected_exits: usize,
+}
+
+impl<'a> Consumers<'a> {
+    fn new(cli: &'a Cli, names: &'a Names, binary: PathBuf) -> Self {
+        Self {
+            cli,
+            names,
+            binary,
+            children: Vec::new(),
+            generation: vec![0; cli.consumers],
+            unexpected_exits: 0,
+        }
+    }
+
+    fn command(&self, k: usize) -> Result<Command, AppError> {
+        let log = self.names.logs.join(format!("c{k}.log"));
+        let open = || {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&log)
+                .map_err(|source| AppError::Io {
+                    context: format!("open {}", log.display()),
+                    source,
+                })
+        };
+        // Batched: one batch in work and the next arriving, per worker.
+        let prefetch = self
+            .cli
+            .batch_size
+            .map_or(8, |size| size.saturating_mul(2 * CONCURRENCY));
+        let mut command = Command::new(&self.binary);
+        command
+            .args([
+                "--store",
+                self.cli.store.as_str(),
+                "--database-url",
+                &with_application_name(&self.cli.database_url, &self.names.application_name(k)),
+                "--amqp-url",
+                &self.cli.amqp_url,
+                "--schema",
+                &self.names.schema,
+                "--prefix",
+                &self.names.prefix,
+                "--pool-size",
+                "8",
+                "--metrics-addr",
+                "off",
+                "--cleanup-interval-secs",
+                "0",
+                "--concurrency",
+                &CONCURRENCY.to_string(),
+                "--prefetch",
+                &prefetch.to_string(),
+                "--max-deliveries",
+                "40",
+                "--max-body-bytes",
+                &MAX_BODY.to_string(),
+                "--dispatch-interval-secs",
+                "1",
+                "--dispatch-min-age-secs",
+                "2",
+                "--fault-work-delay-ms",
+                &self.cli.work_delay_ms.to_string(),
+            ])
+            .env("RUST_LOG", "warn,consumer_app::runtime::worker=error")
+            .stdin(Stdio::null())
+            .stdout(open()?)
+            .stderr(open()?)
+            .kill_on_drop(true);
+        if let Some(kind) = &self.cli.broken {
+            command.args(["--fault-broken-store", kind]);
+        }
+        if let Some(size) = self.cli.batch_size {
+            command.args(["--batch-size", &size.to_string(), "--batch-wait", "20"]);
+        }
+        Ok(command)
+    }
+
+    fn spawn(&mut self, k: usize) -> Result<Child, AppError> {
+        self.generation[k] += 1;
+        self.command(k)?.spawn().map_err(|source| AppError::Io {
+            context: format!("start {}", self.binary.display()),
+            source,
+        })
+    }
+
+    fn start_all(&mut self) -> Result<(), AppError> {
+        for k in 0..self.cli.consumers {
+            let child = self.spawn(k)?;
+            self.children.push(child);
+        }
+        Ok(())
+    }
+
+    /// Restarts any process that exited by itself (a crash: counted).
+    fn supervise(&mut self) -> Result<(), AppError> {
+        for k in 0..self.children.len() {
+            if let Ok(Some(status)) = self.children[k].try_wait() {
+                self.unexpected_exits += 1;
+                tracing::error!(consumer = k, %status, "consume process exited by itself; restarting");
+                self.children[k] = self.spawn(k)?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn kill_and_restart(&mut self, k: usize) -> Result<(), AppError> {
+        let child = &mut self.children[k];
+        let _ = child.start_kill();
+        let _ = child.wait().await;
+        self.children[k] = self.spawn(k)?;
+        Ok(())
+    }
+
+    fn pid(&self, k: usize) -> Option<u32> {
+        self.children[k].id()
+    }
+
+    /// SIGTERM to all, then SIGKILL to what is still running after 20 s.
+    async fn stop_all(&mut self) {
+        for child in &self.children {
+            if let Some(pid) = child.id() {
+                let _ = Command::new("kill")
+                    .args(["-TERM", &pid.to_string()])
+                    .status()
+                    .await;
+            }
+        }
+        for child in &mut self.children {
+            if tokio::time::timeout(Duration::from_secs(20), child.wait())
+                .await
+                .is_err()
+            {
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+            }
+        }
+    }
+}
+
+async fn run_tool(program: &str, args: &[&str]) -> Result<String, AppError> {
+    let output = Command::new(program)
+        .args(args)
+        .output()
+        .await
+        .map_err(|source| AppError::Io {
+            context: format!("run {program}"),
+            source,
+        })?;
+    if !output.status.success() {
+        return Err(AppError::Unavailable(format!(
+            "{program} {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        )));
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// Has RabbitMQ close the AMQP connection of the process `pid`; false when it
+/// has none right now (e.g. just restarted, not yet connected).
+async fn close_amqp_connection(prefix: &str, pid: u32) -> Result<bool, AppError> {
+    let listed = run_tool(
+        "rabbitmqctl",
+        &[
+            "list_connections",
+            "--quiet",
+            "--no-table-headers",
+            "pid",
+            "client_properties",
+        ],
+    )
+    .await?;
+    let needle = format!("{{\"connection_name\",\"parcel-inbox consume {prefix}{pid}\"}}");
+    let Some(connection) = listed.lines().find_map(|line| {
+        let (conn, properties) = line.split_once('\t')?;
+        properties.contains(&needle).then(|| conn.trim().to_owned())
+    }) else {
+        return Ok(false);
+    };
+    run_tool(
+        "rabbitmqctl",
+        &[
+            "close_connection",
+            &connection,
+            "parcel-chaos: closing a consumer's connection",
+        ],
+    )
+    .await?;
+    Ok(true)
+}
+
+/// Terminates every PostgreSQL backend of consumer `application_name`.
+async fn terminate_backends(pool: &PgPool, application_name: &str) -> Result<u64, AppError> {
+    let n: i64 = sqlx::query_scalar(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE application_name = $1 AND pid <> pg_backend_pid()",
+    )
+    .bind(application_name)
+    .fetch_one(pool)
+    .await
+    .map_err(db)?;
+    Ok(u64::try_from(n).unwrap_or(0))
+}
+
+fn db(error: sqlx::Error) -> AppError {
+    AppError::Unavailable(format!("PostgreSQL: {error}"))
+}
+
+/// Messages (ready + unacknowledged) per queue name, from rabbitmqctl.
+async fn queue_depths(queues: &[String]) -> Result<Vec<u64>, AppError> {
+    let listed = run_tool(
+        "rabbitmqctl",
+        &[
+            "list_queues",
+            "--quiet",
+            "--no-table-headers",
+            "name",
+            "messages",
+        ],
+    )
+    .await?;
+    let depth: HashMap<&str, u64> = listed
+        .lines()
+        .filter_map(|line| {
+            let (name, n) = line.split_once('\t')?;
+            Some((name.trim(), n.trim().parse().ok()?))
+        })
+        .collect();
+    Ok(queues
+        .iter()
+        .map(|q| depth.get(q.as_str()).copied().unwrap_or(u64::MAX))
+        .collect())
+}
+
+async fn undispatched(pool: &PgPool, schema: &str) -> Result<i64, AppError> {
+    sqlx::query_scalar(&format!(
+        "SELECT (SELECT count(*) FROM \"{schema}\".notifications WHERE dispatched_at IS NULL) \
+         + (SELECT count(*) FROM \"{schema}\".carrier_assignments WHERE dispatched_at IS NULL)"
+    ))
+    .fetch_one(pool)
+    .await
+    .map_err(db)
+}
+
+// --------------------------------------------------------------- publish
+
+/// Publishes the plan on two confirm channels at once (alternate messages),
+/// paced to `rate` messages per second overall.
+async fn publish_plan(
+    amqp_url: String,
+    topology: Topology,
+    messages: Vec<Outgoing>,
+    rate: f64,
+) -> Result<(), AppError> {
+    let connection = connect(&amqp_url, "parcel-chaos publisher").await?;
+    let started = Instant::now();
+    let mut streams = Vec::new();
+    for lane in 0..2 {
+        let publisher = Publisher::new(&connection, &topology.exchange(), ROUTING_KEY).await?;
+        let lane_messages: Vec<(usize, Outgoing)> = messages
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| i % 2 == lane)
+            .map(|(i, m)| (i, m.clone()))
+            .collect();
+        streams.push(async move {
+            for chunk in lane_messages.chunks(16) {
+                if let Some((first, _)) = chunk.first() {
+                    #[expect(clippy::cast_precision_loss, reason = "a message index")]
+                    let due = Duration::from_secs_f64(*first as f64 / rate.max(1.0));
+                    let now = started.elapsed();
+                    if due > now {
+                        tokio::time::sleep(due - now).await;
+                    }
+                }
+                let batch: Vec<Outgoing> = chunk.iter().map(|(_, m)| m.clone()).collect();
+                publisher.publish_all(&batch, 16, |_| {}).await?;
+            }
+            publisher.close().await;
+            Ok::<_, AppError>(())
+        });
+    }
+    let results = futures::future::join_all(streams).await;
+    let _ = connection.close(200, "published".into()).await;
+    results.into_iter().collect()
+}
+
+// ---------------------------------------------------------------- checks
+
+#[derive(Debug, Default)]
+struct Verdict {
+    effects: u64,
+    expected_effects: u64,
+    doubles: u64,
+    lost: u64,
+    stray: u64,
+    inbox_rows: u64,
+    inbox_mismatch: u64,
+    bookings: u64,
+    notified: u64,
+    ledger_calls: u64,
+    dead_lettered: u64,
+    dead_letter_missing: u64,
+    dead_letter_wrong_reason: u64,
+    valid_dead_lettered: u64,
+    details: Vec<String>,
+}
+
+impl Verdict {
+    fn ok(&self) -> bool {
+        self.doubles == 0
+            && self.lost == 0
+            && self.stray == 0
+            && self.inbox_mismatch == 0
+            && self.dead_letter_missing == 0
+            && self.dead_letter_wrong_reason == 0
+            && self.valid_dead_lettered == 0
+            && self.effects == self.expected_effects
+    }
+
+    fn note(&mut self, text: String) {
+        if self.details.len() < 20 {
+            self.details.push(text);
+        }
+    }
+}
+
+async fn per_message(
+    pool: &PgPool,
+    schema: &str,
+    table: &str,
+) -> Result<HashMap<uuid::Uuid, i64>, AppError> {
+    let rows = sqlx::query(&format!(
+        "SELECT message_id, count(*) AS n FROM \"{schema}\".{table} GROUP BY message_id"
+    ))
+    .fetch_all(pool)
+    .await
+    .map_err(db)?;
+    rows.iter()
+        .map(|r| Ok((r.try_get("message_id")?, r.try_get("n")?)))
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(db)
+}
+
+async fn check_database(
+    pool: &PgPool,
+    schema: &str,
+    plan: &Plan,
+    verdict: &mut Verdict,
+) -> Result<(), AppError> {
+    let valid: HashSet<uuid::Uuid> = plan.valid_ids.iter().copied().collect();
+    let inbox_rows = sqlx::query(&format!(
+        "SELECT id, consumer_type FROM \"{schema}\".inbox_messages"
+    ))
+    .fetch_all(pool)
+    .await
+    .map_err(db)?;
+    let mut inbox: HashSet<(uuid::Uuid, String)> = HashSet::new();
+    for row in &inbox_rows {
+        inbox.insert((
+            row.try_get("id").map_err(db)?,
+            row.try_get("consumer_type").map_err(db)?,
+        ));
+    }
+    verdict.inbox_rows = inbox.len() as u64;
+    for (role, table) in [
+        (Role::Notification, "notifications"),
+        (Role::Carrier, "carrier_assignments"),
+    ] {
+        let counts = per_message(pool, schema, table).await?;
+        let consumer = role.consumer_name();
+        for id in &plan.valid_ids {
+            let n = u64::try_from(counts.get(id).copied().unwrap_or(0)).unwrap_or(0);
+            verdict.effects += n;
+            verdict.expected_effects += 1;
+            if n == 0 {
+                verdict.lost += 1;
+                verdict.note(format!("lost: {consumer} never acted on {id}"));
+            } else if n > 1 {
+                verdict.doubles += n - 1;
+                verdict.note(format!("doubled: {consumer} acted {n} times on {id}"));
+            }
+            let has_row = inbox.contains(&(*id, consumer.to_owned()));
+            if has_row != (n > 0) {
+                verdict.inbox_mismatch += 1;
+                verdict.note(format!(
+                    "inbox row {} but {n} effects: {consumer} {id}",
+                    if has_row { "present" } else { "absent" }
+                ));
+            }
+        }
+        for (id, n) in &counts {
+            if !valid.contains(id) {
+                verdict.stray += u64::try_from(*n).unwrap_or(0);
+                verdict.note(format!("stray effect of a non-event {id} in {table}"));
+            }
+        }
+    }
+    verdict.stray += inbox.iter().filter(|(id, _)| !valid.contains(id)).count() as u64;
+
+    let ledger = sqlx::query(&format!(
+        "SELECT downstream, idempotency_key, parcel_id, calls FROM \"{schema}\".stub_ledger"
+    ))
+    .fetch_all(pool)
+    .await
+    .map_err(db)?;
+    let mut keys: HashMap<&str, HashSet<String>> = HashMap::new();
+    let mut parcels: HashMap<&str, HashMap<String, u64>> = HashMap::new();
+    for row in &ledger {
+        let downstream: String = row.try_get("downstream").map_err(db)?;
+        let key: String = row.try_get("idempotency_key").map_err(db)?;
+        let parcel: String = row.try_get("parcel_id").map_err(db)?;
+        let calls: i64 = row.try_get("calls").map_err(db)?;
+        verdict.ledger_calls += u64::try_from(calls).unwrap_or(0);
+        let name = if downstream == CARRIER_LEDGER {
+            CARRIER_LEDGER
+        } else {
+            NOTIFIER_LEDGER
+        };
+        keys.entry(name).or_default().insert(key);
+        *parcels.entry(name).or_default().entry(parcel).or_default() += 1;
+    }
+    for name in [CARRIER_LEDGER, NOTIFIER_LEDGER] {
+        let keys = keys.remove(name).unwrap_or_default();
+        let parcels = parcels.remove(name).unwrap_or_default();
+        let count = parcels.len() as u64;
+        if name == CARRIER_LEDGER {
+            verdict.bookings = count;
+        } else {
+            verdict.notified = count;
+        }
+        for id in &plan.valid_ids {
+            if !keys.contains(&id.to_string()) {
+                verdict.lost += 1;
+                verdict.note(format!("lost: the stub {name} never got {id}"));
+            }
+        }
+        for (parcel, n) in &parcels {
+            if *n > 1 {
+                verdict.doubles += n - 1;
+                verdict.note(format!(
+                    "doubled: the stub {name} booked {parcel} {n} times"
+                ));
+            }
+        }
+        let valid_keys: HashSet<String> = plan.valid_ids.iter().map(ToString::to_string).collect();
+        verdict.stray += keys.difference(&valid_keys).count() as u64;
+    }
+    Ok(())
+}
+
+/// Drains both dead-letter queues and checks every bad message is in each
+/// with its reason, and no valid one.
+async fn check_dead_letters(
+    amqp_url: &str,
+    topology: &Topology,
+    plan: &Plan,
+    verdict: &mut Verdict,
+) -> Result<(), AppError> {
+    let connection = connect(amqp_url, "parcel-chaos dead-letter reader").await?;
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(|e| AppError::broker("open channel", e))?;
+    for role in Role::ALL {
+        let dlq = topology.dead_letter_queue(role);
+        let mut seen: BTreeMap<usize, Vec<String>> = BTreeMap::new();
+        while let Some(message) = channel
+            .basic_get(dlq.as_str().into(), BasicGetOptions { no_ack: true })
+            .await
+            .map_err(|e| AppError::broker(format!("basic.get {dlq}"), e))?
+        {
+            verdict.dead_lettered += 1;
+            let headers = message
+                .delivery
+                .properties
+                .headers()
+                .clone()
+                .unwrap_or_default();
+            let reason = header_text(&headers, "x-dead-letter-reason")
+                .unwrap_or_else(|| "<no reason header>".to_owned());
+            let body = String::from_utf8_lossy(&message.delivery.data);
+            if let Some(at) = body.find("BAD-")
+                && let Some(n) = body.get(at + 4..at + 10).and_then(|d| d.parse().ok())
+            {
+                seen.entry(n).or_default().push(reason);
+            } else {
+                verdict.valid_dead_lettered += 1;
+                let detail = header_text(&headers, "x-dead-letter-detail").unwrap_or_default();
+                verdict.note(format!(
+                    "a valid message dead-lettered from {dlq}: {reason} ({detail})"
+                ));
+            }
+        }
+        for (n, expected) in plan.bad.iter().enumerate() {
+            match seen.get(&n) {
+                None => {
+                    verdict.dead_letter_missing += 1;
+                    verdict.note(format!("BAD-{n:06} ({expected}) missing from {dlq}"));
+                }
+                Some(reasons) if reasons.iter().any(|r| r != expected.as_str()) => {
+                    verdict.dead_letter_wrong_reason += 1;
+                    verdict.note(format!(
+                        "BAD-{n:06} in {dlq} with reason {reasons:?}, expected {expected}"
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+    }
+    let _ = connection.close(200, "bye".into()).await;
+    Ok(())
+}
+
+// ------------------------------------------------------------------- run
+
+/// Applies the inbox's and the app's migrations to the run's schema.
+struct Migrate;
+
+impl WithStore for Migrate {
+    type Output = ();
+
+    async fn run<S: ParcelStore>(self, store: S) -> Result<(), AppError> {
+        store.migrate_all().await
+    }
+}
+
+#[derive(Debug, Default)]
+struct FaultCounts {
+    kills: usize,
+    pg_kills: usize,
+    pg_backends: u64,
+    amqp_kills: usize,
+    amqp_missed: usize,
+}
+
+fn consume_binary(cli: &Cli) -> Result<PathBuf, AppError> {
+    if let Some(path) = &cli.consume_binary {
+        return Ok(path.clone());
+    }
+    let me = std::env::current_exe().map_err(|source| AppError::Io {
+        context: "find the current executable".into(),
+        source,
+    })?;
+    let dir = me.parent().unwrap_or(Path::new("."));
+    // Test binaries live in deps/, the bins one level up.
+    for candidate in [
+        dir.join("parcel-lab-consume"),
+        dir.join("../parcel-lab-consume"),
+    ] {
+        if candidate.exists() {
+            return Ok(candidate);
+        }
+    }
+    Err(AppError::Config(format!(
+        "no parcel-lab-consume binary next to {} (build it, or pass --consume-binary)",
+        me.display()
+    )))
+}
+
+async fn run(cli: Cli) -> Result<bool, AppError> {
+    if cli.consumers < 3 {
+        return Err(AppError::Config("--consumers must be at least 3".into()));
+    }
+    if cli.events == 0 {
+        return Err(AppError::Config("--events must be at least 1".into()));
+    }
+    let started = Instant::now();
+    let seed = cli.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+    });
+    println!(
+        "parcel-chaos seed {seed} (replay: --seed {seed}); store {}, {} consumers, {} events, broken: {}",
+        cli.store,
+        cli.consumers,
+        cli.events,
+        cli.broken.as_deref().unwrap_or("no")
+    );
+    let binary = consume_binary(&cli)?;
+    let mut rng = Rng::new(seed);
+    let plan = Plan::new(&cli, &mut rng)?;
+    #[expect(clippy::cast_precision_loss, reason = "a message count")]
+    let publish_secs = plan.messages.len() as f64 / cli.publish_rate.max(1.0);
+    let faults = schedule(&cli, Duration::from_secs_f64(publish_secs + 2.0), &mut rng);
+
+    let id = uuid::Uuid::new_v4().simple().to_string()[..10].to_owned();
+    let names = Names {
+        prefix: format!("chaos-{id}."),
+        schema: format!("chaos_{id}"),
+        logs: std::env::temp_dir().join(format!("parcel-chaos-{id}")),
+    };
+    std::fs::create_dir_all(&names.logs).map_err(|source| AppError::Io {
+        context: format!("create {}", names.logs.display()),
+        source,
+    })?;
+    println!(
+        "schema {}, queue prefix {}, consumer logs in {}; plan: {} messages ({} copies, {} back-to-back; {} bad), {} faults over {:.1}s",
+        names.schema,
+        names.prefix,
+        names.logs.display(),
+        plan.messages.len(),
+        plan.copies,
+        plan.back_to_back,
+        plan.bad.len(),
+        faults.len(),
+        publish_secs + 2.0
+    );
+    tracing::info!(database = %redact_url(&cli.database_url), amqp = %redact_url(&cli.amqp_url),
+        binary = %binary.display(), "parcel-chaos starting");
+
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&with_application_name(&cli.database_url, "parcel-chaos"))
+        .await
+        .map_err(db)?;
+    let store = StoreConfig {
+        kind: cli.store,
+        database_url: cli.database_url.clone(),
+        schema: names.schema.clone(),
+        pool_size: 2,
+    };
+    with_store(&store, Some(10), Migrate).await?;
+    let topology = Topology::new(&names.prefix);
+    {
+        let connection = connect(&cli.amqp_url, "parcel-chaos setup").await?;
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|e| AppError::broker("open channel", e))?;
+        topology.declare(&channel).await?;
+        let _ = connection.close(200, "declared".into()).await;
+    }
+    let work_queues: Vec<String> = Role::ALL.iter().map(|r| topology.queue(*r)).collect();
+
+    let mut consumers = Consumers::new(&cli, &names, binary);
+    consumers.start_all()?;
+    let outcome = drive(
+        &cli,
+        &names,
+        &pool,
+        &plan,
+        &faults,
+        &topology,
+        &work_queues,
+        &mut consumers,
+    )
+    .await;
+    consumers.stop_all().await;
+    let (counts, drained) = match outcome {
+        Ok(done) => done,
+        Err(error) => {
+            eprintln!(
+                "run aborted; schema {} and queues {} kept",
+                names.schema, names.prefix
+            );
+            return Err(error);
+        }
+    };
+
+    let mut verdict = Verdict::default();
+    check_database(&pool, &names.schema, &plan, &mut verdict).await?;
+    check_dead_letters(&cli.amqp_url, &topology, &plan, &mut verdict).await?;
+    if !drained {
+        verdict.note("the queues did not drain within --drain-timeout-secs".into());
+    }
+    let ok = verdict.ok() && drained && consumers.unexpected_exits == 0;
+    let wall = started.elapsed();
+    print!(
+        "{}",
+        table(
+            &cli,
+            seed,
+            &plan,
+            &counts,
+            &verdict,
+            consumers.unexpected_exits,
+            drained,
+            wall
+        )
+    );
+    for detail in &verdict.details {
+        println!("  {detail}");
+    }
+    println!(
+        "RESULT: {} lost={} doubles={} stray={} inbox_mismatch={} dead_letter_missing={} seed={seed}",
+        if ok { "PASS" } else { "FAIL" },
+        verdict.lost,
+        verdict.doubles,
+        verdict.stray,
+        verdict.inbox_mismatch,
+        verdict.dead_letter_missing + verdict.dead_letter_wrong_reason
+    );
+
+    if (ok && !cli.keep) || cli.always_clean {
+        let _ = sqlx::query(&format!(
+            "DROP SCHEMA IF EXISTS \"{}\" CASCADE",
+            names.schema
+        ))
+        .execute(&pool)
+        .await;
+        if let Ok(connection) = connect(&cli.amqp_url, "parcel-chaos cleanup").await {
+            if let Ok(channel) = connection.create_channel().await {
+                let _ = topology.delete(&channel).await;
+            }
+            let _ = connection.close(200, "bye".into()).await;
+        }
+        if !cli.keep {
+            let _ = std::fs::remove_dir_all(&names.logs);
+        }
+    } else {
+        println!(
+            "kept: schema {}, queues {}*, logs {}",
+            names.schema,
+            names.prefix,
+            names.logs.display()
+        );
+    }
+    Ok(ok)
+}
+
+/// Publishes, injects the faults, and waits for the drain.
+#[expect(clippy::too_many_arguments, reason = "one call site, the run's parts")]
+async fn drive(
+    cli: &Cli,
+    names: &Names,
+    pool: &PgPool,
+    plan: &Plan,
+    faults: &[Fault],
+    topology: &Topology,
+    work_queues: &[String],
+    consumers: &mut Consumers<'_>,
+) -> Result<(FaultCounts, bool), AppError> {
+    let t0 = Instant::now();
+    let mut publisher = tokio::spawn(publish_plan(
+        cli.amqp_url.clone(),
+        topology.clone(),
+        plan.messages.iter().map(|(_, m)| m.clone()).collect(),
+        cli.publish_rate,
+    ));
+    let mut published = false;
+    let mut counts = FaultCounts::default();
+    let mut next = 0;
+    while !published || next < faults.len() {
+        consumers.supervise()?;
+        if !published && publisher.is_finished() {
+            match (&mut publisher).await {
+                Ok(Ok(())) => {
+                    published = true;
+                    tracing::info!(elapsed = ?t0.elapsed(), "everything published (confirmed)");
+                }
+                Ok(Err(error)) => return Err(error),
+                Err(error) => {
+                    return Err(AppError::Unavailable(format!("publisher failed: {error}")));
+                }
+            }
+        }
+        while next < faults.len() && faults[next].at <= t0.elapsed() {
+            let fault = &faults[next];
+            next += 1;
+            let k = fault.target;
+            match fault.kind {
+                FaultKind::Kill => {
+                    consumers.kill_and_restart(k).await?;
+                    counts.kills += 1;
+                    tracing::info!(consumer = k, at = ?t0.elapsed(), "kill -9 and restart");
+                }
+                FaultKind::Postgres => {
+                    let n = terminate_backends(pool, &names.application_name(k)).await?;
+                    counts.pg_kills += 1;
+                    counts.pg_backends += n;
+                    tracing::info!(consumer = k, backends = n, at = ?t0.elapsed(), "pg_terminate_backend");
+                }
+                FaultKind::Amqp => {
+                    let closed = match consumers.pid(k) {
+                        Some(pid) => close_amqp_connection(&names.prefix, pid).await?,
+                        None => false,
+                    };
+                    if closed {
+                        counts.amqp_kills += 1;
+                    } else {
+                        counts.amqp_missed += 1;
+                    }
+                    tracing::info!(consumer = k, closed, at = ?t0.elapsed(), "rabbitmqctl close_connection");
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    tracing::info!("publishing and faults done; waiting for the queues to drain");
+    let deadline = Instant::now() + Duration::from_secs(cli.drain_timeout_secs);
+    let mut quiet_rounds = 0;
+    while Instant::now() < deadline {
+        consumers.supervise()?;
+        let depths = queue_depths(work_queues).await?;
+        let pending = undispatched(pool, &names.schema).await?;
+        if depths.iter().all(|d| *d == 0) && pending == 0 {
+            quiet_rounds += 1;
+            // Twice in a row, a second apart: nothing in flight anywhere.
+            if quiet_rounds >= 2 {
+                return Ok((counts, true));
+            }
+        } else {
+            quiet_rounds = 0;
+            tracing::info!(?depths, undispatched = pending, "draining");
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    Ok((counts, false))
+}
+
+#[expect(clippy::too_many_arguments, reason = "the table's inputs")]
+fn table(
+    cli: &Cli,
+    seed: u64,
+    plan: &Plan,
+    counts: &FaultCounts,
+    v: &Verdict,
+    unexpected_exits: usize,
+    drained: bool,
+    wall: Duration,
+) -> String {
+    let valid = plan.valid_ids.len() as u64;
+    let pairs = 2 * valid;
+    let bad = plan.bad.len() as u64;
+    let mark = |ok: bool| if ok { "ok" } else { "VIOLATION" };
+    let rows: Vec<(String, String, String, &str)> = vec![
+        (
+            "sent".into(),
+            plan.messages.len().to_string(),
+            String::new(),
+            "",
+        ),
+        (
+            "  valid events".into(),
+            valid.to_string(),
+            String::new(),
+            "",
+        ),
+        (
+            "  duplicates (same id+body)".into(),
+            format!("{} ({} back-to-back)", plan.copies, plan.back_to_back),
+            String::new(),
+            "",
+        ),
+        (
+            "  bad (6 classes)".into(),
+            bad.to_string(),
+            String::new(),
+            "",
+        ),
+        (
+            "kills (kill -9 + restart)".into(),
+            counts.kills.to_string(),
+            String::new(),
+            "",
+        ),
+        (
+            "pg kills (terminate_backend)".into(),
+            format!("{} ({} backends)", counts.pg_kills, counts.pg_backends),
+            String::new(),
+            "",
+        ),
+        (
+            "amqp kills (close_connection)".into(),
+            format!(
+                "{} ({} not connected)",
+                counts.amqp_kills, counts.amqp_missed
+            ),
+            String::new(),
+            "",
+        ),
+        (
+            "effects".into(),
+            v.effects.to_string(),
+            v.expected_effects.to_string(),
+            mark(v.effects == v.expected_effects),
+        ),
+        (
+            "doubles".into(),
+            v.doubles.to_string(),
+            "0".into(),
+            mark(v.doubles == 0),
+        ),
+        (
+            "lost".into(),
+            v.lost.to_string(),
+            "0".into(),
+            mark(v.lost == 0),
+        ),
+        (
+            "stray effects".into(),
+            v.stray.to_string(),
+            "0".into(),
+            mark(v.stray == 0),
+        ),
+        (
+            "inbox rows".into(),
+            v.inbox_rows.to_string(),
+            pairs.to_string(),
+            mark(v.inbox_rows == pairs && v.inbox_mismatch == 0),
+        ),
+        (
+            "carrier bookings".into(),
+            v.bookings.to_string(),
+            valid.to_string(),
+            mark(v.bookings == valid),
+        ),
+        (
+            "notifications sent".into(),
+            v.notified.to_string(),
+            valid.to_string(),
+            mark(v.notified == valid),
+        ),
+        (
+            "downstream calls (deduped)".into(),
+            v.ledger_calls.to_string(),
+            String::new(),
+            "",
+        ),
+        (
+            "dead-lettered".into(),
+            v.dead_lettered.to_string(),
+            format!(">= {}", 2 * bad),
+            mark(
+                v.dead_letter_missing == 0
+                    && v.dead_letter_wrong_reason == 0
+                    && v.valid_dead_lettered == 0,
+            ),
+        ),
+        (
+            "consumer crashes".into(),
+            unexpected_exits.to_string(),
+            "0".into(),
+            mark(unexpected_exits == 0),
+        ),
+        (
+            "drained".into(),
+            drained.to_string(),
+            "true".into(),
+            mark(drained),
+        ),
+        (
+            "wall time".into(),
+            format!("{:.1?}", wall),
+            String::new(),
+            "",
+        ),
+    ];
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "\nparcel-chaos summary: seed {seed}, store {}, {} consumers, broken {}",
+        cli.store,
+        cli.consumers,
+        cli.broken.as_deref().unwrap_or("no")
+    );
+    let _ = writeln!(
+        out,
+        "| {:<30} | {:>24} | {:>10} | {:<9} |",
+        "", "value", "expected", ""
+    );
+    let _ = writeln!(out, "|{:-<32}|{:-<26}|{:-<12}|{:-<11}|", "", "", "", "");
+    for (name, value, expected, ok) in rows {
+        let _ = writeln!(
+            out,
+            "| {name:<30} | {value:>24} | {expected:>10} | {ok:<9} |"
+        );
+    }
+    out
+}

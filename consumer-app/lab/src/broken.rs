@@ -1,0 +1,193 @@
+//! The conformance suite's deliberately broken stores, runnable as Parcel
+//! stores (`parcel-lab-consume --fault-broken-store <kind>`).
+//!
+//! A newtype over [`BrokenStore`] and its transaction: the Parcel traits
+//! and the broken store live in two other crates, so only a type of this
+//! crate may join them. The inbox methods go to the broken store (that is
+//! the point); every Parcel method goes to the correct store underneath.
+
+use std::collections::BTreeMap;
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use consumer_app::parcel::effects::{CarrierAssignment, Intent, Notification, ParcelEffects};
+use consumer_app::parcel::role::Role;
+use consumer_app::parcel::store::{EffectCounts, ParcelStore, StoreKind};
+use consumer_app::runtime::AppError;
+use inbox_api::{
+    BatchTransaction, Claim, InboxError, InboxKey, InboxRecord, InboxStats, InboxStore,
+    InboxTransaction, MessageId,
+};
+use inbox_conformance::broken::{Broken, BrokenStore, BrokenTransaction};
+
+/// Parses a `--fault-broken-store` name.
+///
+/// # Errors
+/// [`AppError::Config`] for a name that is not a broken store.
+pub fn parse(name: &str) -> Result<Broken, AppError> {
+    match name {
+        "claim-in-own-transaction" => Ok(Broken::ClaimInOwnTransaction),
+        "check-then-insert" => Ok(Broken::CheckThenInsert),
+        "work-before-claim" => Ok(Broken::WorkBeforeClaim),
+        "claim-without-waiting" => Ok(Broken::ClaimWithoutWaiting),
+        other => Err(AppError::Config(format!(
+            "--fault-broken-store {other:?}: not a broken store"
+        ))),
+    }
+}
+
+/// A correct Parcel store `S` whose inbox is broken the way its kind says.
+#[derive(Clone, Debug)]
+pub struct BrokenParcelStore<S>(BrokenStore<S>);
+
+impl<S> BrokenParcelStore<S> {
+    /// `store`, broken the way `kind` says.
+    pub fn new(store: S, kind: Broken) -> Self {
+        Self(BrokenStore::new(store, kind))
+    }
+}
+
+/// The transaction of a [`BrokenParcelStore`].
+pub struct BrokenParcelTransaction<S: InboxStore>(BrokenTransaction<S>);
+
+#[async_trait]
+impl<S: InboxStore + Clone> InboxStore for BrokenParcelStore<S> {
+    type Transaction = BrokenParcelTransaction<S>;
+
+    async fn begin(&self) -> Result<Self::Transaction, InboxError> {
+        Ok(BrokenParcelTransaction(self.0.begin().await?))
+    }
+
+    async fn lookup(&self, key: &InboxKey) -> Result<Option<InboxRecord>, InboxError> {
+        self.0.lookup(key).await
+    }
+
+    async fn purge_processed_batch(
+        &self,
+        cutoff: DateTime<Utc>,
+        limit: NonZeroU32,
+    ) -> Result<u64, InboxError> {
+        self.0.purge_processed_batch(cutoff, limit).await
+    }
+}
+
+#[async_trait]
+impl<S: InboxStats + Clone> InboxStats for BrokenParcelStore<S> {
+    async fn processed_counts(&self) -> Result<BTreeMap<String, u64>, InboxError> {
+        self.0.processed_counts().await
+    }
+}
+
+#[async_trait]
+impl<S: InboxStore + Clone> InboxTransaction for BrokenParcelTransaction<S> {
+    async fn claim(&mut self, key: &InboxKey) -> Result<Claim, InboxError> {
+        self.0.claim(key).await
+    }
+
+    async fn commit(self) -> Result<(), InboxError> {
+        self.0.commit().await
+    }
+
+    async fn rollback(self) -> Result<(), InboxError> {
+        self.0.rollback().await
+    }
+}
+
+#[async_trait]
+impl<S> BatchTransaction for BrokenParcelTransaction<S>
+where
+    S: InboxStore<Transaction: BatchTransaction> + Clone,
+{
+    async fn claim_batch(&mut self, keys: &[InboxKey]) -> Result<Vec<Claim>, InboxError> {
+        self.0.claim_batch(keys).await
+    }
+
+    async fn savepoint(&mut self) -> Result<(), InboxError> {
+        self.0.savepoint().await
+    }
+
+    async fn rollback_to_savepoint(&mut self) -> Result<(), InboxError> {
+        self.0.rollback_to_savepoint().await
+    }
+
+    async fn release_savepoint(&mut self) -> Result<(), InboxError> {
+        self.0.release_savepoint().await
+    }
+
+    async fn unclaim(&mut self, key: &InboxKey) -> Result<(), InboxError> {
+        self.0.unclaim(key).await
+    }
+}
+
+impl<S> ParcelEffects for BrokenParcelTransaction<S>
+where
+    S: InboxStore + Clone,
+    S::Transaction: ParcelEffects,
+{
+    async fn record_notification(&mut self, n: &Notification) -> Result<(), AppError> {
+        self.0.inner_mut().record_notification(n).await
+    }
+
+    async fn reserve_carrier_slot(&mut self, a: &CarrierAssignment) -> Result<(), AppError> {
+        self.0.inner_mut().reserve_carrier_slot(a).await
+    }
+}
+
+impl<S: ParcelStore> ParcelStore for BrokenParcelStore<S> {
+    fn kind(&self) -> StoreKind {
+        self.0.inner().kind()
+    }
+
+    async fn migrate_all(&self) -> Result<(), AppError> {
+        self.0.inner().migrate_all().await
+    }
+
+    async fn effect_counts(&self) -> Result<(EffectCounts, EffectCounts), AppError> {
+        self.0.inner().effect_counts().await
+    }
+
+    async fn drop_schema(&self) -> Result<(), AppError> {
+        self.0.inner().drop_schema().await
+    }
+
+    async fn record_stub_call(
+        &self,
+        downstream: &str,
+        idempotency_key: &str,
+        parcel_id: &str,
+    ) -> Result<u64, AppError> {
+        self.0
+            .inner()
+            .record_stub_call(downstream, idempotency_key, parcel_id)
+            .await
+    }
+
+    async fn mark_dispatched(&self, role: Role, message_id: &MessageId) -> Result<(), AppError> {
+        self.0.inner().mark_dispatched(role, message_id).await
+    }
+
+    async fn undispatched(&self, min_age: Duration, limit: u32) -> Result<Vec<Intent>, AppError> {
+        self.0.inner().undispatched(min_age, limit).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_broken_store_has_a_name() {
+        for (name, kind) in [
+            ("claim-in-own-transaction", Broken::ClaimInOwnTransaction),
+            ("check-then-insert", Broken::CheckThenInsert),
+            ("work-before-claim", Broken::WorkBeforeClaim),
+            ("claim-without-waiting", Broken::ClaimWithoutWaiting),
+        ] {
+            assert_eq!(parse(name).expect(name), kind);
+        }
+        assert_eq!(Broken::ALL.len(), 4);
+        assert!(parse("fine").is_err());
+    }
+}

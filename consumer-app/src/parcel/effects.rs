@@ -1,0 +1,81 @@
+//! The consumers' business writes, backend-generic.
+//!
+//! A consumer writes through [`ParcelEffects`] on the inbox transaction it is
+//! handed, so its rows commit together with the claim or not at all. Each
+//! store's transaction implements it behind its cargo feature, in that
+//! store's file under [`crate::parcel::store`]: SQL on the transaction's
+//! connection for the Postgres backends, buffered key-value writes for the
+//! memory store.
+
+use std::future::Future;
+
+use inbox_api::MessageId;
+
+use crate::runtime::AppError;
+
+/// A notification the recipient is to receive: the row written in the
+/// transaction (the *intent*), sent after commit.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Notification {
+    /// The message that caused it; also the sender's idempotency key.
+    pub message_id: MessageId,
+    /// Which parcel.
+    pub parcel_id: String,
+    /// The label number.
+    pub tracking_number: String,
+    /// Where it goes.
+    pub destination: String,
+    /// The text sent.
+    pub body: String,
+}
+
+/// A carrier slot reserved for a parcel: the row written in the transaction
+/// (the *intent*), booked with the carrier after commit.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CarrierAssignment {
+    /// The message that caused it; also the carrier's idempotency key.
+    pub message_id: MessageId,
+    /// Which parcel.
+    pub parcel_id: String,
+    /// Which carrier.
+    pub carrier: String,
+    /// The reserved pick-up slot.
+    pub slot: String,
+}
+
+/// A committed intent, as the reconciler reads it back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Intent {
+    /// A notification to send.
+    Notification(Notification),
+    /// A carrier slot to book.
+    Carrier(CarrierAssignment),
+}
+
+/// The business writes of the two consumers, inside an inbox transaction.
+pub trait ParcelEffects: Send {
+    /// Records a notification to send (one `notifications` row).
+    fn record_notification(
+        &mut self,
+        notification: &Notification,
+    ) -> impl Future<Output = Result<(), AppError>> + Send;
+
+    /// Reserves a carrier slot (one `carrier_assignments` row).
+    fn reserve_carrier_slot(
+        &mut self,
+        assignment: &CarrierAssignment,
+    ) -> impl Future<Output = Result<(), AppError>> + Send;
+}
+
+/// The app's schema: its tables, in the store's schema, after the inbox's.
+pub const APP_MIGRATION: &str = include_str!("../../migrations/0001_parcel_effects.sql");
+
+/// The app's migration as one script for the simple query protocol: several
+/// statements in one simple query run as one implicit transaction, so the
+/// advisory lock in front serialises concurrent `migrate` runs of several
+/// instances (two `CREATE TABLE IF NOT EXISTS` at once can fail on the
+/// catalog's unique index) until the script commits, and a failure rolls the
+/// whole script back.
+pub fn app_migration_script() -> String {
+    format!("SELECT pg_advisory_xact_lock(hashtext('parcel-inbox-app-migrate'));\n{APP_MIGRATION}")
+}

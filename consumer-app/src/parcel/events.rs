@@ -1,0 +1,153 @@
+//! The event both Parcel consumers take, and its rules.
+//!
+//! The runtime's decoding ([`crate::runtime::message::decode`]) refuses what
+//! is not this event (wrong type, not JSON, missing fields) before any
+//! transaction opens; [`ParcelCreatedEvent::validate`] adds the event's own
+//! rules, refused the same way (`invalid_event`).
+
+use inbox_api::MessageId;
+use serde::{Deserialize, Serialize};
+
+use crate::runtime::AppError;
+use crate::runtime::amqp::Outgoing;
+use crate::runtime::message::{self, BadInput, RawMessage};
+
+/// The AMQP `type` property of a [`ParcelCreatedEvent`].
+pub const EVENT_TYPE: &str = "parcel.created";
+
+/// The routing key parcel-created events are published with.
+pub const ROUTING_KEY: &str = "parcel.created";
+
+/// A parcel entered the network: both consumers act on it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParcelCreatedEvent {
+    /// The parcel's identity in the tracking system.
+    pub parcel_id: String,
+    /// The number printed on the label.
+    pub tracking_number: String,
+    /// Where it goes (a city or postcode).
+    pub destination: String,
+}
+
+impl ParcelCreatedEvent {
+    /// The longest accepted text field, in bytes.
+    pub const MAX_FIELD_LEN: usize = 200;
+
+    /// The rules beyond the JSON shape: every field non-blank and at most
+    /// [`Self::MAX_FIELD_LEN`] bytes (they end up in rows and in labels).
+    ///
+    /// # Errors
+    /// Which field breaks which rule.
+    pub fn validate(&self) -> Result<(), String> {
+        for (name, value) in [
+            ("parcel_id", &self.parcel_id),
+            ("tracking_number", &self.tracking_number),
+            ("destination", &self.destination),
+        ] {
+            if value.trim().is_empty() {
+                return Err(format!("{name} is empty"));
+            }
+            if value.len() > Self::MAX_FIELD_LEN {
+                return Err(format!(
+                    "{name} is longer than {} bytes",
+                    Self::MAX_FIELD_LEN
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Turns a raw delivery into a message id and a [`ParcelCreatedEvent`], or
+/// says why not: the runtime's decoding with this event's type and rules.
+///
+/// # Errors
+/// A [`BadInput`] naming the first rule broken.
+pub fn decode(
+    raw: RawMessage<'_>,
+    max_body_bytes: usize,
+) -> Result<(MessageId, ParcelCreatedEvent), BadInput> {
+    message::decode(
+        raw,
+        max_body_bytes,
+        EVENT_TYPE,
+        ParcelCreatedEvent::validate,
+    )
+}
+
+/// A well-formed `parcel.created` message with its id, ready to publish.
+///
+/// # Errors
+/// Never in practice (serialising plain strings).
+pub fn outgoing(message_id: &MessageId, event: &ParcelCreatedEvent) -> Result<Outgoing, AppError> {
+    Outgoing::json(message_id, EVENT_TYPE, event)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::message::BadInputReason;
+
+    const ID: &str = "0192f0a4-6c1e-7d2a-9b1c-3f4e5d6c7b8a";
+    const BODY: &[u8] = br#"{"parcel_id":"P-1","tracking_number":"TN1","destination":"Lyon"}"#;
+
+    fn raw<'a>(id: Option<&'a str>, kind: Option<&'a str>, body: &'a [u8]) -> RawMessage<'a> {
+        RawMessage {
+            message_id: id,
+            kind,
+            body,
+        }
+    }
+
+    fn reason(r: RawMessage<'_>) -> BadInputReason {
+        decode(r, 1024).expect_err("bad input").reason
+    }
+
+    #[test]
+    fn a_good_message_decodes() {
+        let (id, event) = decode(raw(Some(ID), Some(EVENT_TYPE), BODY), 1024).unwrap();
+        assert_eq!(id.to_string(), ID);
+        assert_eq!(event.parcel_id, "P-1");
+    }
+
+    #[test]
+    fn each_bad_input_class_is_named() {
+        use BadInputReason::*;
+        assert_eq!(reason(raw(None, Some(EVENT_TYPE), BODY)), MissingMessageId);
+        assert_eq!(
+            reason(raw(Some("42"), Some(EVENT_TYPE), BODY)),
+            InvalidMessageId
+        );
+        assert_eq!(
+            reason(raw(Some(""), Some(EVENT_TYPE), BODY)),
+            InvalidMessageId
+        );
+        assert_eq!(
+            reason(raw(Some(ID), Some(EVENT_TYPE), b"{nope")),
+            InvalidJson
+        );
+        assert_eq!(
+            reason(raw(Some(ID), Some(EVENT_TYPE), br#"{"a":1}"#)),
+            InvalidEvent
+        );
+        assert_eq!(
+            reason(raw(Some(ID), Some(EVENT_TYPE), b"[1,2]")),
+            InvalidEvent
+        );
+        assert_eq!(
+            reason(raw(
+                Some(ID),
+                Some(EVENT_TYPE),
+                br#"{"parcel_id":" ","tracking_number":"T","destination":"D"}"#
+            )),
+            InvalidEvent
+        );
+        assert_eq!(
+            reason(raw(Some(ID), Some("parcel.deleted"), BODY)),
+            UnknownType
+        );
+        assert_eq!(reason(raw(Some(ID), None, BODY)), UnknownType);
+        let big = vec![b' '; 2000];
+        assert_eq!(reason(raw(Some(ID), Some(EVENT_TYPE), &big)), Oversized);
+    }
+}

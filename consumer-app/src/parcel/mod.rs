@@ -1,0 +1,29 @@
+//! Parcel Tracking, the runtime's first user: two consumers of
+//! `parcel.created` that act exactly once per message.
+//!
+//! [`consumers::NotificationConsumer`] records (and after commit sends) a
+//! notification; [`consumers::CarrierAssignmentConsumer`] reserves (and
+//! after commit books) a carrier slot. Both are plain business code, as
+//! [`crate::runtime::Handler`]s: the runtime claims the message in the
+//! transaction they write in, and acks only after the commit.
+//!
+//! - [`events`]: the event and its rules.
+//! - [`consumers`], [`role`]: the two consumers and their names.
+//! - [`effects`]: the business writes, one trait over every store.
+//! - [`downstream`]: the non-transactional calls and the trade-off chosen.
+//! - [`dispatch`]: marking intents dispatched, the reconciler, the durable
+//!   stub ledger.
+//! - [`store`]: one file per store backend (cargo features `sqlx`,
+//!   `diesel`, `memory`).
+//! - [`topology`], [`service`]: the queue names, and the wiring into the
+//!   runtime.
+
+pub mod consumers;
+pub mod dispatch;
+pub mod downstream;
+pub mod effects;
+pub mod events;
+pub mod role;
+pub mod service;
+pub mod store;
+pub mod topology;

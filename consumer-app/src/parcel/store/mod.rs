@@ -1,0 +1,224 @@
+//! The stores the Parcel service runs on: one file per backend, each behind
+//! its cargo feature (`sqlx`, `diesel`, `memory`).
+//!
+//! [`ParcelStore`] is what the Parcel domain needs beyond the runtime's
+//! [`ServiceStore`](crate::runtime::ServiceStore): its own migration after
+//! the inbox's, the effect tables' counts for `stats`, the stub downstreams'
+//! ledger and the intents' dispatch marks. Inbox row counts are the
+//! backend's own answer ([`InboxStats`]): the inbox table's name and layout
+//! belong to the backend, so nothing here reads it.
+//!
+//! - `sqlx.rs`, `diesel.rs`: the Postgres backends, over the SQL in
+//!   `sql.rs` that both send;
+//! - `memory.rs`: the in-process backend (nothing outlives the process).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::future::Future;
+use std::str::FromStr;
+use std::time::Duration;
+
+use inbox_api::{BatchTransaction, InboxStats, InboxStore, MessageId};
+
+use crate::parcel::effects::{Intent, ParcelEffects};
+use crate::parcel::role::Role;
+use crate::runtime::AppError;
+
+#[cfg(feature = "diesel")]
+mod diesel;
+#[cfg(feature = "memory")]
+mod memory;
+#[cfg(any(feature = "sqlx", feature = "diesel"))]
+mod sql;
+#[cfg(feature = "sqlx")]
+mod sqlx;
+
+/// Which store implementation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StoreKind {
+    /// PostgreSQL through sqlx.
+    Sqlx,
+    /// PostgreSQL through diesel-async.
+    Diesel,
+    /// In-process (nothing survives the process).
+    Memory,
+}
+
+impl StoreKind {
+    /// The stores compiled into this binary, the default first.
+    pub fn compiled() -> Vec<Self> {
+        let mut kinds = Vec::new();
+        if cfg!(feature = "sqlx") {
+            kinds.push(Self::Sqlx);
+        }
+        if cfg!(feature = "diesel") {
+            kinds.push(Self::Diesel);
+        }
+        if cfg!(feature = "memory") {
+            kinds.push(Self::Memory);
+        }
+        kinds
+    }
+
+    /// The name used by `--store`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Sqlx => "sqlx",
+            Self::Diesel => "diesel",
+            Self::Memory => "memory",
+        }
+    }
+}
+
+impl fmt::Display for StoreKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for StoreKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let kind = match s {
+            "sqlx" => Self::Sqlx,
+            "diesel" => Self::Diesel,
+            "memory" => Self::Memory,
+            other => return Err(format!("unknown store {other:?} (sqlx, diesel, memory)")),
+        };
+        if Self::compiled().contains(&kind) {
+            Ok(kind)
+        } else {
+            Err(format!(
+                "store {kind} is not compiled in; rebuild with `--features {kind}` (compiled: {})",
+                Self::compiled()
+                    .iter()
+                    .map(|k| k.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        }
+    }
+}
+
+/// Row counts of one effect table.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EffectCounts {
+    /// Rows.
+    pub rows: u64,
+    /// Distinct message ids among them.
+    pub distinct_messages: u64,
+    /// Distinct parcels among them.
+    pub distinct_parcels: u64,
+}
+
+impl EffectCounts {
+    /// Rows beyond one per message: double effects (0 when the inbox works).
+    pub fn double_effects(&self) -> u64 {
+        self.rows.saturating_sub(self.distinct_messages)
+    }
+}
+
+/// What `stats` reports.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Rows in the inbox table.
+    pub inbox_rows: u64,
+    /// Inbox rows per consumer.
+    pub inbox_per_consumer: BTreeMap<String, u64>,
+    /// The notification consumer's effects.
+    pub notifications: EffectCounts,
+    /// The carrier consumer's effects.
+    pub carrier_assignments: EffectCounts,
+}
+
+impl fmt::Display for Stats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "inbox rows:                {}", self.inbox_rows)?;
+        for (consumer, rows) in &self.inbox_per_consumer {
+            writeln!(f, "  {consumer:<28} {rows}")?;
+        }
+        for (name, counts) in [
+            ("notifications", self.notifications),
+            ("carrier_assignments", self.carrier_assignments),
+        ] {
+            writeln!(
+                f,
+                "{name:<26} rows {} | distinct messages {} | distinct parcels {} | double effects {}",
+                counts.rows,
+                counts.distinct_messages,
+                counts.distinct_parcels,
+                counts.double_effects()
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// An inbox store the Parcel service can run on.
+pub trait ParcelStore:
+    InboxStore<Transaction: ParcelEffects + BatchTransaction> + InboxStats + Clone
+{
+    /// Which implementation.
+    fn kind(&self) -> StoreKind;
+
+    /// Applies the inbox's migrations, then the app's, to the store's
+    /// schema. Idempotent.
+    fn migrate_all(&self) -> impl Future<Output = Result<(), AppError>> + Send;
+
+    /// Counts the rows of the two effect tables: notifications, then
+    /// carrier assignments.
+    fn effect_counts(
+        &self,
+    ) -> impl Future<Output = Result<(EffectCounts, EffectCounts), AppError>> + Send;
+
+    /// Counts rows for `stats`: the inbox's per consumer (from the backend,
+    /// [`InboxStats`]), and the effects.
+    fn stats(&self) -> impl Future<Output = Result<Stats, AppError>> + Send {
+        async move {
+            let inbox_per_consumer = self.processed_counts().await?;
+            let (notifications, carrier_assignments) = self.effect_counts().await?;
+            Ok(Stats {
+                inbox_rows: inbox_per_consumer.values().sum(),
+                inbox_per_consumer,
+                notifications,
+                carrier_assignments,
+            })
+        }
+    }
+
+    /// Drops the store's schema with everything in it (the demo's and the
+    /// tests' cleanup).
+    fn drop_schema(&self) -> impl Future<Output = Result<(), AppError>> + Send;
+
+    /// Records one call in the stub downstreams' ledger (`stub_ledger`),
+    /// outside any inbox transaction; returns the key's call count so far
+    /// (1: a new booking or sending, more: deduplicated).
+    fn record_stub_call(
+        &self,
+        downstream: &str,
+        idempotency_key: &str,
+        parcel_id: &str,
+    ) -> impl Future<Output = Result<u64, AppError>> + Send;
+
+    /// Marks `role`'s intent rows of `message_id` dispatched.
+    fn mark_dispatched(
+        &self,
+        role: Role,
+        message_id: &MessageId,
+    ) -> impl Future<Output = Result<(), AppError>> + Send;
+
+    /// Committed intents not yet dispatched, created longer than `min_age`
+    /// ago, oldest first, at most `limit` of each kind.
+    fn undispatched(
+        &self,
+        min_age: Duration,
+        limit: u32,
+    ) -> impl Future<Output = Result<Vec<Intent>, AppError>> + Send;
+}
+
+/// A row count from PostgreSQL (never negative) as a `u64`.
+#[cfg(any(feature = "sqlx", feature = "diesel"))]
+fn count(value: i64) -> u64 {
+    u64::try_from(value).unwrap_or(0)
+}

@@ -1,0 +1,156 @@
+//! The sqlx backend of the Parcel store: the effects on the inbox
+//! transaction's connection, and the rest through the pool.
+
+use std::time::Duration;
+
+use inbox_api::MessageId;
+use inbox_backend_sqlx::{SqlxStore, SqlxTransaction, classify};
+use sqlx::Row;
+
+use super::{EffectCounts, ParcelStore, StoreKind, count, sql};
+use crate::parcel::effects::{
+    CarrierAssignment, Intent, Notification, ParcelEffects, app_migration_script,
+};
+use crate::parcel::role::Role;
+use crate::runtime::AppError;
+
+async fn effects(store: &SqlxStore, query: &str) -> Result<EffectCounts, AppError> {
+    let row = sqlx::query(query)
+        .fetch_one(store.pool())
+        .await
+        .map_err(classify)?;
+    Ok(EffectCounts {
+        rows: count(row.try_get("rows").map_err(classify)?),
+        distinct_messages: count(row.try_get("messages").map_err(classify)?),
+        distinct_parcels: count(row.try_get("parcels").map_err(classify)?),
+    })
+}
+
+impl ParcelStore for SqlxStore {
+    fn kind(&self) -> StoreKind {
+        StoreKind::Sqlx
+    }
+
+    async fn migrate_all(&self) -> Result<(), AppError> {
+        self.migrate().await?;
+        let script = app_migration_script();
+        sqlx::raw_sql(&script)
+            .execute(self.pool())
+            .await
+            .map_err(classify)?;
+        tracing::info!(schema = self.schema(), "app tables migrated (sqlx)");
+        Ok(())
+    }
+
+    async fn effect_counts(&self) -> Result<(EffectCounts, EffectCounts), AppError> {
+        Ok((
+            effects(self, sql::NOTIFICATIONS).await?,
+            effects(self, sql::CARRIER).await?,
+        ))
+    }
+
+    async fn drop_schema(&self) -> Result<(), AppError> {
+        // The name is validated by the store (a plain identifier).
+        let drop = format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.schema());
+        sqlx::query(&drop)
+            .execute(self.pool())
+            .await
+            .map_err(classify)?;
+        Ok(())
+    }
+
+    async fn record_stub_call(
+        &self,
+        downstream: &str,
+        idempotency_key: &str,
+        parcel_id: &str,
+    ) -> Result<u64, AppError> {
+        let calls: i64 = sqlx::query_scalar(sql::RECORD_STUB_CALL)
+            .bind(downstream)
+            .bind(idempotency_key)
+            .bind(parcel_id)
+            .fetch_one(self.pool())
+            .await
+            .map_err(classify)?;
+        Ok(count(calls))
+    }
+
+    async fn mark_dispatched(&self, role: Role, message_id: &MessageId) -> Result<(), AppError> {
+        sqlx::query(sql::mark(role))
+            .bind(message_id.as_uuid())
+            .execute(self.pool())
+            .await
+            .map_err(classify)?;
+        Ok(())
+    }
+
+    async fn undispatched(&self, min_age: Duration, limit: u32) -> Result<Vec<Intent>, AppError> {
+        let mut intents = Vec::new();
+        let rows = sqlx::query(sql::UNDISPATCHED_NOTIFICATIONS)
+            .bind(min_age.as_secs_f64())
+            .bind(i64::from(limit))
+            .fetch_all(self.pool())
+            .await
+            .map_err(classify)?;
+        for row in rows {
+            let id: uuid::Uuid = row.try_get("message_id").map_err(classify)?;
+            intents.push(Intent::Notification(Notification {
+                message_id: id.into(),
+                parcel_id: row.try_get("parcel_id").map_err(classify)?,
+                tracking_number: row.try_get("tracking_number").map_err(classify)?,
+                destination: row.try_get("destination").map_err(classify)?,
+                body: row.try_get("body").map_err(classify)?,
+            }));
+        }
+        let rows = sqlx::query(sql::UNDISPATCHED_CARRIER)
+            .bind(min_age.as_secs_f64())
+            .bind(i64::from(limit))
+            .fetch_all(self.pool())
+            .await
+            .map_err(classify)?;
+        for row in rows {
+            let id: uuid::Uuid = row.try_get("message_id").map_err(classify)?;
+            intents.push(Intent::Carrier(CarrierAssignment {
+                message_id: id.into(),
+                parcel_id: row.try_get("parcel_id").map_err(classify)?,
+                carrier: row.try_get("carrier").map_err(classify)?,
+                slot: row.try_get("slot").map_err(classify)?,
+            }));
+        }
+        Ok(intents)
+    }
+}
+
+impl ParcelEffects for SqlxTransaction {
+    async fn record_notification(&mut self, n: &Notification) -> Result<(), AppError> {
+        sqlx::query(
+            "INSERT INTO notifications \
+             (message_id, parcel_id, tracking_number, destination, body) \
+             VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(n.message_id.as_uuid())
+        .bind(&n.parcel_id)
+        .bind(&n.tracking_number)
+        .bind(&n.destination)
+        .bind(&n.body)
+        .execute(self.conn())
+        .await
+        .map_err(classify)?;
+        Ok(())
+    }
+
+    async fn reserve_carrier_slot(&mut self, a: &CarrierAssignment) -> Result<(), AppError> {
+        sqlx::query(
+            "INSERT INTO carrier_assignments (message_id, parcel_id, carrier, slot) \
+             VALUES ($1, $2, $3, $4)",
+        )
+        .bind(a.message_id.as_uuid())
+        .bind(&a.parcel_id)
+        .bind(&a.carrier)
+        .bind(&a.slot)
+        .execute(self.conn())
+        .await
+        .map_err(classify)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,113 @@
+//! The Parcel service's RabbitMQ names, under an optional prefix.
+//!
+//! ```text
+//! {prefix}parcel.events (topic) ──parcel.created──► {prefix}parcel-created-notification (quorum)
+//!                                └─parcel.created──► {prefix}parcel-created-carrier      (quorum)
+//! each queue ──x-dead-letter-exchange──► {queue}.dlx (fanout) ──► {queue}.dlq (quorum)
+//! ```
+//!
+//! The shape (quorum queues, dead-letter exchanges, the delivery limit) is
+//! the runtime's [`runtime::Topology`]; this names its parts per [`Role`].
+
+use lapin::Channel;
+
+use crate::parcel::events::ROUTING_KEY;
+use crate::parcel::role::Role;
+use crate::runtime::{self, AppError};
+
+/// The names of everything, under an optional prefix.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Topology {
+    prefix: String,
+}
+
+impl Topology {
+    /// Names under `prefix` (may be empty; tests use a unique one).
+    pub fn new(prefix: impl Into<String>) -> Self {
+        Self {
+            prefix: prefix.into(),
+        }
+    }
+
+    /// The prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The exchange events are published to.
+    pub fn exchange(&self) -> String {
+        format!("{}parcel.events", self.prefix)
+    }
+
+    /// A consumer's queue.
+    pub fn queue(&self, role: Role) -> String {
+        format!("{}{}", self.prefix, role.queue_base())
+    }
+
+    /// A queue's dead-letter exchange.
+    pub fn dead_letter_exchange(&self, role: Role) -> String {
+        runtime::Topology::dead_letter_exchange(&self.queue(role))
+    }
+
+    /// A queue's dead-letter queue.
+    pub fn dead_letter_queue(&self, role: Role) -> String {
+        runtime::Topology::dead_letter_queue(&self.queue(role))
+    }
+
+    /// The runtime's topology: the exchange and both queues.
+    pub fn runtime(&self) -> runtime::Topology {
+        Role::ALL
+            .iter()
+            .fold(runtime::Topology::new(self.exchange()), |topology, role| {
+                topology.bind(self.queue(*role), ROUTING_KEY)
+            })
+    }
+
+    /// Declares the exchanges, queues and bindings (idempotent).
+    ///
+    /// # Errors
+    /// Broker errors, e.g. an existing queue declared with other arguments.
+    pub async fn declare(&self, channel: &Channel) -> Result<(), AppError> {
+        self.runtime().declare(channel).await
+    }
+
+    /// Deletes everything [`Topology::declare`] made (tests, the demo).
+    ///
+    /// # Errors
+    /// Broker errors.
+    pub async fn delete(&self, channel: &Channel) -> Result<(), AppError> {
+        self.runtime().delete(channel).await
+    }
+
+    /// Ready (unacknowledged ones excluded) messages in a queue, by a passive
+    /// declare.
+    ///
+    /// # Errors
+    /// Broker errors; a missing queue closes the channel.
+    pub async fn ready_messages(&self, channel: &Channel, queue: &str) -> Result<u32, AppError> {
+        runtime::Topology::ready_messages(channel, queue).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_carry_the_prefix() {
+        let t = Topology::new("t1.");
+        assert_eq!(t.exchange(), "t1.parcel.events");
+        assert_eq!(t.queue(Role::Carrier), "t1.parcel-created-carrier");
+        assert_eq!(
+            t.dead_letter_queue(Role::Notification),
+            "t1.parcel-created-notification.dlq"
+        );
+        assert_eq!(
+            Topology::new("").queue(Role::Notification),
+            "parcel-created-notification"
+        );
+        let runtime = t.runtime();
+        assert_eq!(runtime.exchange(), "t1.parcel.events");
+        assert_eq!(runtime.bindings().len(), 2);
+    }
+}

@@ -1,0 +1,269 @@
+//! RabbitMQ plumbing: connecting with backoff, and a confirming publisher.
+//!
+//! Every publish waits for the broker's confirm: a message the broker did
+//! not take is an error here, never a silent loss.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, PublisherConfirm};
+use tokio::sync::watch;
+
+use serde::Serialize;
+
+use crate::runtime::AppError;
+use crate::runtime::backoff::backoff;
+use crate::runtime::redact::redact_url;
+
+/// Opens one connection, named so that `rabbitmqctl list_connections
+/// user_provided_name` shows which instance it is.
+///
+/// # Errors
+/// [`AppError::Broker`] when the broker cannot be reached or refuses.
+pub async fn connect(url: &str, name: &str) -> Result<Connection, AppError> {
+    let properties = ConnectionProperties::default().with_connection_name(name.into());
+    Connection::connect(url, properties)
+        .await
+        .map_err(|e| AppError::broker(format!("connect to {}", redact_url(url)), e))
+}
+
+/// Connects, retrying with exponential backoff (0.2 s up to 10 s) until it
+/// works, `attempts` run out (`None`: forever) or `shutdown` turns true.
+///
+/// # Errors
+/// The last connection error, or [`AppError::Unavailable`] on shutdown.
+pub async fn connect_with_backoff(
+    url: &str,
+    name: &str,
+    attempts: Option<u32>,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Result<Connection, AppError> {
+    let mut attempt = 0;
+    loop {
+        match connect(url, name).await {
+            Ok(connection) => {
+                if attempt > 0 {
+                    tracing::info!(url = %redact_url(url), attempt, "connected to RabbitMQ");
+                }
+                return Ok(connection);
+            }
+            Err(error) => {
+                attempt += 1;
+                if attempts.is_some_and(|max| attempt >= max) {
+                    return Err(error);
+                }
+                let delay = backoff(Duration::from_millis(200), Duration::from_secs(10), attempt);
+                tracing::warn!(url = %redact_url(url), attempt, ?delay,
+                    error = %crate::runtime::error::chain(&error), "RabbitMQ unreachable; retrying");
+                tokio::select! {
+                    () = tokio::time::sleep(delay) => {}
+                    _ = shutdown.wait_for(|stop| *stop) => {
+                        return Err(AppError::Unavailable("shutdown while connecting to RabbitMQ".into()));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A message to publish.
+#[derive(Clone, Debug)]
+pub struct Outgoing {
+    /// The AMQP `message_id` (`None`: unset, for bad-input tests).
+    pub message_id: Option<String>,
+    /// The AMQP `type` (`None`: unset).
+    pub kind: Option<String>,
+    /// The body.
+    pub body: Vec<u8>,
+}
+
+impl Outgoing {
+    /// A well-formed message: `body` as JSON, with its id and its AMQP
+    /// `type`. The producer must reuse the id when it publishes the same
+    /// message again: the id is what the consumers' inboxes deduplicate on.
+    ///
+    /// # Errors
+    /// [`AppError::Config`] when `body` does not serialise.
+    pub fn json<T: Serialize>(
+        message_id: &inbox_api::MessageId,
+        kind: &str,
+        body: &T,
+    ) -> Result<Self, AppError> {
+        let body = serde_json::to_vec(body)
+            .map_err(|e| AppError::Config(format!("cannot serialise the message: {e}")))?;
+        Ok(Self {
+            message_id: Some(message_id.to_string()),
+            kind: Some(kind.to_owned()),
+            body,
+        })
+    }
+
+    fn properties(&self) -> BasicProperties {
+        let mut properties = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_content_type("application/json".into());
+        if let Some(id) = &self.message_id {
+            properties = properties.with_message_id(id.as_str().into());
+        }
+        if let Some(kind) = &self.kind {
+            properties = properties.with_type(kind.as_str().into());
+        }
+        properties
+    }
+}
+
+/// Publishes to one exchange with one routing key, on a channel in confirm
+/// mode.
+pub struct Publisher {
+    channel: Channel,
+    exchange: String,
+    routing_key: String,
+}
+
+impl Publisher {
+    /// A publisher to `exchange` with `routing_key` on a new channel of
+    /// `connection`, with confirms on.
+    ///
+    /// # Errors
+    /// Broker errors.
+    pub async fn new(
+        connection: &Connection,
+        exchange: &str,
+        routing_key: &str,
+    ) -> Result<Self, AppError> {
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|e| AppError::broker("open publisher channel", e))?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| AppError::broker("enable publisher confirms", e))?;
+        Ok(Self {
+            channel,
+            exchange: exchange.to_owned(),
+            routing_key: routing_key.to_owned(),
+        })
+    }
+
+    /// The channel, e.g. to declare the topology on.
+    pub fn channel(&self) -> &Channel {
+        &self.channel
+    }
+
+    async fn send(&self, message: &Outgoing) -> Result<PublisherConfirm, AppError> {
+        self.channel
+            .basic_publish(
+                self.exchange.as_str().into(),
+                self.routing_key.as_str().into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                &message.body,
+                message.properties(),
+            )
+            .await
+            .map_err(|e| AppError::broker("publish", e))
+    }
+
+    /// Publishes one message and waits for the broker's confirm.
+    ///
+    /// # Errors
+    /// [`AppError::NotConfirmed`] on a nack or an unroutable message.
+    pub async fn publish(&self, message: &Outgoing) -> Result<(), AppError> {
+        let confirm = self.send(message).await?;
+        check_confirm(confirm).await
+    }
+
+    /// Publishes many messages, keeping up to `window` confirms outstanding,
+    /// and calls `progress` after each confirmed one.
+    ///
+    /// # Errors
+    /// The first unconfirmed publish.
+    pub async fn publish_all(
+        &self,
+        messages: &[Outgoing],
+        window: usize,
+        mut progress: impl FnMut(usize),
+    ) -> Result<(), AppError> {
+        let mut pending = VecDeque::with_capacity(window);
+        let mut confirmed = 0;
+        for message in messages {
+            if pending.len() >= window.max(1)
+                && let Some(confirm) = pending.pop_front()
+            {
+                check_confirm(confirm).await?;
+                confirmed += 1;
+                progress(confirmed);
+            }
+            pending.push_back(self.send(message).await?);
+        }
+        while let Some(confirm) = pending.pop_front() {
+            check_confirm(confirm).await?;
+            confirmed += 1;
+            progress(confirmed);
+        }
+        Ok(())
+    }
+
+    /// Publishes `message` to `exchange` with `routing_key` and extra
+    /// `properties`, and waits for the confirm (the dead-letter path).
+    ///
+    /// # Errors
+    /// As [`Publisher::publish`].
+    pub async fn publish_raw(
+        channel: &Channel,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> Result<(), AppError> {
+        let confirm = channel
+            .basic_publish(
+                exchange.into(),
+                routing_key.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                body,
+                properties,
+            )
+            .await
+            .map_err(|e| AppError::broker(format!("publish to {exchange}"), e))?;
+        check_confirm(confirm).await
+    }
+
+    /// Closes the channel.
+    pub async fn close(self) {
+        if let Err(error) = self.channel.close(200, "bye".into()).await {
+            tracing::debug!(error = %error, "closing the publisher channel failed");
+        }
+    }
+}
+
+async fn check_confirm(confirm: PublisherConfirm) -> Result<(), AppError> {
+    let confirmation = confirm
+        .await
+        .map_err(|e| AppError::broker("wait for publisher confirm", e))?;
+    if !confirmation.is_ack() {
+        return Err(AppError::NotConfirmed(
+            "the broker nacked the message".into(),
+        ));
+    }
+    if let Some(returned) = confirmation.take_message() {
+        return Err(AppError::NotConfirmed(format!(
+            "the message was returned unroutable ({} {})",
+            returned.reply_code, returned.reply_text
+        )));
+    }
+    Ok(())
+}
+
+/// An empty argument table.
+pub fn no_args() -> FieldTable {
+    FieldTable::default()
+}

@@ -1,0 +1,129 @@
+//! The runtime's settings, with the defaults the binary's flags start from.
+
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use crate::runtime::settle::SettlePolicy;
+
+/// Settings of the message path.
+#[derive(Clone, Debug)]
+pub struct WorkerConfig {
+    /// Unacknowledged deliveries the broker may push per queue consumer.
+    pub prefetch: u16,
+    /// Deliveries (or batches) processed at once per queue.
+    pub concurrency: usize,
+    /// The bound on one attempt (begin to commit). Keep it well below
+    /// RabbitMQ's `consumer_timeout` (30 min by default), after which the
+    /// broker closes the channel with 406 PRECONDITION_FAILED.
+    pub handle_timeout: Duration,
+    /// Attempts per delivery in process before it is requeued.
+    pub retry_attempts: u32,
+    /// Backoff before the second attempt; doubled each time.
+    pub retry_base_delay: Duration,
+    /// Deliveries of one message (per the broker's count) before it is
+    /// dead-lettered as `retries_exhausted`.
+    pub max_deliveries: u32,
+    /// The largest body accepted.
+    pub max_body_bytes: usize,
+    /// Batched mode (`None`: one transaction per delivery, the default).
+    pub batch: Option<BatchConfig>,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        Self {
+            prefetch: 32,
+            concurrency: 8,
+            handle_timeout: Duration::from_secs(30),
+            retry_attempts: 3,
+            retry_base_delay: Duration::from_millis(100),
+            max_deliveries: 10,
+            max_body_bytes: 64 * 1024,
+            batch: None,
+        }
+    }
+}
+
+impl WorkerConfig {
+    /// The settle policy these settings make.
+    pub fn policy(&self) -> SettlePolicy {
+        SettlePolicy {
+            retry_attempts: self.retry_attempts,
+            max_deliveries: self.max_deliveries,
+            retry_base_delay: self.retry_base_delay,
+        }
+    }
+}
+
+/// Settings of batched mode: up to `size` deliveries through one
+/// [`Inbox::handle_batch`](inbox_api::Inbox::handle_batch) transaction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchConfig {
+    /// The most deliveries in one transaction.
+    pub size: usize,
+    /// How long a batch waits for more deliveries after its first one.
+    pub wait: Duration,
+}
+
+impl BatchConfig {
+    /// Batched mode when it can batch anything: `size > 1` and a prefetch
+    /// above one (with prefetch 1 the broker never has a second delivery
+    /// outstanding).
+    pub fn effective(size: usize, wait: Duration, prefetch: u16) -> Option<Self> {
+        (size > 1 && prefetch > 1).then_some(Self { size, wait })
+    }
+}
+
+/// Cleanup of processed inbox rows.
+#[derive(Clone, Debug)]
+pub struct CleanupConfig {
+    /// Rows processed longer ago than this go. A duplicate must meet its
+    /// first copy within it, so keep it above the longest redelivery delay.
+    pub retention: Duration,
+    /// How often the background task runs.
+    pub interval: Duration,
+    /// Rows per delete transaction (bounded, so that cleanup never holds
+    /// many locks at once).
+    pub batch_size: NonZeroU32,
+}
+
+impl Default for CleanupConfig {
+    fn default() -> Self {
+        Self {
+            retention: Duration::from_secs(7 * 24 * 3600),
+            interval: Duration::from_secs(3600),
+            batch_size: NonZeroU32::new(1000).unwrap_or(NonZeroU32::MIN),
+        }
+    }
+}
+
+/// Settings of a running service.
+#[derive(Clone)]
+pub struct ServiceConfig {
+    /// The broker (may hold a password: logged redacted only).
+    pub amqp_url: String,
+    /// The message path's settings.
+    pub worker: WorkerConfig,
+    /// The AMQP connection's name, as `rabbitmqctl list_connections
+    /// user_provided_name` shows it.
+    pub connection_name: String,
+    /// Background cleanup; `None`: off.
+    pub cleanup: Option<CleanupConfig>,
+    /// How often the `inbox_rows` gauge is refreshed; `None`: never.
+    pub gauge_interval: Option<Duration>,
+}
+
+impl std::fmt::Debug for ServiceConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServiceConfig")
+            .field(
+                "amqp_url",
+                &crate::runtime::redact::redact_url(&self.amqp_url),
+            )
+            .field("worker", &self.worker)
+            .field("connection_name", &self.connection_name)
+            .field("cleanup", &self.cleanup)
+            .field("gauge_interval", &self.gauge_interval)
+            .finish()
+    }
+}

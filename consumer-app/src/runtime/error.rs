@@ -1,0 +1,156 @@
+//! The runtime's one error type, shared with the handlers it runs.
+//!
+//! One type rather than one per layer: a handler's error travels through the
+//! inbox and the settle policy unchanged, so the policy can ask it what to do
+//! ([`AppError::disposition`]) and the dead-letter header can carry its
+//! stable label ([`AppError::reason`]).
+
+use std::time::Duration;
+
+use inbox_api::InboxError;
+
+use crate::runtime::message::BadInput;
+use crate::runtime::settle::ErrorDisposition;
+
+/// Everything that can go wrong in a service built on the runtime, its
+/// handlers included.
+///
+/// Like [`InboxError`], each error says what the message path must do with
+/// the delivery ([`AppError::disposition`]): retry it, hand it back to the
+/// broker, or dead-letter it with [`AppError::reason`] as the reason.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AppError {
+    /// The inbox or the store behind it failed; its own classification holds.
+    #[error(transparent)]
+    Inbox(#[from] InboxError),
+
+    /// The delivery cannot be processed, now or ever.
+    #[error(transparent)]
+    BadInput(#[from] BadInput),
+
+    /// RabbitMQ refused or lost something.
+    #[error("broker: {context}")]
+    Broker {
+        /// What the app was doing.
+        context: String,
+        /// lapin's error.
+        #[source]
+        source: lapin::Error,
+    },
+
+    /// A publish was not confirmed by the broker (nack, or returned).
+    #[error("publish not confirmed: {0}")]
+    NotConfirmed(String),
+
+    /// One handling of a delivery took longer than its bound; the
+    /// transaction was dropped, so it rolled back.
+    #[error("handling timed out after {0:?}")]
+    Timeout(Duration),
+
+    /// An injected fault abandoned this attempt mid-transaction, as if the
+    /// process had died there (demo and tests only; see `tools::faults`):
+    /// the transaction rolled back and the delivery goes straight back to
+    /// the broker, as a real crash would leave it.
+    #[error("injected crash of the first attempt of {0}")]
+    InjectedCrash(String),
+
+    /// A non-transactional downstream call (an HTTP API, a mail sender)
+    /// failed after the commit.
+    #[error("downstream call failed: {message}")]
+    Downstream {
+        /// Whether calling again may succeed.
+        retryable: bool,
+        /// What failed.
+        message: String,
+    },
+
+    /// A flag or setting is unusable.
+    #[error("configuration: {0}")]
+    Config(String),
+
+    /// A local I/O failure (metrics listener, signal handler, a child
+    /// process).
+    #[error("{context}")]
+    Io {
+        /// What the app was doing.
+        context: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A service (PostgreSQL, RabbitMQ) stayed unreachable.
+    #[error("{0}")]
+    Unavailable(String),
+
+    /// The demo's or a run's proof did not hold.
+    #[error("check failed: {0}")]
+    CheckFailed(String),
+}
+
+impl AppError {
+    /// Wraps a lapin error with what the app was doing.
+    pub fn broker(context: impl Into<String>, source: lapin::Error) -> Self {
+        Self::Broker {
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// Whether delivering the message again can succeed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::Inbox(e) => e.is_retryable(),
+            Self::Downstream { retryable, .. } => *retryable,
+            Self::Broker { .. }
+            | Self::NotConfirmed(_)
+            | Self::Timeout(_)
+            | Self::InjectedCrash(_)
+            | Self::Io { .. }
+            | Self::Unavailable(_) => true,
+            Self::BadInput(_) | Self::Config(_) | Self::CheckFailed(_) => false,
+        }
+    }
+
+    /// What the settle policy does with a delivery that failed with this
+    /// error: retry it, hand it back to the broker at once, or dead-letter
+    /// it.
+    pub fn disposition(&self) -> ErrorDisposition {
+        match self {
+            Self::InjectedCrash(_) => ErrorDisposition::Requeue,
+            error if error.is_retryable() => ErrorDisposition::Retry,
+            _ => ErrorDisposition::DeadLetter,
+        }
+    }
+
+    /// A short, stable label: the dead-letter reason and the metric label.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Inbox(e) => e.kind(),
+            Self::BadInput(b) => b.reason.as_str(),
+            Self::Broker { .. } => "broker",
+            Self::NotConfirmed(_) => "not_confirmed",
+            Self::Timeout(_) => "timeout",
+            Self::InjectedCrash(_) => "injected_crash",
+            Self::Downstream { .. } => "downstream",
+            Self::Config(_) => "config",
+            Self::Io { .. } => "io",
+            Self::Unavailable(_) => "unavailable",
+            Self::CheckFailed(_) => "check_failed",
+        }
+    }
+}
+
+/// The error and its chain of sources on one line, for logs and the
+/// dead-letter detail header.
+pub fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(inner) = source {
+        text.push_str(": ");
+        text.push_str(&inner.to_string());
+        source = inner.source();
+    }
+    text
+}

@@ -1,0 +1,239 @@
+//! A delivery's parts the runtime reads: its message id, its type, its body,
+//! and the headers the broker and the dead-letter path set.
+//!
+//! Everything that makes a delivery unprocessable forever is found here,
+//! before any transaction opens, and named by a [`BadInputReason`] that ends
+//! up in the dead-letter header and the `inbox_dead_lettered_total` metric.
+//! A missing message id is refused rather than replaced by a fresh one: a
+//! fresh id per delivery would silently turn deduplication off.
+
+use std::fmt;
+
+use inbox_api::MessageId;
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use serde::de::DeserializeOwned;
+
+/// Why a delivery can never be processed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BadInputReason {
+    /// No AMQP `message_id` property: deduplication is impossible.
+    MissingMessageId,
+    /// A `message_id` that is not a UUID.
+    InvalidMessageId,
+    /// A body that is not JSON.
+    InvalidJson,
+    /// JSON that is not the handler's message, or one its validation
+    /// refuses.
+    InvalidEvent,
+    /// A missing AMQP `type` property, or one the handler does not take.
+    UnknownType,
+    /// A body over the configured maximum.
+    Oversized,
+}
+
+impl BadInputReason {
+    /// Every reason, for tests and docs.
+    pub const ALL: [Self; 6] = [
+        Self::MissingMessageId,
+        Self::InvalidMessageId,
+        Self::InvalidJson,
+        Self::InvalidEvent,
+        Self::UnknownType,
+        Self::Oversized,
+    ];
+
+    /// The stable label in headers and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::MissingMessageId => "missing_message_id",
+            Self::InvalidMessageId => "invalid_message_id",
+            Self::InvalidJson => "invalid_json",
+            Self::InvalidEvent => "invalid_event",
+            Self::UnknownType => "unknown_type",
+            Self::Oversized => "oversized",
+        }
+    }
+}
+
+impl fmt::Display for BadInputReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A delivery that can never be processed, and why.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("bad input ({reason}): {detail}")]
+pub struct BadInput {
+    /// The class of the problem.
+    pub reason: BadInputReason,
+    /// A human-readable explanation (user text truncated).
+    pub detail: String,
+}
+
+impl BadInput {
+    /// A bad input of class `reason`.
+    pub fn new(reason: BadInputReason, detail: impl Into<String>) -> Self {
+        Self {
+            reason,
+            detail: detail.into(),
+        }
+    }
+}
+
+/// The parts of a delivery the validation reads: kept apart from lapin's
+/// types so that the rules are unit-testable.
+#[derive(Clone, Copy, Debug)]
+pub struct RawMessage<'a> {
+    /// The AMQP `message_id` property.
+    pub message_id: Option<&'a str>,
+    /// The AMQP `type` property.
+    pub kind: Option<&'a str>,
+    /// The body.
+    pub body: &'a [u8],
+}
+
+impl<'a> RawMessage<'a> {
+    /// The parts of a delivery's properties and body.
+    pub fn of(properties: &'a BasicProperties, body: &'a [u8]) -> Self {
+        Self {
+            message_id: properties.message_id().as_ref().map(|s| s.as_str()),
+            kind: properties.kind().as_ref().map(|s| s.as_str()),
+            body,
+        }
+    }
+}
+
+/// Turns a raw delivery into a message id and a message of type
+/// `message_type` (the AMQP `type` property), checked by `validate`, or
+/// says why not.
+///
+/// The checks run cheapest first, and the size check before anything reads
+/// the body.
+///
+/// # Errors
+/// A [`BadInput`] naming the first rule broken.
+pub fn decode<M: DeserializeOwned>(
+    raw: RawMessage<'_>,
+    max_body_bytes: usize,
+    message_type: &str,
+    validate: impl FnOnce(&M) -> Result<(), String>,
+) -> Result<(MessageId, M), BadInput> {
+    if raw.body.len() > max_body_bytes {
+        return Err(BadInput::new(
+            BadInputReason::Oversized,
+            format!(
+                "body of {} bytes exceeds the maximum of {max_body_bytes}",
+                raw.body.len()
+            ),
+        ));
+    }
+    let id_text = raw.message_id.ok_or_else(|| {
+        BadInput::new(
+            BadInputReason::MissingMessageId,
+            "the message_id property is missing; the producer must set one and reuse it on retries",
+        )
+    })?;
+    let message_id = MessageId::parse(id_text)
+        .map_err(|e| BadInput::new(BadInputReason::InvalidMessageId, e.to_string()))?;
+    match raw.kind {
+        Some(kind) if kind == message_type => {}
+        Some(other) => {
+            return Err(BadInput::new(
+                BadInputReason::UnknownType,
+                format!("type {:?} is not {message_type:?}", truncate(other, 64)),
+            ));
+        }
+        None => {
+            return Err(BadInput::new(
+                BadInputReason::UnknownType,
+                format!("the type property is missing (expected {message_type:?})"),
+            ));
+        }
+    }
+    let json: serde_json::Value = serde_json::from_slice(raw.body)
+        .map_err(|e| BadInput::new(BadInputReason::InvalidJson, e.to_string()))?;
+    let message: M = serde_json::from_value(json)
+        .map_err(|e| BadInput::new(BadInputReason::InvalidEvent, e.to_string()))?;
+    validate(&message).map_err(|e| BadInput::new(BadInputReason::InvalidEvent, e))?;
+    Ok((message_id, message))
+}
+
+/// Cuts `text` to at most `max` bytes on a char boundary.
+pub fn truncate(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_owned();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
+}
+
+/// The broker's count of earlier deliveries of this message
+/// (`x-delivery-count`, set by quorum queues on redelivery).
+pub fn delivery_count(properties: &BasicProperties) -> u64 {
+    let Some(headers) = properties.headers() else {
+        return 0;
+    };
+    headers
+        .inner()
+        .get("x-delivery-count")
+        .and_then(as_u64)
+        .unwrap_or(0)
+}
+
+fn as_u64(value: &AMQPValue) -> Option<u64> {
+    match value {
+        AMQPValue::ShortShortInt(v) => u64::try_from(*v).ok(),
+        AMQPValue::ShortShortUInt(v) => Some(u64::from(*v)),
+        AMQPValue::ShortInt(v) => u64::try_from(*v).ok(),
+        AMQPValue::ShortUInt(v) => Some(u64::from(*v)),
+        AMQPValue::LongInt(v) => u64::try_from(*v).ok(),
+        AMQPValue::LongUInt(v) => Some(u64::from(*v)),
+        AMQPValue::LongLongInt(v) => u64::try_from(*v).ok(),
+        AMQPValue::Timestamp(v) => Some(*v),
+        _ => None,
+    }
+}
+
+/// A header value as text, if it is a string.
+pub fn header_text(headers: &FieldTable, name: &str) -> Option<String> {
+    match headers.inner().get(name)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        _ => None,
+    }
+}
+
+/// A string as an AMQP header or argument value.
+pub(crate) fn long_string(text: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(text.as_bytes().to_vec()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delivery_counts_read_every_integer_width() {
+        for (value, expected) in [
+            (AMQPValue::LongInt(3), Some(3)),
+            (AMQPValue::LongLongInt(7), Some(7)),
+            (AMQPValue::ShortShortUInt(2), Some(2)),
+            (AMQPValue::LongInt(-1), None),
+            (long_string("4"), None),
+        ] {
+            assert_eq!(as_u64(&value), expected, "{value:?}");
+        }
+        assert_eq!(delivery_count(&BasicProperties::default()), 0);
+    }
+
+    #[test]
+    fn truncation_keeps_char_boundaries() {
+        assert_eq!(truncate("abc", 5), "abc");
+        assert_eq!(truncate("ééé", 3), "é…");
+    }
+}

@@ -1,0 +1,56 @@
+//! The generic RabbitMQ runtime: delivery → key → [`inbox_api::Inbox`] →
+//! settle. It knows no domain: a user writes a [`Handler`] per consumer and
+//! wires it in with [`Service`]; everything else is here.
+//!
+//! ```text
+//! broker ─► queue_loop (prefetch, concurrency, batching, shutdown, reconnect)
+//!             └► worker: decode ─► Inbox::handle / handle_batch(key = (message_id, handler.name()))
+//!                  └► SettlePolicy::decide ─► ack | retry | requeue | dead-letter (reason headers)
+//! beside it: cleanup of old inbox rows, the inbox_rows gauge, counters (Tally), metrics
+//! ```
+//!
+//! Why a runtime at all: the inbox makes one transaction exactly-once, but a
+//! consumer also has to ack only after the commit, bound its retries, keep a
+//! poison message from looping, say why it dead-lettered something, survive
+//! a broker or database restart and stop without losing a delivery. Written
+//! once here, a new consumer gets all of it by implementing [`Handler`].
+//!
+//! - [`handler`]: the trait a consumer implements.
+//! - [`service`]: [`Service`], the builder that runs handlers on queues.
+//! - [`settle`]: the one decision of what happens after an attempt.
+//! - [`config`], [`topology`], [`message`]: settings, queue names, decoding.
+//! - [`amqp`], [`backoff`], [`telemetry`], [`tally`], [`redact`],
+//!   [`error`]: plumbing.
+
+pub mod amqp;
+pub mod backoff;
+pub mod config;
+pub mod error;
+pub mod handler;
+pub mod message;
+pub mod redact;
+pub mod service;
+pub mod settle;
+pub mod tally;
+pub mod telemetry;
+pub mod topology;
+
+mod ack;
+mod worker;
+
+use inbox_api::{BatchTransaction, InboxStats, InboxStore};
+
+pub use config::{BatchConfig, CleanupConfig, ServiceConfig, WorkerConfig};
+pub use error::AppError;
+pub use handler::Handler;
+pub use service::{Service, ServiceHandle};
+pub use settle::{ErrorDisposition, Outcome, Settle, SettlePolicy};
+pub use tally::{ConsumerTally, Tally};
+pub use topology::Topology;
+
+/// A store the runtime can run on: transactions with savepoints (batched
+/// mode), row counts for the `inbox_rows` gauge, and cheap clones (the
+/// cleanup and gauge tasks hold their own).
+pub trait ServiceStore: InboxStore<Transaction: BatchTransaction> + InboxStats + Clone {}
+
+impl<S> ServiceStore for S where S: InboxStore<Transaction: BatchTransaction> + InboxStats + Clone {}

@@ -1,0 +1,635 @@
+//! The running service: consumers on their queues, reconnecting, shutting
+//! down gracefully, with cleanup and the `inbox_rows` gauge beside them.
+//!
+//! One AMQP connection; per queue one consuming channel (with its own
+//! prefetch) and one confirm-mode channel for dead-letter publishes. When
+//! the connection or a channel dies, every in-flight delivery of it is
+//! redelivered by the broker (the inbox makes that safe), and the service
+//! reconnects with backoff. PostgreSQL going away shows up as retryable
+//! store errors: the message path retries and requeues, and the pool
+//! reconnects by itself.
+//!
+//! Shutdown (SIGINT/SIGTERM in the binary, or [`ServiceHandle::shutdown`]):
+//! cancel the consumers so nothing new arrives, let in-flight deliveries
+//! finish and ack, close the channels (the broker requeues what was
+//! prefetched but never started) and the connection.
+//!
+//! ```no_run
+//! # use consumer_app::runtime::{Service, ServiceConfig, ServiceStore, Handler, AppError, Topology};
+//! # fn wire<S: ServiceStore, H: Handler<S::Transaction>>(store: S, config: ServiceConfig, handler: H) -> Result<(), AppError> {
+//! let topology = Topology::new("shop.events").bind("shop.invoice-paid", "invoice.paid");
+//! let service = Service::new(store, config, topology)
+//!     .consume("shop.invoice-paid", handler)
+//!     .spawn()?;
+//! # Ok(()) }
+//! ```
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::Utc;
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use inbox_api::metrics as names;
+use inbox_api::{BatchTransaction, Inbox, InboxStats, InboxStore, InboxStoreExt};
+use lapin::options::{
+    BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
+};
+use lapin::{Channel, Connection};
+use tokio::sync::{Semaphore, watch};
+use tokio::task::JoinSet;
+
+use crate::runtime::ack::{AckTracker, collect};
+use crate::runtime::amqp::{connect_with_backoff, no_args};
+use crate::runtime::backoff::backoff;
+use crate::runtime::config::{CleanupConfig, ServiceConfig};
+use crate::runtime::error::chain;
+use crate::runtime::handler::Handler;
+use crate::runtime::tally::{ConsumerTally, Tally};
+use crate::runtime::telemetry::MetricNames;
+use crate::runtime::topology::Topology;
+use crate::runtime::worker::Worker;
+use crate::runtime::{AppError, ServiceStore};
+
+/// A service being put together: a store, settings, the topology to declare,
+/// and a [`Handler`] per queue. [`Service::spawn`] starts it.
+pub struct Service<S: ServiceStore> {
+    store: S,
+    config: ServiceConfig,
+    topology: Topology,
+    metric_names: MetricNames,
+    consumers: Vec<Box<dyn Consume<S>>>,
+}
+
+impl<S: ServiceStore> Service<S> {
+    /// A service on `store` that declares `topology` on every (re)connect,
+    /// with no consumer yet.
+    pub fn new(store: S, config: ServiceConfig, topology: Topology) -> Self {
+        Self {
+            store,
+            config,
+            topology,
+            metric_names: MetricNames::default(),
+            consumers: Vec::new(),
+        }
+    }
+
+    /// Runs `handler` on the deliveries of `queue` (one of the topology's),
+    /// with its own channels, prefetch and concurrency.
+    #[must_use]
+    pub fn consume<H: Handler<S::Transaction>>(
+        mut self,
+        queue: impl Into<String>,
+        handler: H,
+    ) -> Self {
+        self.consumers.push(Box::new(Registered {
+            queue: queue.into(),
+            handler: Arc::new(handler),
+            tally: Arc::default(),
+            metric_names: MetricNames::default(),
+        }));
+        self
+    }
+
+    /// Names the runtime's own counters (see [`MetricNames`]).
+    #[must_use]
+    pub fn metric_names(mut self, names: MetricNames) -> Self {
+        self.metric_names = names;
+        self
+    }
+
+    /// Starts the consumers, cleanup and the gauge.
+    ///
+    /// # Errors
+    /// [`AppError::Config`] for a service without consumers, or two of them
+    /// with one consumer name (they would share their inbox rows).
+    pub fn spawn(mut self) -> Result<ServiceHandle, AppError> {
+        if self.consumers.is_empty() {
+            return Err(AppError::Config("a service needs a consumer".into()));
+        }
+        let names: Vec<&str> = self.consumers.iter().map(|c| c.name()).collect();
+        let tally = Arc::new(Tally::new(names.iter().copied()));
+        if names.len() != tally.len() {
+            return Err(AppError::Config(
+                "two consumers share one consumer name".into(),
+            ));
+        }
+        for consumer in &mut self.consumers {
+            let shared = tally.shared(consumer.name());
+            consumer.count_into(shared, self.metric_names);
+        }
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let (sessions_tx, sessions) = watch::channel(0_u64);
+        let config = self.config;
+        let store = self.store;
+        let supervisor = Supervisor {
+            inbox: Arc::new(Inbox::new(store.clone())),
+            config: config.clone(),
+            topology: self.topology,
+            consumers: self.consumers,
+            sessions: sessions_tx,
+        };
+        let mut background = Vec::new();
+        if let Some(cleanup) = config.cleanup.clone() {
+            background.push(tokio::spawn(cleanup_loop(
+                store.clone(),
+                cleanup,
+                shutdown_rx.clone(),
+            )));
+        }
+        if let Some(every) = config.gauge_interval {
+            background.push(tokio::spawn(gauge_loop(store, every, shutdown_rx.clone())));
+        }
+        let stop_background = shutdown.clone();
+        let task = tokio::spawn(async move {
+            let result = supervisor.run(shutdown_rx).await;
+            // However the consumers ended, the background tasks end with them.
+            stop_background.send_replace(true);
+            for task in background {
+                // They watch the same shutdown flag; a failure only logs.
+                let _ = task.await;
+            }
+            result
+        });
+        Ok(ServiceHandle {
+            shutdown,
+            sessions,
+            task,
+            tally,
+        })
+    }
+}
+
+/// A queue's consuming loop, once opened on a connection.
+type QueueLoop =
+    Box<dyn FnOnce(watch::Receiver<bool>) -> BoxFuture<'static, Result<(), AppError>> + Send>;
+
+/// One registered consumer, its handler's type erased, so that a service
+/// holds consumers of different message types.
+trait Consume<S: ServiceStore>: Send + Sync {
+    /// The consumer name.
+    fn name(&self) -> &str;
+
+    /// Where its counters go and what its metrics are called.
+    fn count_into(&mut self, tally: Arc<ConsumerTally>, names: MetricNames);
+
+    /// Opens its channels on `connection`; the loop is then ready to spawn.
+    fn open<'a>(
+        &'a self,
+        connection: &'a Connection,
+        inbox: &'a Arc<Inbox<S>>,
+        config: &'a ServiceConfig,
+    ) -> BoxFuture<'a, Result<QueueLoop, AppError>>;
+}
+
+struct Registered<H> {
+    queue: String,
+    handler: Arc<H>,
+    tally: Arc<ConsumerTally>,
+    metric_names: MetricNames,
+}
+
+impl<S, H> Consume<S> for Registered<H>
+where
+    S: ServiceStore,
+    H: Handler<S::Transaction>,
+{
+    fn name(&self) -> &str {
+        self.handler.name().as_str()
+    }
+
+    fn count_into(&mut self, tally: Arc<ConsumerTally>, names: MetricNames) {
+        self.tally = tally;
+        self.metric_names = names;
+    }
+
+    fn open<'a>(
+        &'a self,
+        connection: &'a Connection,
+        inbox: &'a Arc<Inbox<S>>,
+        config: &'a ServiceConfig,
+    ) -> BoxFuture<'a, Result<QueueLoop, AppError>> {
+        Box::pin(async move {
+            let channel = connection
+                .create_channel()
+                .await
+                .map_err(|e| AppError::broker("open consumer channel", e))?;
+            let dead_letter_channel = connection
+                .create_channel()
+                .await
+                .map_err(|e| AppError::broker("open dead-letter channel", e))?;
+            dead_letter_channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await
+                .map_err(|e| AppError::broker("enable confirms on the dead-letter channel", e))?;
+            let worker = Worker {
+                inbox: Arc::clone(inbox),
+                handler: Arc::clone(&self.handler),
+                queue: self.queue.clone(),
+                config: config.worker.clone(),
+                metric_names: self.metric_names,
+                tally: Arc::clone(&self.tally),
+                dead_letter_channel,
+                acks: config.worker.batch.map(|_| Arc::new(AckTracker::default())),
+            };
+            let run: QueueLoop =
+                Box::new(move |shutdown| Box::pin(queue_loop(channel, worker, shutdown)));
+            Ok(run)
+        })
+    }
+}
+
+/// A service started by [`Service::spawn`].
+pub struct ServiceHandle {
+    shutdown: watch::Sender<bool>,
+    sessions: watch::Receiver<u64>,
+    task: tokio::task::JoinHandle<Result<(), AppError>>,
+    /// What the message path did, per consumer.
+    pub tally: Arc<Tally>,
+}
+
+impl ServiceHandle {
+    /// Asks for a graceful shutdown (idempotent).
+    pub fn shutdown(&self) {
+        self.shutdown.send_replace(true);
+    }
+
+    /// A sender that triggers shutdown, for signal handlers.
+    pub fn shutdown_sender(&self) -> watch::Sender<bool> {
+        self.shutdown.clone()
+    }
+
+    /// Waits until the service is consuming on its `n`-th connection
+    /// (1 = the first), or `timeout` passes.
+    ///
+    /// # Errors
+    /// [`AppError::Unavailable`] on timeout.
+    pub async fn wait_consuming(&self, n: u64, timeout: Duration) -> Result<(), AppError> {
+        let mut sessions = self.sessions.clone();
+        tokio::time::timeout(timeout, sessions.wait_for(|s| *s >= n))
+            .await
+            .map_err(|_| {
+                AppError::Unavailable(format!(
+                    "service not consuming (session {n}) within {timeout:?}"
+                ))
+            })?
+            .map_err(|_| AppError::Unavailable("service stopped".into()))?;
+        Ok(())
+    }
+
+    /// How many connections the service has consumed on so far.
+    pub fn sessions(&self) -> u64 {
+        *self.sessions.borrow()
+    }
+
+    /// Waits for the service to end (after [`ServiceHandle::shutdown`]).
+    ///
+    /// # Errors
+    /// The service's error, or a panic turned into one.
+    pub async fn join(self) -> Result<(), AppError> {
+        match self.task.await {
+            Ok(result) => result,
+            Err(error) => Err(AppError::Unavailable(format!(
+                "service task failed: {error}"
+            ))),
+        }
+    }
+}
+
+/// Logs `error` and waits the backoff of the `failures`-th failure in a
+/// row; `false` when shutdown came first.
+async fn pause_after(
+    error: &AppError,
+    what: &'static str,
+    failures: u32,
+    shutdown: &mut watch::Receiver<bool>,
+) -> bool {
+    let delay = backoff(
+        Duration::from_millis(200),
+        Duration::from_secs(10),
+        failures,
+    );
+    tracing::warn!(error = %chain(error), ?delay, "{what}");
+    tokio::select! {
+        () = tokio::time::sleep(delay) => true,
+        () = stopped(shutdown) => false,
+    }
+}
+
+/// Resolves when `shutdown` turns true or its sender is gone.
+async fn stopped(shutdown: &mut watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stop| *stop).await;
+}
+
+struct Supervisor<S> {
+    inbox: Arc<Inbox<S>>,
+    config: ServiceConfig,
+    topology: Topology,
+    consumers: Vec<Box<dyn Consume<S>>>,
+    sessions: watch::Sender<u64>,
+}
+
+impl<S: ServiceStore> Supervisor<S> {
+    async fn run(self, mut shutdown: watch::Receiver<bool>) -> Result<(), AppError> {
+        let mut failures = 0;
+        if self.config.worker.batch.is_some() {
+            // A store without savepoints is refused for good; a store that
+            // cannot be reached right now (a restart, a killed backend) is
+            // asked again, as the consumers would retry their transactions.
+            loop {
+                match probe(self.inbox.store()).await {
+                    Ok(()) => break,
+                    Err(error) if error.is_retryable() => {
+                        failures += 1;
+                        let what = "batched-mode probe of the store failed; retrying";
+                        if !pause_after(&error, what, failures, &mut shutdown).await {
+                            return Ok(());
+                        }
+                    }
+                    Err(error) => return Err(error),
+                }
+            }
+            failures = 0;
+        }
+        loop {
+            if *shutdown.borrow() {
+                return Ok(());
+            }
+            let connection = match connect_with_backoff(
+                &self.config.amqp_url,
+                &self.config.connection_name,
+                None,
+                &mut shutdown,
+            )
+            .await
+            {
+                Ok(connection) => connection,
+                Err(_) if *shutdown.borrow() => return Ok(()),
+                Err(error) => return Err(error),
+            };
+            let result = self.session(&connection, shutdown.clone()).await;
+            let _ = connection.close(200, "service closing".into()).await;
+            match result {
+                Ok(()) => {
+                    tracing::info!("consumers stopped; connection closed");
+                    return Ok(());
+                }
+                Err(error) => {
+                    failures += 1;
+                    let what = "consumer session ended; reconnecting";
+                    if !pause_after(&error, what, failures, &mut shutdown).await {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Consumes on one connection until shutdown (`Ok`) or a failure (`Err`).
+    async fn session(
+        &self,
+        connection: &Connection,
+        shutdown: watch::Receiver<bool>,
+    ) -> Result<(), AppError> {
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|e| AppError::broker("open channel", e))?;
+        self.topology.declare(&channel).await?;
+        let _ = channel.close(200, "topology declared".into()).await;
+
+        let mut loops = JoinSet::new();
+        let mut started = Vec::with_capacity(self.consumers.len());
+        for consumer in &self.consumers {
+            started.push(consumer.open(connection, &self.inbox, &self.config).await?);
+        }
+        for consume in started {
+            loops.spawn(consume(shutdown.clone()));
+        }
+        self.sessions.send_modify(|n| *n += 1);
+        tracing::info!(exchange = %self.topology.exchange(), "consuming");
+
+        while let Some(ended) = loops.join_next().await {
+            let error = match ended {
+                Ok(Ok(())) => continue,
+                Ok(Err(error)) => error,
+                Err(panic) => AppError::Unavailable(format!("consumer loop failed: {panic}")),
+            };
+            // Do not abort the other queue's loop: that would drop its
+            // in-flight deliveries mid-way, possibly between the commit and
+            // the after-commit call. Closing the connection (the caller
+            // does) ends it; its in-flight work finishes, and its unacked
+            // deliveries come back as duplicates.
+            loops.detach_all();
+            return Err(error);
+        }
+        Ok(())
+    }
+}
+
+/// Consumes one queue until shutdown or a broker failure.
+async fn queue_loop<S, H>(
+    channel: Channel,
+    worker: Worker<S, H>,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<(), AppError>
+where
+    S: ServiceStore,
+    H: Handler<S::Transaction>,
+{
+    let queue = worker.queue.clone();
+    channel
+        .basic_qos(worker.config.prefetch, BasicQosOptions::default())
+        .await
+        .map_err(|e| AppError::broker("set prefetch", e))?;
+    let tag = format!(
+        "{}-{}",
+        worker.handler.name(),
+        uuid::Uuid::new_v4().simple()
+    );
+    let mut consumer = channel
+        .basic_consume(
+            queue.as_str().into(),
+            tag.as_str().into(),
+            BasicConsumeOptions::default(),
+            no_args(),
+        )
+        .await
+        .map_err(|e| AppError::broker(format!("consume {queue}"), e))?;
+    let permits = Arc::new(Semaphore::new(worker.config.concurrency.max(1)));
+    if let Some(batch) = worker.config.batch {
+        let wanted = batch.size.saturating_mul(worker.config.concurrency.max(1));
+        if usize::from(worker.config.prefetch) < wanted {
+            tracing::warn!(%queue, prefetch = worker.config.prefetch, batch_size = batch.size,
+                concurrency = worker.config.concurrency,
+                "prefetch below batch size × concurrency: batches will run short");
+        }
+        tracing::info!(%queue, batch_size = batch.size, batch_wait = ?batch.wait, "batched mode");
+    }
+    let mut in_flight = JoinSet::new();
+
+    let failure = loop {
+        while let Some(done) = in_flight.try_join_next() {
+            if let Err(error) = done {
+                tracing::error!(%queue, error = %error, "delivery task failed");
+            }
+        }
+        let permit = tokio::select! {
+            biased;
+            () = stopped(&mut shutdown) => break None,
+            permit = Arc::clone(&permits).acquire_owned() => match permit {
+                Ok(permit) => permit,
+                Err(_) => break None,
+            },
+        };
+        let next = tokio::select! {
+            biased;
+            () = stopped(&mut shutdown) => break None,
+            next = consumer.next() => next,
+        };
+        match next {
+            Some(Ok(delivery)) => match (worker.config.batch, &worker.acks) {
+                (Some(batch), Some(tracker)) => {
+                    let (deliveries, failed) = collect(
+                        delivery,
+                        &mut consumer,
+                        batch,
+                        tracker,
+                        &mut shutdown,
+                        &queue,
+                    )
+                    .await;
+                    let worker = worker.clone();
+                    in_flight.spawn(async move {
+                        worker.process(deliveries).await;
+                        drop(permit);
+                    });
+                    if let Some(error) = failed {
+                        break Some(error);
+                    }
+                }
+                _ => {
+                    let worker = worker.clone();
+                    in_flight.spawn(async move {
+                        worker.process(vec![delivery]).await;
+                        drop(permit);
+                    });
+                }
+            },
+            Some(Err(error)) => break Some(AppError::broker(format!("consuming {queue}"), error)),
+            None => {
+                break Some(AppError::Unavailable(format!(
+                    "the broker cancelled the consumer of {queue}"
+                )));
+            }
+        }
+    };
+
+    if let Some(error) = failure {
+        // The channel is gone: whatever is in flight cannot be acked, and the
+        // broker redelivers it. Let those tasks end on their own (their
+        // transactions commit or roll back; the inbox sorts out the
+        // redelivery).
+        in_flight.detach_all();
+        return Err(error);
+    }
+
+    // Graceful: nothing new, finish what runs, then close.
+    if let Err(error) = channel
+        .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
+        .await
+    {
+        tracing::warn!(%queue, error = %error, "cancelling the consumer failed");
+    }
+    while in_flight.try_join_next().is_some() {}
+    let running = in_flight.len();
+    if running > 0 {
+        tracing::info!(%queue, running, "waiting for in-flight deliveries");
+    }
+    while let Some(done) = in_flight.join_next().await {
+        if let Err(error) = done {
+            tracing::error!(%queue, error = %error, "delivery task failed");
+        }
+    }
+    drop(consumer);
+    let _ = channel.close(200, "shutdown".into()).await;
+    let _ = worker
+        .dead_letter_channel
+        .close(200, "shutdown".into())
+        .await;
+    tracing::info!(%queue, "consumer stopped");
+    Ok(())
+}
+
+/// Deletes processed inbox rows older than the retention, once.
+///
+/// # Errors
+/// The store's.
+pub async fn cleanup_once<S: InboxStore>(
+    store: &S,
+    cleanup: &CleanupConfig,
+) -> Result<u64, AppError> {
+    let retention = chrono::Duration::from_std(cleanup.retention)
+        .map_err(|e| AppError::Config(format!("retention out of range: {e}")))?;
+    let cutoff = Utc::now() - retention;
+    let deleted = store
+        .purge_processed_before(cutoff, cleanup.batch_size)
+        .await?;
+    tracing::info!(deleted, %cutoff, "inbox cleanup");
+    Ok(deleted)
+}
+
+async fn cleanup_loop<S: InboxStore>(
+    store: S,
+    cleanup: CleanupConfig,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        if let Err(error) = cleanup_once(&store, &cleanup).await {
+            tracing::warn!(error = %chain(&error), "inbox cleanup failed; next run at the next interval");
+        }
+        tokio::select! {
+            () = tokio::time::sleep(cleanup.interval) => {}
+            () = stopped(&mut shutdown) => return,
+        }
+    }
+}
+
+async fn gauge_loop<S: InboxStats>(store: S, every: Duration, mut shutdown: watch::Receiver<bool>) {
+    loop {
+        match store.processed_counts().await {
+            #[expect(clippy::cast_precision_loss, reason = "a gauge is an f64")]
+            Ok(counts) => metrics::gauge!(names::ROWS).set(counts.values().sum::<u64>() as f64),
+            Err(error) => tracing::debug!(error = %chain(&error), "counting inbox rows failed"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(every) => {}
+            () = stopped(&mut shutdown) => return,
+        }
+    }
+}
+
+/// Checks that `store` supports batched mode (savepoints), so that a store
+/// without it is refused at start rather than dead-lettering every batch.
+///
+/// # Errors
+/// [`AppError::Config`] when the store has no savepoints; the store's own
+/// error when it cannot be reached.
+pub async fn probe<S>(store: &S) -> Result<(), AppError>
+where
+    S: InboxStore<Transaction: BatchTransaction>,
+{
+    let mut tx = store.begin().await?;
+    let savepoint = tx.savepoint().await;
+    if let Err(error) = inbox_api::InboxTransaction::rollback(tx).await {
+        tracing::debug!(error = %error, "rollback after the batched-mode probe failed");
+    }
+    match savepoint {
+        Ok(()) => Ok(()),
+        Err(error) if error.is_retryable() => Err(error.into()),
+        Err(error) => Err(AppError::Config(format!(
+            "batched mode (--batch-size) needs savepoints, which this store refused: {}",
+            chain(&error)
+        ))),
+    }
+}

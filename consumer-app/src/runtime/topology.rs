@@ -1,0 +1,227 @@
+//! The RabbitMQ topology a service declares: one topic exchange, and per
+//! consumer a quorum queue with its own dead-letter exchange and queue.
+//!
+//! ```text
+//! exchange (topic) ──routing key──► queue (quorum) ──x-dead-letter-exchange──► {queue}.dlx (fanout) ──► {queue}.dlq (quorum)
+//! ```
+//!
+//! Quorum queues: replicated, durable, and they count deliveries
+//! (`x-delivery-count`), which the settle policy uses to bound
+//! redeliveries. The queue's own dead-letter exchange is the safety net for
+//! what the runtime cannot dead-letter itself (a `reject` when the
+//! dead-letter publish failed, the broker's delivery limit); the runtime
+//! normally publishes to the same exchange itself, with its reason headers.
+//! The `.dlx`/`.dlq` names are a convention the message path relies on, so
+//! they are derived here, not configured.
+
+use lapin::options::{
+    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Channel, ExchangeKind};
+
+use crate::runtime::AppError;
+use crate::runtime::message::long_string;
+
+/// The broker's own cap on deliveries of one message (`x-delivery-limit`),
+/// above any sensible `max_deliveries`: only reached if the runtime cannot
+/// act. A constant because changing a queue's arguments needs a new queue.
+pub const BROKER_DELIVERY_LIMIT: i32 = 50;
+
+/// A queue bound to the exchange.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Binding {
+    /// The queue's name.
+    pub queue: String,
+    /// The routing key it is bound with.
+    pub routing_key: String,
+}
+
+/// An exchange and the queues bound to it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Topology {
+    exchange: String,
+    bindings: Vec<Binding>,
+}
+
+impl Topology {
+    /// A topic exchange named `exchange`, with no queue yet.
+    pub fn new(exchange: impl Into<String>) -> Self {
+        Self {
+            exchange: exchange.into(),
+            bindings: Vec::new(),
+        }
+    }
+
+    /// Adds `queue`, bound with `routing_key` (and its dead-letter exchange
+    /// and queue).
+    #[must_use]
+    pub fn bind(mut self, queue: impl Into<String>, routing_key: impl Into<String>) -> Self {
+        self.bindings.push(Binding {
+            queue: queue.into(),
+            routing_key: routing_key.into(),
+        });
+        self
+    }
+
+    /// The exchange messages are published to.
+    pub fn exchange(&self) -> &str {
+        &self.exchange
+    }
+
+    /// The queues, in the order they were bound.
+    pub fn bindings(&self) -> &[Binding] {
+        &self.bindings
+    }
+
+    /// A queue's dead-letter exchange.
+    pub fn dead_letter_exchange(queue: &str) -> String {
+        format!("{queue}.dlx")
+    }
+
+    /// A queue's dead-letter queue.
+    pub fn dead_letter_queue(queue: &str) -> String {
+        format!("{queue}.dlq")
+    }
+
+    /// Declares the exchanges, queues and bindings (idempotent).
+    ///
+    /// # Errors
+    /// Broker errors, e.g. an existing queue declared with other arguments.
+    pub async fn declare(&self, channel: &Channel) -> Result<(), AppError> {
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        channel
+            .exchange_declare(
+                self.exchange.as_str().into(),
+                ExchangeKind::Topic,
+                durable,
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| AppError::broker(format!("declare exchange {}", self.exchange), e))?;
+        for binding in &self.bindings {
+            let queue = &binding.queue;
+            let dlx = Self::dead_letter_exchange(queue);
+            let dlq = Self::dead_letter_queue(queue);
+            channel
+                .exchange_declare(
+                    dlx.clone().into(),
+                    ExchangeKind::Fanout,
+                    durable,
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| AppError::broker(format!("declare exchange {dlx}"), e))?;
+            let mut dlq_args = FieldTable::default();
+            dlq_args.insert("x-queue-type".into(), long_string("quorum"));
+            declare_queue(channel, &dlq, dlq_args).await?;
+            bind(channel, &dlq, &dlx, "").await?;
+
+            let mut args = FieldTable::default();
+            args.insert("x-queue-type".into(), long_string("quorum"));
+            args.insert("x-dead-letter-exchange".into(), long_string(&dlx));
+            args.insert(
+                "x-delivery-limit".into(),
+                AMQPValue::LongInt(BROKER_DELIVERY_LIMIT),
+            );
+            declare_queue(channel, queue, args).await?;
+            bind(channel, queue, &self.exchange, &binding.routing_key).await?;
+        }
+        Ok(())
+    }
+
+    /// Deletes everything [`Topology::declare`] made (tests, demos).
+    ///
+    /// # Errors
+    /// Broker errors.
+    pub async fn delete(&self, channel: &Channel) -> Result<(), AppError> {
+        for binding in &self.bindings {
+            let queue = &binding.queue;
+            for queue in [queue.clone(), Self::dead_letter_queue(queue)] {
+                channel
+                    .queue_delete(queue.clone().into(), QueueDeleteOptions::default())
+                    .await
+                    .map_err(|e| AppError::broker(format!("delete queue {queue}"), e))?;
+            }
+            let dlx = Self::dead_letter_exchange(queue);
+            channel
+                .exchange_delete(dlx.clone().into(), ExchangeDeleteOptions::default())
+                .await
+                .map_err(|e| AppError::broker(format!("delete exchange {dlx}"), e))?;
+        }
+        channel
+            .exchange_delete(
+                self.exchange.as_str().into(),
+                ExchangeDeleteOptions::default(),
+            )
+            .await
+            .map_err(|e| AppError::broker(format!("delete exchange {}", self.exchange), e))?;
+        Ok(())
+    }
+
+    /// Ready (unacknowledged ones excluded) messages in a queue, by a passive
+    /// declare.
+    ///
+    /// # Errors
+    /// Broker errors; a missing queue closes the channel.
+    pub async fn ready_messages(channel: &Channel, queue: &str) -> Result<u32, AppError> {
+        let declared = channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| AppError::broker(format!("inspect queue {queue}"), e))?;
+        Ok(declared.message_count())
+    }
+}
+
+async fn declare_queue(channel: &Channel, queue: &str, args: FieldTable) -> Result<(), AppError> {
+    channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            },
+            args,
+        )
+        .await
+        .map_err(|e| AppError::broker(format!("declare queue {queue}"), e))?;
+    Ok(())
+}
+
+async fn bind(channel: &Channel, queue: &str, exchange: &str, key: &str) -> Result<(), AppError> {
+    channel
+        .queue_bind(
+            queue.into(),
+            exchange.into(),
+            key.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| AppError::broker(format!("bind {queue} to {exchange}"), e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dead_letter_names_follow_the_queue() {
+        let t = Topology::new("x.events").bind("x.q", "k");
+        assert_eq!(t.exchange(), "x.events");
+        assert_eq!(t.bindings()[0].routing_key, "k");
+        assert_eq!(Topology::dead_letter_exchange("x.q"), "x.q.dlx");
+        assert_eq!(Topology::dead_letter_queue("x.q"), "x.q.dlq");
+    }
+}

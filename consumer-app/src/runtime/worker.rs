@@ -1,0 +1,418 @@
+//! The message path: deliveries from decode to ack, one at a time or in
+//! batches, through one settle loop.
+//!
+//! ```text
+//! deliveries ─► decode (size, message_id, type, JSON, validate) ──bad──► dead-letter(reason)
+//!   └► per message: Inbox::handle(key = (message_id, consumer), async |tx| handler.handle(tx, message))
+//!      batched:     Inbox::handle_batch(keys, async |tx, i| handler.handle(tx, message[i]))   one COMMIT
+//!        each message's outcome ─► SettlePolicy::decide(outcome, attempt, delivery count, disposition)
+//!          Ack        ─► after-commit call (if processed) ─► ack (one multiple-ack where the tags allow)
+//!          Retry      ─► the next in-process attempt (a smaller batch), after backoff
+//!          Requeue    ─► nack + requeue (after a pause if the retries ran out)
+//!          DeadLetter ─► publish with reason headers, then ack
+//! ```
+//!
+//! Per-message mode is batched mode with batches of one that use
+//! [`Inbox::handle`] instead of [`Inbox::handle_batch`]: the decisions, the
+//! counters and the log lines are the same code.
+//!
+//! **Ack only after commit.** A crash anywhere before the ack leaves the
+//! delivery unacknowledged; the broker redelivers it, and the inbox answers
+//! `Duplicate` if the transaction had committed, or runs the work if not. In
+//! a batch, one failing message rolls back alone (its claim too) and the rest
+//! commits (`handle_batch` reruns a failed batch with a savepoint per
+//! message).
+//!
+//! **Dead-lettering with a reason.** RabbitMQ's own dead-lettering (a
+//! `reject` without requeue) keeps the message and its headers but can only
+//! say `rejected`. So the runtime publishes the message itself to the
+//! queue's dead-letter exchange, with the original properties and headers
+//! plus `x-dead-letter-reason` (the stable label also used as the metric
+//! label), `x-dead-letter-detail` (the error text), `x-dead-letter-consumer`
+//! and `x-dead-letter-queue`, waits for the broker's confirm, and only then
+//! acks the original. If that publish fails, it falls back to `reject`
+//! without requeue, which the queue's `x-dead-letter-exchange` routes to the
+//! same dead-letter queue: the reason is lost then, never the message.
+//!
+//! **Bounded time.** Each attempt runs under `handle_timeout`. A timeout
+//! drops the handle future, and with it the transaction, which rolls back.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use inbox_api::metrics as names;
+use inbox_api::{Handled, Inbox, InboxKey, MessageId};
+use lapin::Channel;
+use lapin::message::Delivery;
+
+use crate::runtime::ack::{AckTracker, Frame, settle_one};
+use crate::runtime::amqp::Publisher;
+use crate::runtime::config::WorkerConfig;
+use crate::runtime::error::chain;
+use crate::runtime::handler::Handler;
+use crate::runtime::message::{RawMessage, decode, delivery_count, long_string, truncate};
+use crate::runtime::settle::{DeadLetterReason, ErrorDisposition, Outcome, Settle};
+use crate::runtime::tally::{ConsumerTally, bump};
+use crate::runtime::telemetry::MetricNames;
+use crate::runtime::topology::Topology;
+use crate::runtime::{AppError, ServiceStore};
+
+/// What the message path does with one queue's deliveries.
+pub(crate) struct Worker<S, H> {
+    pub(crate) inbox: Arc<Inbox<S>>,
+    pub(crate) handler: Arc<H>,
+    pub(crate) queue: String,
+    pub(crate) config: WorkerConfig,
+    pub(crate) metric_names: MetricNames,
+    pub(crate) tally: Arc<ConsumerTally>,
+    /// A channel in confirm mode, for dead-letter publishes.
+    pub(crate) dead_letter_channel: Channel,
+    /// Batched mode: the consuming channel's unsettled tags, through which
+    /// every settle goes; `None` per message.
+    pub(crate) acks: Option<Arc<AckTracker>>,
+}
+
+impl<S, H> Clone for Worker<S, H> {
+    fn clone(&self) -> Self {
+        Self {
+            inbox: Arc::clone(&self.inbox),
+            handler: Arc::clone(&self.handler),
+            queue: self.queue.clone(),
+            config: self.config.clone(),
+            metric_names: self.metric_names,
+            tally: Arc::clone(&self.tally),
+            dead_letter_channel: self.dead_letter_channel.clone(),
+            acks: self.acks.clone(),
+        }
+    }
+}
+
+/// A decoded delivery.
+struct Item<M> {
+    delivery: Delivery,
+    message_id: MessageId,
+    message: M,
+    key: InboxKey,
+    /// The broker's count of earlier deliveries.
+    earlier: u64,
+    /// The last retryable error, for the requeue log and the dead-letter
+    /// detail.
+    last_error: Option<String>,
+}
+
+/// The result of one attempt, per message (by index into the items).
+type Results<T> = Vec<(usize, Result<Handled<T>, AppError>)>;
+
+impl<S, H> Worker<S, H>
+where
+    S: ServiceStore,
+    H: Handler<S::Transaction>,
+{
+    fn consumer_label(&self) -> String {
+        self.handler.name().as_str().to_owned()
+    }
+
+    /// Handles deliveries to their ends, each acked, requeued or
+    /// dead-lettered: one per call in per-message mode, a batch in batched
+    /// mode.
+    pub(crate) async fn process(self, deliveries: Vec<Delivery>) {
+        let batched = self.config.batch.is_some();
+        let mut items = Vec::with_capacity(deliveries.len());
+        for delivery in deliveries {
+            let raw = RawMessage::of(&delivery.properties, &delivery.data);
+            let shown_id = raw.message_id.map(|id| truncate(id, 64));
+            let decoded = decode(
+                raw,
+                self.config.max_body_bytes,
+                self.handler.message_type(),
+                |message| self.handler.validate(message),
+            );
+            match decoded {
+                Ok((message_id, message)) => {
+                    let key = InboxKey::new(message_id, self.handler.name().clone());
+                    let earlier = delivery_count(&delivery.properties);
+                    items.push(Item {
+                        delivery,
+                        message_id,
+                        message,
+                        key,
+                        earlier,
+                        last_error: None,
+                    });
+                }
+                Err(bad) => {
+                    // Bad input never opens a transaction.
+                    self.dead_letter(
+                        &delivery,
+                        shown_id.as_deref(),
+                        bad.reason.as_str(),
+                        &bad.to_string(),
+                    )
+                    .await;
+                }
+            }
+        }
+        let policy = self.config.policy();
+        let attempts = policy.attempts();
+        // Indices into `items` still to be handled.
+        let mut open: Vec<usize> = (0..items.len()).collect();
+        for attempt in 1..=attempts {
+            if open.is_empty() {
+                return;
+            }
+            let results = self.attempt(&items, &open, batched).await;
+            if batched && results.iter().any(|(_, result)| result.is_ok()) {
+                bump(&self.tally.batches);
+            }
+            let mut acks = Vec::new();
+            let mut again = Vec::new();
+            let mut retry_delay = Duration::ZERO;
+            let mut handed_back = Vec::new();
+            let mut requeue = Vec::new();
+            let mut pause = Duration::ZERO;
+            let mut dead = Vec::new();
+            for (i, result) in results {
+                let item = &mut items[i];
+                let outcome = match &result {
+                    Ok(Handled::Processed(_)) => Outcome::Processed,
+                    Ok(Handled::Duplicate) => Outcome::Duplicate,
+                    Err(error) => Outcome::Failed(error.disposition()),
+                };
+                if let Err(error) = &result
+                    && error.disposition() == ErrorDisposition::Retry
+                {
+                    tracing::warn!(message_id = %item.message_id, consumer = %item.key.consumer,
+                        attempt, error = %chain(error), "retryable failure");
+                    item.last_error = Some(chain(error));
+                }
+                match (policy.decide(outcome, attempt, item.earlier), result) {
+                    (Settle::Ack, Ok(Handled::Processed(intent))) => {
+                        self.processed(item, intent).await;
+                        acks.push(i);
+                    }
+                    (Settle::Ack, _) => {
+                        bump(&self.tally.duplicates);
+                        tracing::warn!(message_id = %item.message_id, consumer = %item.key.consumer,
+                            redelivered = item.delivery.redelivered, "duplicate delivery discarded");
+                        acks.push(i);
+                    }
+                    (Settle::Retry { delay }, _) => {
+                        retry_delay = delay;
+                        again.push(i);
+                    }
+                    (
+                        Settle::Requeue {
+                            exhausted: false, ..
+                        },
+                        result,
+                    ) => {
+                        tracing::debug!(message_id = %item.message_id, consumer = %item.key.consumer,
+                            error = %result.err().map(|e| chain(&e)).unwrap_or_default(),
+                            "handing the delivery back to the broker");
+                        handed_back.push(i);
+                    }
+                    (Settle::Requeue { pause: wait, .. }, _) => {
+                        bump(&self.tally.requeued);
+                        metrics::counter!(self.metric_names.requeued, "consumer" => self.consumer_label())
+                            .increment(1);
+                        tracing::warn!(message_id = %item.message_id, consumer = %item.key.consumer,
+                            deliveries = item.earlier + 1, max = policy.max_deliveries, pause = ?wait,
+                            error = %item.last_error.as_deref().unwrap_or("no attempt ran"),
+                            "retries exhausted; requeueing for redelivery");
+                        pause = pause.max(wait);
+                        requeue.push(i);
+                    }
+                    (Settle::DeadLetter(why), result) => {
+                        let (reason, detail) = match (why, result) {
+                            (DeadLetterReason::Permanent, Err(error)) => {
+                                (error.reason(), chain(&error))
+                            }
+                            _ => (
+                                "retries_exhausted",
+                                format!(
+                                    "{} deliveries × {attempts} attempts failed; last error: {}",
+                                    item.earlier + 1,
+                                    item.last_error.as_deref().unwrap_or("no attempt ran")
+                                ),
+                            ),
+                        };
+                        dead.push((i, reason, detail));
+                    }
+                }
+            }
+            let acked: Vec<&Delivery> = acks.iter().map(|&i| &items[i].delivery).collect();
+            self.ack_all(&acked).await;
+            for i in handed_back {
+                self.requeue(&items[i].delivery, &items[i].key).await;
+            }
+            for (i, reason, detail) in dead {
+                let item = &items[i];
+                let id = item.message_id.to_string();
+                self.dead_letter(&item.delivery, Some(&id), reason, &detail)
+                    .await;
+            }
+            if !requeue.is_empty() {
+                // Hold the worker's slot for a while, longer with each
+                // delivery: during an outage (PostgreSQL down) this slows the
+                // whole consumer down instead of spinning through the
+                // delivery cap in seconds.
+                tokio::time::sleep(pause).await;
+                for i in requeue {
+                    self.requeue(&items[i].delivery, &items[i].key).await;
+                }
+            }
+            if !again.is_empty() {
+                for _ in &again {
+                    bump(&self.tally.retried);
+                }
+                tokio::time::sleep(retry_delay).await;
+            }
+            open = again;
+        }
+    }
+
+    /// One attempt at the `open` items: one transaction either way.
+    async fn attempt(
+        &self,
+        items: &[Item<H::Message>],
+        open: &[usize],
+        batched: bool,
+    ) -> Results<H::Intent> {
+        let handler = &self.handler;
+        let timeout = self.config.handle_timeout;
+        if let (false, [i]) = (batched, open) {
+            let item = &items[*i];
+            let work = self.inbox.handle(&item.key, async |tx| {
+                handler.handle(tx, item.message_id, &item.message).await
+            });
+            let result = match tokio::time::timeout(timeout, work).await {
+                Ok(result) => result,
+                Err(_elapsed) => Err(AppError::Timeout(timeout)),
+            };
+            return vec![(*i, result)];
+        }
+        let batch: Vec<(InboxKey, usize)> =
+            open.iter().map(|&i| (items[i].key.clone(), i)).collect();
+        let work = self.inbox.handle_batch(batch, async |tx, &i: &usize| {
+            let item = &items[i];
+            handler.handle(tx, item.message_id, &item.message).await
+        });
+        match tokio::time::timeout(timeout, work).await {
+            Ok(results) => results.into_iter().map(|(_, i, r)| (i, r)).collect(),
+            // Nothing of the batch committed: every message goes again.
+            Err(_elapsed) => open
+                .iter()
+                .map(|&i| (i, Err(AppError::Timeout(timeout))))
+                .collect(),
+        }
+    }
+
+    /// Counts a committed message and makes its after-commit call.
+    async fn processed(&self, item: &Item<H::Message>, intent: H::Intent) {
+        bump(&self.tally.processed);
+        if item.delivery.redelivered {
+            bump(&self.tally.redelivered_processed);
+        }
+        tracing::debug!(message_id = %item.message_id, consumer = %item.key.consumer,
+            redelivered = item.delivery.redelivered, "processed");
+        // Committed: the call that cannot join the transaction, with the
+        // message id as its idempotency key.
+        if let Err(error) = self.handler.after_commit(intent).await {
+            bump(&self.tally.downstream_failed);
+            metrics::counter!(self.metric_names.after_commit_failed, "consumer" => self.consumer_label())
+                .increment(1);
+            tracing::error!(message_id = %item.message_id, consumer = %item.key.consumer,
+                error = %chain(&error),
+                "downstream call failed after commit; the intent row stays for a re-send");
+        }
+    }
+
+    /// Settles one delivery, through the tracker in batched mode.
+    async fn settle(&self, delivery: &Delivery, how: Frame) -> Result<bool, lapin::Error> {
+        match &self.acks {
+            Some(tracker) => tracker.settle(delivery, how).await,
+            None => settle_one(delivery, how, false).await,
+        }
+    }
+
+    /// Acks committed deliveries: through the channel's tracker (one
+    /// multiple-ack where it can), or one by one without one.
+    async fn ack_all(&self, deliveries: &[&Delivery]) {
+        match &self.acks {
+            Some(tracker) => {
+                let frames = tracker.ack_all(deliveries).await;
+                tracing::trace!(acked = deliveries.len(), frames, "batch acked");
+            }
+            None => {
+                for delivery in deliveries {
+                    if let Err(error) = settle_one(delivery, Frame::Ack, false).await {
+                        // The channel is gone: the broker redelivers, and the
+                        // inbox answers Duplicate because the transaction
+                        // committed.
+                        tracing::warn!(tag = delivery.delivery_tag, error = %error,
+                            "ack failed after commit; the redelivery will be a duplicate");
+                    }
+                }
+            }
+        }
+    }
+
+    async fn requeue(&self, delivery: &Delivery, key: &InboxKey) {
+        if let Err(error) = self.settle(delivery, Frame::Requeue).await {
+            tracing::warn!(message_id = %key.message_id, consumer = %key.consumer, error = %error,
+                "nack failed; the broker redelivers when the channel closes");
+        }
+    }
+
+    async fn dead_letter(
+        &self,
+        delivery: &Delivery,
+        message_id: Option<&str>,
+        reason: &str,
+        detail: &str,
+    ) {
+        let consumer = self.consumer_label();
+        let queue = &self.queue;
+        let started = Instant::now();
+        tracing::error!(message_id = message_id.unwrap_or("<none>"), consumer = %consumer, %queue,
+            reason, detail, "dead-lettering delivery");
+        let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+        headers.insert("x-dead-letter-reason".into(), long_string(reason));
+        headers.insert(
+            "x-dead-letter-detail".into(),
+            long_string(&truncate(detail, 1000)),
+        );
+        headers.insert("x-dead-letter-consumer".into(), long_string(&consumer));
+        headers.insert("x-dead-letter-queue".into(), long_string(queue));
+        let properties = delivery.properties.clone().with_headers(headers);
+        let published = Publisher::publish_raw(
+            &self.dead_letter_channel,
+            &Topology::dead_letter_exchange(queue),
+            queue,
+            &delivery.data,
+            properties,
+        )
+        .await;
+        match published {
+            Ok(()) => {
+                if let Err(error) = self.settle(delivery, Frame::Ack).await {
+                    // Published but not acked: the redelivery will be
+                    // dead-lettered again (bad input) or find its row.
+                    tracing::warn!(error = %error, "ack after dead-letter publish failed");
+                }
+            }
+            Err(error) => {
+                tracing::warn!(error = %chain(&error), reason,
+                    "dead-letter publish failed; rejecting into the queue's dead-letter exchange without the reason");
+                if let Err(error) = self.settle(delivery, Frame::Reject).await {
+                    tracing::warn!(error = %error, "reject failed; the broker will redeliver");
+                    return;
+                }
+            }
+        }
+        self.tally.dead_letter(reason);
+        metrics::counter!(names::DEAD_LETTERED, "consumer" => consumer, "reason" => reason.to_owned())
+            .increment(1);
+        tracing::debug!(elapsed = ?started.elapsed(), "dead-letter done");
+    }
+}

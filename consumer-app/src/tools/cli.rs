@@ -1,0 +1,372 @@
+//! The command line's pieces that more than one binary uses: the flags, and
+//! the `consume` path (the service with its metrics endpoint and reconciler,
+//! until a signal).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use tokio::sync::watch;
+
+use crate::parcel::dispatch::{
+    LedgerCarrier, LedgerNotifier, MarkDispatched, ReconcileConfig, reconcile_loop,
+};
+use crate::parcel::downstream::Downstreams;
+use crate::parcel::service::{self, METRIC_NAMES};
+use crate::parcel::store::{ParcelStore, StoreKind};
+use crate::parcel::topology::Topology;
+use crate::runtime::telemetry::{install_recorder, serve_metrics};
+use crate::runtime::{
+    AppError, BatchConfig, CleanupConfig, ServiceConfig, ServiceHandle, WorkerConfig,
+};
+use crate::tools::stores::{StoreConfig, WithStore};
+
+/// The flags every command takes.
+// No Debug: the URLs may hold passwords.
+#[derive(Args, Clone)]
+pub struct Global {
+    /// The store (each must be compiled in: cargo features sqlx, diesel, memory).
+    #[arg(long, env = "PARCEL_STORE", global = true, default_value_t = default_store())]
+    pub store: StoreKind,
+    /// PostgreSQL URL.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        global = true,
+        hide_env_values = true,
+        default_value = "postgres://postgres@127.0.0.1:5432/test"
+    )]
+    pub database_url: String,
+    /// RabbitMQ URL.
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        global = true,
+        hide_env_values = true,
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
+    )]
+    pub amqp_url: String,
+    /// PostgreSQL schema of the inbox and the app's tables (search_path).
+    #[arg(
+        long,
+        env = "INBOX_SCHEMA",
+        global = true,
+        default_value = "parcel_inbox"
+    )]
+    pub schema: String,
+    /// Prefix of every exchange and queue name (tests use their own).
+    #[arg(long, env = "PARCEL_PREFIX", global = true, default_value = "")]
+    pub prefix: String,
+    /// PostgreSQL connections in the pool.
+    #[arg(long, env = "DATABASE_POOL_SIZE", global = true, default_value_t = 16)]
+    pub pool_size: u32,
+}
+
+/// The first store compiled in.
+pub fn default_store() -> StoreKind {
+    StoreKind::compiled()
+        .first()
+        .copied()
+        .unwrap_or(StoreKind::Sqlx)
+}
+
+/// The message path's flags.
+#[derive(Args, Debug, Clone)]
+pub struct WorkerArgs {
+    /// Unacknowledged deliveries per queue consumer (basic.qos).
+    #[arg(long, env = "PARCEL_PREFETCH", default_value_t = 32)]
+    pub prefetch: u16,
+    /// Deliveries processed at once per queue.
+    #[arg(long, env = "PARCEL_CONCURRENCY", default_value_t = 8)]
+    pub concurrency: usize,
+    /// Bound on one attempt, begin to commit (keep it well below RabbitMQ's consumer_timeout).
+    #[arg(long, env = "PARCEL_HANDLE_TIMEOUT_SECS", default_value_t = 30)]
+    pub handle_timeout_secs: u64,
+    /// In-process attempts per delivery before it is requeued.
+    #[arg(long, env = "PARCEL_RETRY_ATTEMPTS", default_value_t = 3)]
+    pub retry_attempts: u32,
+    /// Deliveries of one message before it is dead-lettered as retries_exhausted.
+    #[arg(long, env = "PARCEL_MAX_DELIVERIES", default_value_t = 10)]
+    pub max_deliveries: u32,
+    /// Largest accepted body, in bytes.
+    #[arg(long, env = "PARCEL_MAX_BODY_BYTES", default_value_t = 64 * 1024)]
+    pub max_body_bytes: usize,
+    /// Batched mode: up to this many deliveries per transaction (needs
+    /// --batch-wait and a prefetch above 1; best with prefetch = 2 × batch size × concurrency, so the next batch arrives while one commits).
+    #[arg(long, env = "PARCEL_BATCH_SIZE", requires = "batch_wait")]
+    pub batch_size: Option<usize>,
+    /// Batched mode: milliseconds a batch waits for more deliveries after its first.
+    #[arg(long, env = "PARCEL_BATCH_WAIT_MS", requires = "batch_size")]
+    pub batch_wait: Option<u64>,
+}
+
+impl WorkerArgs {
+    /// The message path's settings these flags make.
+    pub fn config(&self) -> WorkerConfig {
+        WorkerConfig {
+            prefetch: self.prefetch,
+            concurrency: self.concurrency,
+            handle_timeout: Duration::from_secs(self.handle_timeout_secs.max(1)),
+            retry_attempts: self.retry_attempts.max(1),
+            max_deliveries: self.max_deliveries.max(1),
+            max_body_bytes: self.max_body_bytes,
+            batch: match (self.batch_size, self.batch_wait) {
+                (Some(size), Some(wait)) => {
+                    BatchConfig::effective(size, Duration::from_millis(wait), self.prefetch)
+                }
+                _ => None,
+            },
+            ..WorkerConfig::default()
+        }
+    }
+}
+
+/// Cleanup's flags.
+#[derive(Args, Debug, Clone)]
+pub struct CleanupArgs {
+    /// Keep processed inbox rows this many days.
+    #[arg(long, env = "INBOX_RETENTION_DAYS", default_value_t = 7.0)]
+    pub retention_days: f64,
+    /// Rows per delete transaction.
+    #[arg(long, env = "INBOX_CLEANUP_BATCH", default_value = "1000")]
+    pub cleanup_batch: std::num::NonZeroU32,
+}
+
+impl CleanupArgs {
+    /// Cleanup's settings, run every `interval`.
+    ///
+    /// # Errors
+    /// [`AppError::Config`] for a negative or non-finite retention.
+    pub fn config(&self, interval: Duration) -> Result<CleanupConfig, AppError> {
+        if !(self.retention_days >= 0.0 && self.retention_days.is_finite()) {
+            return Err(AppError::Config(format!(
+                "retention of {} days is not a non-negative number",
+                self.retention_days
+            )));
+        }
+        Ok(CleanupConfig {
+            retention: Duration::from_secs_f64(self.retention_days * 86_400.0),
+            interval,
+            batch_size: self.cleanup_batch,
+        })
+    }
+}
+
+/// The flags of `consume`.
+#[derive(Args, Debug, Clone)]
+pub struct ConsumeArgs {
+    #[command(flatten)]
+    #[allow(missing_docs, reason = "clap reads the flattened struct's docs")]
+    pub worker: WorkerArgs,
+    #[command(flatten)]
+    #[allow(missing_docs, reason = "clap reads the flattened struct's docs")]
+    pub cleanup: CleanupArgs,
+    /// Seconds between background cleanups (0: off).
+    #[arg(long, env = "INBOX_CLEANUP_INTERVAL_SECS", default_value_t = 3600)]
+    pub cleanup_interval_secs: u64,
+    /// Where to serve Prometheus /metrics ("off" to disable).
+    #[arg(long, env = "METRICS_ADDR", default_value = "127.0.0.1:9464")]
+    pub metrics_addr: String,
+    /// Seconds between refreshes of the inbox_rows gauge.
+    #[arg(long, default_value_t = 15)]
+    pub gauge_interval_secs: u64,
+    /// Seconds between reconciler rounds, which re-send committed intents
+    /// whose after-commit call never happened (the process died between
+    /// COMMIT and the call). It also runs once at start.
+    #[arg(long, env = "PARCEL_DISPATCH_INTERVAL_SECS", default_value_t = 10)]
+    pub dispatch_interval_secs: u64,
+    /// Age an undispatched intent must reach before the reconciler re-sends it.
+    #[arg(long, env = "PARCEL_DISPATCH_MIN_AGE_SECS", default_value_t = 5)]
+    pub dispatch_min_age_secs: u64,
+}
+
+impl ConsumeArgs {
+    /// The `consume` path these flags (and `global`'s) make, started by
+    /// `spawner`.
+    ///
+    /// # Errors
+    /// [`AppError::Config`] for an unusable flag.
+    pub fn consume<P: Spawner>(&self, global: &Global, spawner: P) -> Result<Consume<P>, AppError> {
+        let cleanup = if self.cleanup_interval_secs == 0 {
+            None
+        } else {
+            Some(
+                self.cleanup
+                    .config(Duration::from_secs(self.cleanup_interval_secs))?,
+            )
+        };
+        let metrics_addr = match self.metrics_addr.as_str() {
+            "off" | "" => None,
+            addr => Some(
+                addr.parse::<SocketAddr>()
+                    .map_err(|e| AppError::Config(format!("--metrics-addr {addr:?}: {e}")))?,
+            ),
+        };
+        Ok(Consume {
+            config: ServiceConfig {
+                amqp_url: global.amqp_url.clone(),
+                worker: self.worker.config(),
+                connection_name: format!(
+                    "parcel-inbox consume {}{}",
+                    global.prefix,
+                    std::process::id()
+                ),
+                cleanup,
+                gauge_interval: Some(Duration::from_secs(self.gauge_interval_secs.max(1))),
+            },
+            topology: Topology::new(&global.prefix),
+            metrics_addr,
+            reconcile: ReconcileConfig {
+                interval: Duration::from_secs(self.dispatch_interval_secs.max(1)),
+                min_age: Duration::from_secs(self.dispatch_min_age_secs),
+                ..ReconcileConfig::default()
+            },
+            spawner,
+        })
+    }
+}
+
+impl Global {
+    /// Where the store lives.
+    pub fn store(&self) -> StoreConfig {
+        StoreConfig {
+            kind: self.store,
+            database_url: self.database_url.clone(),
+            schema: self.schema.clone(),
+            pool_size: self.pool_size,
+        }
+    }
+}
+
+/// `consume`: the service, its metrics endpoint and the reconciler, until
+/// SIGINT/SIGTERM. `spawner` starts the service: [`Plain`] in the binary;
+/// a test tool passes one that decorates the consumers.
+pub struct Consume<P = Plain> {
+    /// The service's settings.
+    pub config: ServiceConfig,
+    /// The queue names.
+    pub topology: Topology,
+    /// Where to serve `/metrics` (`None`: nowhere).
+    pub metrics_addr: Option<SocketAddr>,
+    /// The reconciler's settings.
+    pub reconcile: ReconcileConfig,
+    /// What starts the service.
+    pub spawner: P,
+}
+
+/// What starts the Parcel service for [`Consume`].
+pub trait Spawner: Send + Sync {
+    /// Starts both consumers on `store`.
+    ///
+    /// # Errors
+    /// As [`crate::runtime::Service::spawn`].
+    fn spawn<S: ParcelStore>(
+        &self,
+        store: S,
+        config: ServiceConfig,
+        topology: &Topology,
+        downstreams: Downstreams,
+    ) -> Result<ServiceHandle, AppError>;
+}
+
+/// The production service: the consumers as they are.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Plain;
+
+impl Spawner for Plain {
+    fn spawn<S: ParcelStore>(
+        &self,
+        store: S,
+        config: ServiceConfig,
+        topology: &Topology,
+        downstreams: Downstreams,
+    ) -> Result<ServiceHandle, AppError> {
+        service::spawn(store, config, topology, downstreams)
+    }
+}
+
+impl<P: Spawner> WithStore for Consume<P> {
+    type Output = ();
+
+    async fn run<S: ParcelStore>(self, store: S) -> Result<(), AppError> {
+        self.serve(store).await
+    }
+}
+
+impl<P: Spawner> Consume<P> {
+    /// Runs the service on `store` until a signal.
+    ///
+    /// # Errors
+    /// The metrics endpoint's, or the service's.
+    pub async fn serve<S: ParcelStore>(self, store: S) -> Result<(), AppError> {
+        let (stop_metrics, metrics_stopped) = watch::channel(false);
+        if let Some(addr) = self.metrics_addr {
+            let handle = install_recorder(METRIC_NAMES)?;
+            serve_metrics(addr, handle, metrics_stopped).await?;
+        }
+        // The stubs keep their ledger in the database (shared by every
+        // instance, surviving kill -9); a successful call marks the intent
+        // dispatched, and the reconciler re-sends the ones that never were.
+        let downstreams = MarkDispatched::wrap(
+            store.clone(),
+            Downstreams {
+                carrier: Arc::new(LedgerCarrier::new(store.clone())),
+                notifier: Arc::new(LedgerNotifier::new(store.clone())),
+            },
+        );
+        let service = self.spawner.spawn(
+            store.clone(),
+            self.config,
+            &self.topology,
+            downstreams.clone(),
+        )?;
+        let shutdown = service.shutdown_sender();
+        let reconciler = tokio::spawn(reconcile_loop(
+            store,
+            downstreams,
+            self.reconcile,
+            shutdown.subscribe(),
+        ));
+        tokio::spawn(async move {
+            wait_for_signal().await;
+            tracing::info!(
+                "shutting down: no new deliveries; finishing in-flight ones (signal again to exit at once)"
+            );
+            shutdown.send_replace(true);
+            wait_for_signal().await;
+            tracing::warn!("second signal: exiting now; unacked deliveries will be redelivered");
+            std::process::exit(130);
+        });
+        let stop_reconciler = service.shutdown_sender();
+        let result = service.join().await;
+        stop_reconciler.send_replace(true);
+        let _ = reconciler.await;
+        stop_metrics.send_replace(true);
+        result
+    }
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(error) => {
+                tracing::warn!(error = %error, "cannot listen for SIGTERM; SIGINT only");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

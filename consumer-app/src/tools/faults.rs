@@ -1,0 +1,214 @@
+//! Fault injection, as a decorator around any handler: the demo, the tests
+//! and the chaos harness install it; the production service never does.
+//!
+//! [`Faults::wrap`] turns a [`Handler`] into a [`Faulty`] one that runs the
+//! handler's work and then, still inside the transaction and before the
+//! commit, what the faults say: sleep a while (so that a kill lands
+//! mid-work), wait on a hold (so that a test can act while every worker is
+//! inside a transaction), die as a crash would, or fail with a transient
+//! error every time (a poison message that looks transient).
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use inbox_api::{ConsumerName, InboxError, InboxKey, MessageId};
+use tokio::sync::watch;
+
+use crate::runtime::{AppError, Handler};
+
+/// The faults to inject, shared by the handlers it wraps.
+#[derive(Debug)]
+pub struct Faults {
+    crash_once: Mutex<HashSet<InboxKey>>,
+    fail_always: Mutex<HashSet<InboxKey>>,
+    crashes: Mutex<BTreeMap<String, u64>>,
+    /// Time the work spends inside the transaction, after its writes and
+    /// before the commit (to make "killed mid-work" reproducible).
+    pub work_delay: Duration,
+    /// While true, work waits inside its transaction before the commit.
+    hold: watch::Sender<bool>,
+    /// Attempts currently waiting on the hold.
+    held: AtomicU64,
+}
+
+impl Default for Faults {
+    fn default() -> Self {
+        Self::with_work_delay(Duration::ZERO)
+    }
+}
+
+impl Faults {
+    /// No faults, `work_delay` inside every transaction.
+    pub fn with_work_delay(work_delay: Duration) -> Self {
+        Self {
+            crash_once: Mutex::new(HashSet::new()),
+            fail_always: Mutex::new(HashSet::new()),
+            crashes: Mutex::new(BTreeMap::new()),
+            work_delay,
+            hold: watch::Sender::new(false),
+            held: AtomicU64::new(0),
+        }
+    }
+
+    /// `handler`, with these faults injected after its work.
+    pub fn wrap<H>(self: &std::sync::Arc<Self>, handler: H) -> Faulty<H> {
+        Faulty {
+            inner: handler,
+            faults: std::sync::Arc::clone(self),
+        }
+    }
+
+    /// The first attempt of `key` dies after its business writes, before
+    /// the commit.
+    pub fn crash_first_attempt(&self, key: InboxKey) {
+        lock(&self.crash_once).insert(key);
+    }
+
+    /// Every attempt of `key` fails with a retryable error after its
+    /// business writes (a poison message that looks transient).
+    pub fn fail_always(&self, key: InboxKey) {
+        lock(&self.fail_always).insert(key);
+    }
+
+    /// From now on, work stops inside its transaction, after its writes,
+    /// until [`Faults::release`]: "mid-work", deterministically.
+    pub fn hold(&self) {
+        self.hold.send_replace(true);
+    }
+
+    /// Lets held work go on to its commit.
+    pub fn release(&self) {
+        self.hold.send_replace(false);
+    }
+
+    /// How many attempts wait on the hold right now.
+    pub fn held(&self) -> u64 {
+        self.held.load(Ordering::SeqCst)
+    }
+
+    /// Crashes injected so far into the consumer named `consumer`.
+    pub fn crashes(&self, consumer: &str) -> u64 {
+        lock(&self.crashes).get(consumer).copied().unwrap_or(0)
+    }
+
+    /// Called inside the transaction after the work's writes.
+    ///
+    /// # Errors
+    /// [`AppError::InjectedCrash`] once per key set by
+    /// [`Faults::crash_first_attempt`]; a retryable error for every key set
+    /// by [`Faults::fail_always`].
+    pub async fn before_commit(&self, key: &InboxKey) -> Result<(), AppError> {
+        if !self.work_delay.is_zero() {
+            tokio::time::sleep(self.work_delay).await;
+        }
+        if *self.hold.borrow() {
+            self.held.fetch_add(1, Ordering::SeqCst);
+            let mut hold = self.hold.subscribe();
+            let _ = hold.wait_for(|held| !*held).await;
+            self.held.fetch_sub(1, Ordering::SeqCst);
+        }
+        if lock(&self.crash_once).remove(key) {
+            *lock(&self.crashes)
+                .entry(key.consumer.as_str().to_owned())
+                .or_default() += 1;
+            // As if the process had died mid-transaction: the transaction is
+            // gone (rolled back), the delivery is not acknowledged, and the
+            // broker delivers it again.
+            tracing::warn!(message_id = %key.message_id, consumer = %key.consumer,
+                what = %key, "injected crash mid-transaction; handing the delivery back to the broker");
+            return Err(AppError::InjectedCrash(key.to_string()));
+        }
+        if lock(&self.fail_always).contains(key) {
+            return Err(AppError::Inbox(InboxError::retryable_handler(format!(
+                "injected transient failure of {key}"
+            ))));
+        }
+        Ok(())
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A handler with [`Faults`] injected after its work, before the commit.
+#[derive(Debug)]
+pub struct Faulty<H> {
+    inner: H,
+    faults: std::sync::Arc<Faults>,
+}
+
+impl<Tx: Send, H: Handler<Tx>> Handler<Tx> for Faulty<H> {
+    type Message = H::Message;
+    type Intent = H::Intent;
+
+    fn name(&self) -> &ConsumerName {
+        self.inner.name()
+    }
+
+    fn message_type(&self) -> &str {
+        self.inner.message_type()
+    }
+
+    fn validate(&self, message: &Self::Message) -> Result<(), String> {
+        self.inner.validate(message)
+    }
+
+    async fn handle(
+        &self,
+        tx: &mut Tx,
+        message_id: MessageId,
+        message: &Self::Message,
+    ) -> Result<Self::Intent, AppError> {
+        let intent = self.inner.handle(tx, message_id, message).await?;
+        let key = InboxKey::new(message_id, self.inner.name().clone());
+        self.faults.before_commit(&key).await?;
+        Ok(intent)
+    }
+
+    async fn after_commit(&self, intent: Self::Intent) -> Result<(), AppError> {
+        self.inner.after_commit(intent).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(consumer: &str) -> InboxKey {
+        InboxKey::new(
+            MessageId::new_v7(),
+            ConsumerName::new(consumer).expect("name"),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_crash_comes_once_and_is_counted_per_consumer() {
+        let faults = Faults::default();
+        let k = key("c1");
+        faults.crash_first_attempt(k.clone());
+        assert!(matches!(
+            faults.before_commit(&k).await,
+            Err(AppError::InjectedCrash(_))
+        ));
+        assert!(faults.before_commit(&k).await.is_ok());
+        assert_eq!(faults.crashes("c1"), 1);
+        assert_eq!(faults.crashes("c2"), 0);
+    }
+
+    #[tokio::test]
+    async fn a_poison_key_fails_every_time_and_retryably() {
+        let faults = Faults::default();
+        let k = key("c1");
+        faults.fail_always(k.clone());
+        for _ in 0..3 {
+            let error = faults.before_commit(&k).await.expect_err("fails");
+            assert!(error.is_retryable(), "{error}");
+        }
+        assert!(faults.before_commit(&key("c1")).await.is_ok());
+    }
+}

@@ -1,0 +1,16 @@
+//! The tools that exercise the runtime and the Parcel domain: the command
+//! line's pieces, the demo, the load generator, store selection, and fault
+//! injection for tests. Nothing here is on the message path of a
+//! production service.
+//!
+//! - [`cli`]: flags and the `consume` path, shared by the binaries.
+//! - [`demo`]: `parcel-inbox demo`, the whole story in one checked command.
+//! - [`publish`]: the load generator (events plus copies reusing their ids).
+//! - [`stores`]: opening the store `--store` picks.
+//! - [`faults`]: the fault-injecting handler decorator.
+
+pub mod cli;
+pub mod demo;
+pub mod faults;
+pub mod publish;
+pub mod stores;

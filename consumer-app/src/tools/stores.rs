@@ -1,0 +1,138 @@
+//! Opening the store `--store` picks, with a retry while the database is
+//! not up yet, and running a task on it whatever its type.
+
+use std::fmt;
+use std::future::Future;
+
+use crate::parcel::store::{ParcelStore, StoreKind};
+use crate::runtime::AppError;
+
+/// Where the store lives.
+#[derive(Clone)]
+pub struct StoreConfig {
+    /// Which implementation.
+    pub kind: StoreKind,
+    /// The PostgreSQL URL (may hold a password: log it through
+    /// [`crate::runtime::redact::redact_url`]).
+    pub database_url: String,
+    /// The schema holding the inbox and the app's tables.
+    pub schema: String,
+    /// Connections in the pool.
+    pub pool_size: u32,
+}
+
+impl fmt::Debug for StoreConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoreConfig")
+            .field("kind", &self.kind)
+            .field(
+                "database_url",
+                &crate::runtime::redact::redact_url(&self.database_url),
+            )
+            .field("schema", &self.schema)
+            .field("pool_size", &self.pool_size)
+            .finish()
+    }
+}
+
+/// Something to do with a store, whichever implementation `--store` picked.
+///
+/// (A generic closure cannot be written, hence a trait.)
+pub trait WithStore {
+    /// What the task returns.
+    type Output;
+
+    /// Runs the task.
+    fn run<S: ParcelStore>(self, store: S) -> impl Future<Output = Result<Self::Output, AppError>>;
+}
+
+/// Connects the configured store, retrying with backoff while the database
+/// is unreachable (`attempts` times; `None`: forever), and runs `task` on it.
+///
+/// # Errors
+/// The connection's last error, or the task's.
+pub async fn with_store<W: WithStore>(
+    config: &StoreConfig,
+    attempts: Option<u32>,
+    task: W,
+) -> Result<W::Output, AppError> {
+    // Only the Postgres stores connect (and so retry).
+    let _ = attempts;
+    match config.kind {
+        #[cfg(feature = "sqlx")]
+        StoreKind::Sqlx => {
+            let store = retry_connect(config, attempts, || async {
+                use inbox_backend_sqlx::{SqlxStore, classify};
+                let options = SqlxStore::connect_options(&config.database_url, &config.schema)?;
+                let pool = sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(config.pool_size.max(1))
+                    .connect_with(options)
+                    .await
+                    .map_err(classify)?;
+                SqlxStore::new(pool, &config.schema)
+            })
+            .await?;
+            task.run(store).await
+        }
+        #[cfg(feature = "diesel")]
+        StoreKind::Diesel => {
+            let pool_size = usize::try_from(config.pool_size).unwrap_or(10);
+            let store = retry_connect(config, attempts, || async {
+                inbox_backend_diesel::DieselStore::connect(
+                    &config.database_url,
+                    &config.schema,
+                    pool_size,
+                )
+                .await
+            })
+            .await?;
+            task.run(store).await
+        }
+        #[cfg(feature = "memory")]
+        StoreKind::Memory => task.run(inbox_backend_memory::MemoryStore::new()).await,
+        #[allow(
+            unreachable_patterns,
+            reason = "which arms exist depends on the features"
+        )]
+        other => Err(AppError::Config(format!(
+            "store {other} is not compiled in"
+        ))),
+    }
+}
+
+#[cfg(any(feature = "sqlx", feature = "diesel"))]
+async fn retry_connect<S, F, Fut>(
+    config: &StoreConfig,
+    attempts: Option<u32>,
+    mut connect: F,
+) -> Result<S, AppError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<S, inbox_api::InboxError>>,
+{
+    let url = crate::runtime::redact::redact_url(&config.database_url);
+    let mut attempt = 0;
+    loop {
+        match connect().await {
+            Ok(store) => return Ok(store),
+            Err(error) if error.is_retryable() => {
+                attempt += 1;
+                if attempts.is_some_and(|max| attempt >= max) {
+                    return Err(AppError::Unavailable(format!(
+                        "PostgreSQL at {url} unreachable after {attempt} attempts: {}",
+                        crate::runtime::error::chain(&error)
+                    )));
+                }
+                let delay = crate::runtime::backoff::backoff(
+                    std::time::Duration::from_millis(200),
+                    std::time::Duration::from_secs(10),
+                    attempt,
+                );
+                tracing::warn!(%url, store = %config.kind, attempt, ?delay,
+                    error = %crate::runtime::error::chain(&error), "PostgreSQL unreachable; retrying");
+                tokio::time::sleep(delay).await;
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+}
