@@ -13,6 +13,9 @@
 //!   and one file per store backend.
 //! - [`tools`]: what exercises both: the command line's pieces, the demo,
 //!   the load generator, store selection and fault injection.
+//!
+//! `consumer-app/examples/invoice_paid.rs` is a second, tiny user of the
+//! runtime, of another domain: a handler and a few lines of wiring.
 
 #![deny(missing_docs)]
 

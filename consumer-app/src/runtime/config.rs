@@ -113,6 +113,21 @@ pub struct ServiceConfig {
     pub gauge_interval: Option<Duration>,
 }
 
+impl ServiceConfig {
+    /// A service on the broker at `amqp_url`, its connection named
+    /// `connection_name`: the default message path and cleanup (the inbox
+    /// table must not grow for ever), no gauge.
+    pub fn new(amqp_url: impl Into<String>, connection_name: impl Into<String>) -> Self {
+        Self {
+            amqp_url: amqp_url.into(),
+            worker: WorkerConfig::default(),
+            connection_name: connection_name.into(),
+            cleanup: Some(CleanupConfig::default()),
+            gauge_interval: None,
+        }
+    }
+}
+
 impl std::fmt::Debug for ServiceConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ServiceConfig")

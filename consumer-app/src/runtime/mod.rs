@@ -13,7 +13,8 @@
 //! consumer also has to ack only after the commit, bound its retries, keep a
 //! poison message from looping, say why it dead-lettered something, survive
 //! a broker or database restart and stop without losing a delivery. Written
-//! once here, a new consumer gets all of it by implementing [`Handler`].
+//! once here, a new consumer gets all of it by implementing [`Handler`]
+//! (`consumer-app/examples/invoice_paid.rs` is one, in under 80 lines).
 //!
 //! - [`handler`]: the trait a consumer implements.
 //! - [`service`]: [`Service`], the builder that runs handlers on queues.
