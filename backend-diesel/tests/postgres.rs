@@ -712,3 +712,40 @@ async fn hot_statements_are_prepared_once_per_connection() {
         "no UPDATE on the hot path: {prepared:#?}"
     );
 }
+
+/// The outbox's hot statements (the producer's enqueue, the relay's take)
+/// are prepared once per connection, like the claims: diesel would
+/// re-prepare an `sql_query` on every call.
+#[tokio::test]
+async fn outbox_hot_statements_are_prepared_once_per_connection() {
+    use inbox_api::{OutboxStore, OutboxTransaction};
+    use inbox_conformance::outbox::contract::new_message;
+
+    let store = common::fresh_store(1).await;
+    for round in 0..3 {
+        let mut tx = store.begin().await.expect("begin");
+        for _ in 0..=round {
+            let _ = tx.enqueue(&new_message()).await.expect("enqueue");
+        }
+        tx.commit().await.expect("commit");
+        let lease = store
+            .take_pending(std::num::NonZeroU32::MIN, Duration::from_secs(30))
+            .await
+            .expect("take");
+        assert_eq!(lease.messages.len(), 1);
+    }
+    let mut conn = store.pool().get().await.expect("the same connection");
+    let prepared: Vec<String> = diesel::select(diesel::dsl::sql::<diesel::sql_types::Array<Text>>(
+        "ARRAY(SELECT statement FROM pg_prepared_statements ORDER BY statement)",
+    ))
+    .get_result(&mut *conn)
+    .await
+    .expect("pg_prepared_statements");
+    for start in [
+        "INSERT INTO outbox_messages (message_id",
+        "UPDATE outbox_messages AS o SET locked_until",
+    ] {
+        let n = prepared.iter().filter(|s| s.starts_with(start)).count();
+        assert_eq!(n, 1, "{start}… prepared {n} times: {prepared:#?}");
+    }
+}

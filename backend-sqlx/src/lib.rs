@@ -383,6 +383,13 @@ mod tests {
             assert_send(&store.lookup(key));
             assert_send(&tx.claim(key));
             assert_send(&tx.unclaim(key));
+            let message =
+                inbox_api::OutgoingMessage::new(key.message_id, "e", "k", "T", []).expect("valid");
+            assert_send(&inbox_api::OutboxTransaction::enqueue(tx, &message));
+            let limit = std::num::NonZeroU32::MIN;
+            let lease = std::time::Duration::from_secs(1);
+            assert_send(&inbox_api::OutboxStore::take_pending(store, limit, lease));
+            assert_send(&inbox_api::OutboxStore::mark_published(store, &[]));
         }
         let _ = check;
     }
