@@ -40,7 +40,8 @@
 //!
 //! - **Outbox.** [`OutboxTransaction::enqueue`](inbox_api::OutboxTransaction::enqueue)
 //!   buffers the outgoing message with the writes; it reaches the outbox
-//!   with the commit or never. Relays lease pending messages until a
+//!   with the commit or never. Its id is reserved meanwhile: an enqueue of
+//!   the same id by another transaction waits, as on Postgres. Relays lease pending messages until a
 //!   deadline on the store clock, so a relay that dies gives them back when
 //!   its lease runs out, exactly as `locked_until` does on Postgres.
 //!

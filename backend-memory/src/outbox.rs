@@ -11,6 +11,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::num::NonZeroU32;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -19,6 +20,10 @@ use inbox_api::{
     InboxError, LeaseId, MessageId, OutboxLease, OutboxRecord, OutboxStore, OutgoingMessage,
 };
 
+use tokio_sync::sync::Notify;
+use tokio_sync::sync::futures::OwnedNotified;
+
+use crate::deadlock::TxId;
 use crate::store::{Map, MemoryStore};
 
 /// One committed outgoing row.
@@ -33,10 +38,38 @@ struct Row {
     attempts: u32,
 }
 
-/// Every committed outgoing row, with the two indexes the SQL table has.
+/// An id an open transaction enqueued: the memory twin of the uncommitted
+/// tuple's entry in the primary key's index, which makes a second enqueue
+/// of the id wait on PostgreSQL.
+#[derive(Debug)]
+struct Reservation {
+    owner: TxId,
+    /// Created by the first enqueue that has to wait.
+    waiters: Option<Arc<Notify>>,
+}
+
+/// What an enqueue found, decided under the outbox lock.
+pub(crate) enum EnqueueAttempt {
+    /// The id was free: this transaction holds it now.
+    Fresh,
+    /// Committed already, or enqueued by this same transaction.
+    Duplicate,
+    /// Enqueued by the open transaction `owner`; `released` resolves when
+    /// it ends.
+    Wait {
+        /// The holder.
+        owner: TxId,
+        /// Registered under the lock, so the holder's end cannot be missed.
+        released: OwnedNotified,
+    },
+}
+
+/// Every committed outgoing row, with the two indexes the SQL table has,
+/// and the ids open transactions have enqueued.
 #[derive(Debug, Default)]
 pub(crate) struct Outbox {
     rows: Map<MessageId, Row>,
+    reserved: Map<MessageId, Reservation>,
     /// Pending rows in enqueue order: the partial index the relay scans.
     pending: BTreeMap<u64, MessageId>,
     /// Published rows by age: the partial index cleanup scans.
@@ -45,17 +78,58 @@ pub(crate) struct Outbox {
 }
 
 impl Outbox {
-    /// Whether a committed row has this id.
-    pub(crate) fn contains(&self, id: &MessageId) -> bool {
-        self.rows.contains_key(id)
+    /// The atomic insert-or-nothing of an enqueue: reserves `id` for
+    /// transaction `me`, or says why it cannot.
+    pub(crate) fn try_reserve(&mut self, id: MessageId, me: TxId) -> EnqueueAttempt {
+        if self.rows.contains_key(&id) {
+            return EnqueueAttempt::Duplicate;
+        }
+        match self.reserved.get_mut(&id) {
+            None => {
+                self.reserved.insert(
+                    id,
+                    Reservation {
+                        owner: me,
+                        waiters: None,
+                    },
+                );
+                EnqueueAttempt::Fresh
+            }
+            Some(reservation) if reservation.owner == me => EnqueueAttempt::Duplicate,
+            Some(reservation) => {
+                let notify = reservation.waiters.get_or_insert_with(Default::default);
+                EnqueueAttempt::Wait {
+                    owner: reservation.owner,
+                    released: Arc::clone(notify).notified_owned(),
+                }
+            }
+        }
     }
 
-    /// Adds a committed row, unless one with its id exists (the first
-    /// commit wins, as the primary key decides on PostgreSQL).
-    pub(crate) fn insert(&mut self, message: OutgoingMessage, created_at: DateTime<Utc>) {
+    /// Drops `owner`'s reservation of `id` (rollback, drop, a savepoint
+    /// rolled back) and hands back whom to wake.
+    pub(crate) fn unreserve(&mut self, id: &MessageId, owner: TxId) -> Option<Arc<Notify>> {
+        match self.reserved.get(id) {
+            Some(reservation) if reservation.owner == owner => {}
+            _ => return None,
+        }
+        self.reserved.remove(id).and_then(|r| r.waiters)
+    }
+
+    /// Turns `owner`'s reservation into a committed row and hands back whom
+    /// to wake: a waiting enqueue of the id then finds the row.
+    pub(crate) fn insert(
+        &mut self,
+        message: OutgoingMessage,
+        created_at: DateTime<Utc>,
+        owner: TxId,
+    ) -> Option<Arc<Notify>> {
         let id = message.id();
+        let waiters = self.unreserve(&id, owner);
         if self.rows.contains_key(&id) {
-            return;
+            // Unreachable while reservations work: a committed id is never
+            // reserved again.
+            return waiters;
         }
         let position = self.next_position;
         self.next_position += 1;
@@ -71,6 +145,7 @@ impl Outbox {
                 attempts: 0,
             },
         );
+        waiters
     }
 
     fn take(
@@ -214,16 +289,50 @@ mod tests {
     }
 
     #[test]
+    fn a_reserved_id_makes_others_wait_until_its_owner_ends() {
+        let mut outbox = Outbox::default();
+        let m = message();
+        assert!(matches!(
+            outbox.try_reserve(m.id(), 1),
+            EnqueueAttempt::Fresh
+        ));
+        assert!(matches!(
+            outbox.try_reserve(m.id(), 1),
+            EnqueueAttempt::Duplicate
+        ));
+        let EnqueueAttempt::Wait { owner, .. } = outbox.try_reserve(m.id(), 2) else {
+            panic!("another transaction must wait");
+        };
+        assert_eq!(owner, 1);
+        assert!(outbox.unreserve(&m.id(), 2).is_none(), "only the owner");
+        assert!(
+            outbox.unreserve(&m.id(), 1).is_some(),
+            "the waiter is woken"
+        );
+        assert!(matches!(
+            outbox.try_reserve(m.id(), 2),
+            EnqueueAttempt::Fresh
+        ));
+    }
+
+    #[test]
     fn take_skips_live_leases_and_published_rows() {
         let t0 = DateTime::<Utc>::from_timestamp(0, 0).unwrap();
         let later = t0 + TimeDelta::seconds(30);
         let mut outbox = Outbox::default();
         let (a, b, c) = (message(), message(), message());
         for m in [&a, &b, &c] {
-            outbox.insert(m.clone(), t0);
+            assert!(matches!(
+                outbox.try_reserve(m.id(), 1),
+                EnqueueAttempt::Fresh
+            ));
+            assert!(outbox.insert(m.clone(), t0, 1).is_none());
         }
-        outbox.insert(a.clone(), later);
-        assert_eq!(outbox.rows.len(), 3, "the first row of an id wins");
+        assert!(matches!(
+            outbox.try_reserve(a.id(), 2),
+            EnqueueAttempt::Duplicate
+        ));
+        assert_eq!(outbox.rows.len(), 3);
 
         let first = LeaseId::new();
         let taken = outbox.take(t0, 2, first, later);
@@ -236,6 +345,6 @@ mod tests {
         assert_eq!(retaken, vec![b.clone(), c.clone()]);
         assert_eq!(outbox.record(&b.id()).map(|r| r.attempts), Some(2));
         assert_eq!(outbox.purge(t0 + TimeDelta::seconds(1), 10), 1);
-        assert!(!outbox.contains(&a.id()));
+        assert!(!outbox.rows.contains_key(&a.id()));
     }
 }

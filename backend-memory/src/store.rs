@@ -375,7 +375,7 @@ impl Shared {
         }
         if let Some(mut outbox) = outbox_guard {
             for (message, created_at) in outgoing {
-                outbox.insert(message, created_at);
+                wake.extend(outbox.insert(message, created_at, owner));
             }
         }
         drop(kv_guards);

@@ -12,6 +12,7 @@ use inbox_api::{
 use smallvec::SmallVec;
 
 use crate::deadlock::{Aborted, TxId};
+use crate::outbox::EnqueueAttempt;
 use crate::store::{ClaimAttempt, Shared};
 use crate::writes::Writes;
 
@@ -121,6 +122,24 @@ impl MemoryTransaction {
         }
     }
 
+    /// Gives back the ids of outgoing messages this transaction will not
+    /// commit, waking whoever waits to enqueue them.
+    fn unreserve(&self, outgoing: &[(OutgoingMessage, DateTime<Utc>)]) {
+        if outgoing.is_empty() {
+            return;
+        }
+        let waiters: Vec<_> = {
+            let mut outbox = self.shared.lock_outbox();
+            outgoing
+                .iter()
+                .filter_map(|(message, _)| outbox.unreserve(&message.id(), self.id))
+                .collect()
+        };
+        for notify in waiters {
+            notify.notify_waiters();
+        }
+    }
+
     fn no_savepoint(&self) -> InboxError {
         InboxError::InvalidArgument {
             message: "no savepoint is open in this transaction".to_owned(),
@@ -134,7 +153,8 @@ impl MemoryTransaction {
     /// visible atomically.
     fn release(&mut self) {
         self.writes.clear();
-        self.outgoing.clear();
+        let outgoing = std::mem::take(&mut self.outgoing);
+        self.unreserve(&outgoing);
         self.savepoints.clear();
         let claims = std::mem::take(&mut self.claims);
         for claim in &claims {
@@ -248,7 +268,9 @@ impl BatchTransaction for MemoryTransaction {
         self.ensure_open()?;
         let savepoint = self.savepoints.pop().ok_or_else(|| self.no_savepoint())?;
         self.writes = savepoint.writes;
-        self.outgoing.truncate(savepoint.outgoing);
+        let keep = savepoint.outgoing.min(self.outgoing.len());
+        let later: Vec<_> = self.outgoing.drain(keep..).collect();
+        self.unreserve(&later);
         let keep = savepoint.claims.min(self.claims.len());
         let later: Claims = self.claims.drain(keep..).collect();
         for claim in &later {
@@ -290,25 +312,49 @@ impl BatchTransaction for MemoryTransaction {
 
 #[async_trait]
 impl OutboxTransaction for MemoryTransaction {
-    /// Buffers `message`, published to the outbox at commit together with
-    /// the claims and writes, and discarded with them by a rollback or a
-    /// drop. The enqueue time is the store clock's now.
+    /// Reserves the message's id and buffers the message, published to the
+    /// outbox at commit together with the claims and writes, and discarded
+    /// with them by a rollback or a drop. The enqueue time is the store
+    /// clock's now.
     ///
     /// An id this transaction enqueued already, or one already committed,
-    /// is [`EnqueueOutcome::AlreadyEnqueued`]. Where PostgreSQL makes an
-    /// enqueue of an id another *open* transaction enqueued wait, this store
-    /// does not: both answer `Enqueued` and the first commit's row is the
-    /// one kept, so either way one row, with one id, is published.
+    /// is [`EnqueueOutcome::AlreadyEnqueued`]. An id another open
+    /// transaction enqueued makes this enqueue wait for it, as the primary
+    /// key does on PostgreSQL: it commits, `AlreadyEnqueued`; it rolls back
+    /// or is dropped, `Enqueued`. A wait that would close a cycle is a
+    /// deadlock ([`InboxError::Conflict`]), and aborts this transaction.
     async fn enqueue(&mut self, message: &OutgoingMessage) -> Result<EnqueueOutcome, InboxError> {
         self.ensure_open()?;
         let id = message.id();
-        if self.outgoing.iter().any(|(m, _)| m.id() == id)
-            || self.shared.lock_outbox().contains(&id)
-        {
-            return Ok(EnqueueOutcome::AlreadyEnqueued);
+        loop {
+            // The guard is a temporary of this statement: never held across
+            // the await below.
+            let attempt = self.shared.lock_outbox().try_reserve(id, self.id);
+            let (owner, released) = match attempt {
+                EnqueueAttempt::Fresh => {
+                    self.outgoing
+                        .push((message.clone(), self.shared.clock.now()));
+                    return Ok(EnqueueOutcome::Enqueued);
+                }
+                EnqueueAttempt::Duplicate => return Ok(EnqueueOutcome::AlreadyEnqueued),
+                EnqueueAttempt::Wait { owner, released } => (owner, released),
+            };
+            let waited = match self.shared.waits.wait_for(self.id, owner) {
+                Ok(edge) => {
+                    released.await;
+                    drop(edge);
+                    Ok(())
+                }
+                Err(deadlock) => Err(deadlock),
+            };
+            if let Err(deadlock) = waited {
+                tracing::debug!(%id, tx = self.id, holder = owner, "deadlock: aborting transaction");
+                self.release();
+                self.aborted = true;
+                return Err(InboxError::Conflict {
+                    source: Box::new(deadlock),
+                });
+            }
         }
-        self.outgoing
-            .push((message.clone(), self.shared.clock.now()));
-        Ok(EnqueueOutcome::Enqueued)
     }
 }

@@ -646,6 +646,136 @@ pub async fn outbox_enqueue_in_the_handler_shares_its_fate<H: OutboxHarness>(h: 
     Ok(())
 }
 
+/// How the first of two enqueues of one id ends, while the second waits.
+#[derive(Clone, Copy, Debug)]
+enum FirstEnds {
+    Commit,
+    Crash(CrashKind),
+}
+
+/// An enqueue of an id another open transaction enqueued waits for it, as a
+/// claim does (the primary key's uncommitted entry on PostgreSQL): that
+/// transaction commits, the wait ends in `AlreadyEnqueued`; it dies, the
+/// wait ends in `Enqueued`. One row either way.
+async fn enqueue_waits_for_an_open_enqueue<H: OutboxHarness>(h: &H, end: FirstEnds) -> Outcome {
+    let store = h.fresh_store().await;
+    let message = new_message();
+    let first = produce(h, &store, &message).await?;
+    let second_store = store.clone();
+    let second_message = message.clone();
+    let mut second = std::pin::pin!(async move {
+        let mut tx = second_store.begin().await?;
+        let outcome = tx.enqueue(&second_message).await?;
+        tx.commit().await?;
+        Ok::<_, InboxError>(outcome)
+    });
+    check!(
+        tokio::time::timeout(h.blocking_probe(), &mut second)
+            .await
+            .is_err(),
+        "the second enqueue of {} did not wait for the open first one",
+        message.id()
+    );
+    let expected = match end {
+        FirstEnds::Commit => {
+            first.commit().await?;
+            EnqueueOutcome::AlreadyEnqueued
+        }
+        FirstEnds::Crash(kind) => {
+            h.crash(&store, first, kind).await;
+            EnqueueOutcome::Enqueued
+        }
+    };
+    let outcome = tokio::time::timeout(Duration::from_secs(10), second)
+        .await
+        .map_err(|_| Failure::new("the second enqueue never ended"))??;
+    check_eq!(outcome, expected, "the waiting enqueue after {end:?}");
+    check!(
+        store.lookup_outgoing(&message.id()).await?.is_some(),
+        "no row for {}",
+        message.id()
+    );
+    check_eq!(store.pending_count().await?, 1, "rows for one id");
+    Ok(())
+}
+
+/// The first enqueue commits: the waiting one is `AlreadyEnqueued`.
+pub async fn outbox_an_enqueue_waits_then_already_enqueued_after_commit<H: OutboxHarness>(
+    h: &H,
+) -> Outcome {
+    enqueue_waits_for_an_open_enqueue(h, FirstEnds::Commit).await
+}
+
+/// The first enqueue's transaction is dropped: the waiting one enqueues.
+pub async fn outbox_an_enqueue_waits_then_enqueues_after_drop<H: OutboxHarness>(h: &H) -> Outcome {
+    enqueue_waits_for_an_open_enqueue(h, FirstEnds::Crash(CrashKind::Drop)).await
+}
+
+/// The first enqueue's connection is killed: the waiting one enqueues.
+pub async fn outbox_an_enqueue_waits_then_enqueues_after_kill<H: OutboxHarness>(h: &H) -> Outcome {
+    enqueue_waits_for_an_open_enqueue(h, FirstEnds::Crash(CrashKind::KillConnection)).await
+}
+
+/// Two producers each enqueue the id the other holds: a deadlock, which
+/// ends one of them with a retryable conflict (40P01 on PostgreSQL) while
+/// the other goes on and commits both messages.
+pub async fn outbox_crossed_enqueues_are_a_retryable_conflict<H: OutboxHarness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let (x, y) = (new_message(), new_message());
+    let mut a = store.begin().await?;
+    let mut b = store.begin().await?;
+    check_eq!(
+        a.enqueue(&x).await?,
+        EnqueueOutcome::Enqueued,
+        "A enqueues x"
+    );
+    check_eq!(
+        b.enqueue(&y).await?,
+        EnqueueOutcome::Enqueued,
+        "B enqueues y"
+    );
+    let (a_crossed, b_crossed) = tokio::time::timeout(Duration::from_secs(30), async {
+        tokio::join!(
+            async {
+                let outcome = a.enqueue(&y).await;
+                (a, outcome)
+            },
+            async {
+                // A waits on y first, then B closes the cycle.
+                tokio::time::sleep(h.blocking_probe()).await;
+                let outcome = b.enqueue(&x).await;
+                (b, outcome)
+            }
+        )
+    })
+    .await
+    .map_err(|_| Failure::new("crossed enqueues hung: the deadlock was not detected"))?;
+    let (survivor, victim_error) = match (a_crossed, b_crossed) {
+        ((a, Ok(outcome)), (b, Err(error))) => {
+            check_eq!(outcome, EnqueueOutcome::Enqueued, "A's enqueue of y");
+            drop(b);
+            (a, error)
+        }
+        ((a, Err(error)), (b, Ok(outcome))) => {
+            check_eq!(outcome, EnqueueOutcome::Enqueued, "B's enqueue of x");
+            drop(a);
+            (b, error)
+        }
+        ((_, a), (_, b)) => {
+            return Err(Failure::new(format!(
+                "crossed enqueues: exactly one must fail, got {a:?} and {b:?}"
+            )));
+        }
+    };
+    check!(
+        victim_error.is_retryable() && victim_error.kind() == "conflict",
+        "the deadlock's victim: {victim_error:?}"
+    );
+    survivor.commit().await?;
+    check_eq!(store.pending_count().await?, 2, "both messages, once each");
+    Ok(())
+}
+
 /// Runs every outbox contract test against `h` and returns the failures by
 /// name.
 pub async fn run_all<H: OutboxHarness>(h: &H) -> Vec<(&'static str, Failure)> {

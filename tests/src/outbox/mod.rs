@@ -5,7 +5,8 @@
 //! - [`contract`]: deterministic tests, one or more per line of the
 //!   contract documented on `OutboxStore`: an enqueue commits with the
 //!   business writes or not at all, a dropped or killed transaction
-//!   enqueues nothing, relays never both hold one message, leases expire,
+//!   enqueues nothing, an enqueue of an id waits for an open enqueue of it,
+//!   relays never both hold one message, leases expire,
 //!   marks are final, cleanup is bounded and spares pending rows.
 //! - [`model`]: a proptest crash-point model of producer, relay, broker and
 //!   consumers (the consumers behind the real inbox of the same store).
@@ -87,6 +88,10 @@ macro_rules! __with_outbox_contract_tests {
             outbox_dropped_transaction_enqueues_nothing,
             outbox_killed_connection_enqueues_nothing,
             outbox_enqueue_of_one_id_is_idempotent,
+            outbox_an_enqueue_waits_then_already_enqueued_after_commit,
+            outbox_an_enqueue_waits_then_enqueues_after_drop,
+            outbox_an_enqueue_waits_then_enqueues_after_kill,
+            outbox_crossed_enqueues_are_a_retryable_conflict,
             outbox_a_stored_message_round_trips,
             outbox_take_is_oldest_first_and_bounded,
             outbox_a_live_lease_is_not_taken_again,

@@ -6,7 +6,7 @@
 //! pool is clean after crashes, and migrations are shared, idempotent and
 //! safe to run at once. The outbox's lease statements skip rows other
 //! connections lock, run out on the database clock, and walk their partial
-//! indexes; an enqueue waits for an open enqueue of its id.
+//! indexes.
 //!
 //! Shaped like the contract suite: plain `pub async fn`s generic over a
 //! [`PgHarness`], each returning an [`crate::Outcome`], and one macro,
@@ -118,7 +118,6 @@ macro_rules! __with_postgres_tests {
             outbox_relays_on_two_connections_skip_locked_rows,
             outbox_parallel_relays_take_each_message_once,
             outbox_a_dead_relays_lease_runs_out_on_the_database_clock,
-            outbox_an_enqueue_waits_for_an_open_enqueue_of_its_id,
             outbox_take_and_purge_use_their_partial_indexes,
         }
     };

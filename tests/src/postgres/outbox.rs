@@ -4,7 +4,6 @@
 
 use std::collections::BTreeSet;
 use std::num::NonZeroU32;
-use std::pin::pin;
 use std::time::Duration;
 
 use inbox_api::{
@@ -13,7 +12,7 @@ use inbox_api::{
 use inbox_postgres::sql;
 
 use super::PgHarness;
-use super::scenarios::{migrated, still_pending, terminate};
+use super::scenarios::{migrated, terminate};
 use crate::outbox::OutboxHarness;
 use crate::outbox::contract::{LEASE, enqueue_committed, new_message};
 use crate::{Failure, Outcome, check, check_eq};
@@ -132,60 +131,6 @@ pub async fn outbox_a_dead_relays_lease_runs_out_on_the_database_clock<
         vec![message.id()],
         "taken after the lease ran out"
     );
-    Ok(())
-}
-
-/// An enqueue of an id another open transaction enqueued waits for it, as
-/// a claim does: that transaction commits, the wait ends in
-/// `AlreadyEnqueued`; its connection is killed, the wait ends in
-/// `Enqueued`, and one row exists either way.
-pub async fn outbox_an_enqueue_waits_for_an_open_enqueue_of_its_id<H: PgHarness + OutboxHarness>(
-    h: &H,
-) -> Outcome {
-    let store = migrated(h, 4).await?;
-    for first_commits in [true, false] {
-        let message = new_message();
-        let mut first = store.begin().await?;
-        check_eq!(
-            first.enqueue(&message).await?,
-            EnqueueOutcome::Enqueued,
-            "the first enqueue"
-        );
-        let second_store = store.clone();
-        let second_message = message.clone();
-        let mut second = pin!(async move {
-            let mut tx = second_store.begin().await?;
-            let outcome = tx.enqueue(&second_message).await?;
-            tx.commit().await?;
-            Ok::<_, inbox_api::InboxError>(outcome)
-        });
-        check!(
-            still_pending(&mut second, Duration::from_millis(300)).await,
-            "the second enqueue of {} did not wait",
-            message.id()
-        );
-        if first_commits {
-            first.commit().await?;
-        } else {
-            terminate(h, &store, &mut first).await?;
-            h.crash(&store, first, crate::CrashKind::Drop).await;
-        }
-        let outcome = tokio::time::timeout(Duration::from_secs(10), second)
-            .await
-            .map_err(|_| Failure::new("the second enqueue never ended"))??;
-        let expected = if first_commits {
-            EnqueueOutcome::AlreadyEnqueued
-        } else {
-            EnqueueOutcome::Enqueued
-        };
-        check_eq!(outcome, expected, "the waiting enqueue");
-        check!(
-            store.lookup_outgoing(&message.id()).await?.is_some(),
-            "no row for {}",
-            message.id()
-        );
-    }
-    check_eq!(store.pending_count().await?, 2, "one row per id");
     Ok(())
 }
 

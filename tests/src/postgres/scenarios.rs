@@ -85,10 +85,7 @@ async fn expect_no_trace<H: PgHarness>(h: &H, store: &H::Store, key: &InboxKey) 
 }
 
 /// Whether `fut` is still pending after `wait`: it is blocked.
-pub(super) async fn still_pending<F: Future>(
-    fut: &mut std::pin::Pin<&mut F>,
-    wait: Duration,
-) -> bool {
+async fn still_pending<F: Future>(fut: &mut std::pin::Pin<&mut F>, wait: Duration) -> bool {
     tokio::time::timeout(wait, fut.as_mut()).await.is_err()
 }
 
