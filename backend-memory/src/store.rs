@@ -575,6 +575,28 @@ mod tests {
         InboxKey::new(MessageId::new_v7(), ConsumerName::new("c").unwrap())
     }
 
+    /// Distinct keys contend only when they share a shard: with every key in
+    /// one shard the store stays correct but serialises on one lock, which no
+    /// semantic test can see.
+    #[test]
+    fn distinct_keys_spread_over_the_shards() {
+        let store = MemoryStore::new();
+        let inbox: std::collections::BTreeSet<usize> = (0..256)
+            .map(|_| store.shared.inbox_shard_of(&key()))
+            .collect();
+        let kv: std::collections::BTreeSet<usize> = (0..256)
+            .map(|n| store.shared.kv_shard_of(&format!("effect/{n}")))
+            .collect();
+        // 256 keys over 64 shards leave fewer than 32 in use with a
+        // probability far below 1e-30.
+        assert!(
+            inbox.len() > SHARDS / 2,
+            "inbox keys in {} shards",
+            inbox.len()
+        );
+        assert!(kv.len() > SHARDS / 2, "kv keys in {} shards", kv.len());
+    }
+
     #[tokio::test]
     async fn a_poisoned_shard_is_recovered() {
         let store = MemoryStore::new();

@@ -128,9 +128,7 @@ impl Demo {
             42,
             &format!("P{}", self.run_id),
         )?;
-        let crashed = *plan
-            .ids
-            .first()
+        let crashed = crash_target(&plan)
             .ok_or_else(|| AppError::Config("the demo needs at least one event".into()))?;
         let faults = Arc::new(Faults::default());
         faults.crash_first_attempt(InboxKey::new(
@@ -194,6 +192,25 @@ impl Demo {
             )))
         }
     }
+}
+
+/// The message whose first attempt the demo crashes: one published once, so
+/// that its redelivery (not a copy that happened to come first) is what
+/// processes it, as the check says. The first message if all have copies.
+fn crash_target(plan: &Plan) -> Option<inbox_api::MessageId> {
+    let published_once = |id: &inbox_api::MessageId| {
+        let id = id.to_string();
+        plan.messages
+            .iter()
+            .filter(|m| m.message_id.as_deref() == Some(id.as_str()))
+            .count()
+            == 1
+    };
+    plan.ids
+        .iter()
+        .copied()
+        .find(published_once)
+        .or_else(|| plan.ids.first().copied())
 }
 
 /// Waits until both consumers finished `expected` deliveries each.
@@ -384,5 +401,22 @@ impl Report<'_> {
             }
         );
         (out, failures)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_crashed_message_has_no_copy() {
+        let plan = Plan::new(60, 0.5, 42, "P").expect("plan");
+        let crashed = crash_target(&plan).expect("a target").to_string();
+        let published = plan
+            .messages
+            .iter()
+            .filter(|m| m.message_id.as_deref() == Some(crashed.as_str()))
+            .count();
+        assert_eq!(published, 1);
     }
 }
