@@ -15,6 +15,7 @@ use crate::deadlock::{Aborted, TxId};
 use crate::outbox::EnqueueAttempt;
 use crate::store::{ClaimAttempt, Shared};
 use crate::writes::Writes;
+use tokio_sync::sync::futures::OwnedNotified;
 
 /// A key this transaction claimed `Fresh`, and so holds.
 #[derive(Debug)]
@@ -140,6 +141,35 @@ impl MemoryTransaction {
         }
     }
 
+    /// Waits until transaction `owner` ends (`released` resolves), unless
+    /// waiting would close a cycle: then this transaction is aborted, as
+    /// Postgres aborts a deadlock's victim (40P01), and the error says so.
+    /// `what` names the key or id waited for, in the log.
+    async fn wait_for(
+        &mut self,
+        owner: TxId,
+        released: OwnedNotified,
+        what: &(dyn fmt::Display + Sync),
+    ) -> Result<(), InboxError> {
+        let waited = match self.shared.waits.wait_for(self.id, owner) {
+            Ok(edge) => {
+                released.await;
+                drop(edge);
+                Ok(())
+            }
+            Err(deadlock) => Err(deadlock),
+        };
+        if let Err(deadlock) = waited {
+            tracing::debug!(%what, tx = self.id, holder = owner, "deadlock: aborting transaction");
+            self.release();
+            self.aborted = true;
+            return Err(InboxError::Conflict {
+                source: Box::new(deadlock),
+            });
+        }
+        Ok(())
+    }
+
     fn no_savepoint(&self) -> InboxError {
         InboxError::InvalidArgument {
             message: "no savepoint is open in this transaction".to_owned(),
@@ -212,22 +242,7 @@ impl InboxTransaction for MemoryTransaction {
                 ClaimAttempt::Duplicate => return Ok(Claim::Duplicate),
                 ClaimAttempt::Wait { owner, released } => (owner, released),
             };
-            let waited = match self.shared.waits.wait_for(self.id, owner) {
-                Ok(edge) => {
-                    released.await;
-                    drop(edge);
-                    Ok(())
-                }
-                Err(deadlock) => Err(deadlock),
-            };
-            if let Err(deadlock) = waited {
-                tracing::debug!(%key, tx = self.id, holder = owner, "deadlock: aborting transaction");
-                self.release();
-                self.aborted = true;
-                return Err(InboxError::Conflict {
-                    source: Box::new(deadlock),
-                });
-            }
+            self.wait_for(owner, released, key).await?;
         }
     }
 
@@ -339,22 +354,7 @@ impl OutboxTransaction for MemoryTransaction {
                 EnqueueAttempt::Duplicate => return Ok(EnqueueOutcome::AlreadyEnqueued),
                 EnqueueAttempt::Wait { owner, released } => (owner, released),
             };
-            let waited = match self.shared.waits.wait_for(self.id, owner) {
-                Ok(edge) => {
-                    released.await;
-                    drop(edge);
-                    Ok(())
-                }
-                Err(deadlock) => Err(deadlock),
-            };
-            if let Err(deadlock) = waited {
-                tracing::debug!(%id, tx = self.id, holder = owner, "deadlock: aborting transaction");
-                self.release();
-                self.aborted = true;
-                return Err(InboxError::Conflict {
-                    source: Box::new(deadlock),
-                });
-            }
+            self.wait_for(owner, released, &id).await?;
         }
     }
 }
