@@ -5,16 +5,16 @@
 //! that "retry, requeue or dead-letter" is written (and tested) once, apart
 //! from the broker and the store: the decision depends only on the attempt's
 //! outcome, which attempt it was, how often the broker delivered the message
-//! before, and what the error says about itself. (A small value that decides
-//! from the outcome, as tower's `retry::Policy` does.)
+//! before, and what the error says about itself. A small `Copy` value that
+//! decides from the outcome, so that a table test can cover it case by case.
 //!
 //! ```text
-//! Processed / Duplicate                        ─► Ack
-//! failed, Retry      and attempts left         ─► Retry after backoff (in process)
-//! failed, Retry      no attempts left, below cap ─► Requeue after a pause that grows per delivery
-//! failed, Retry      no attempts left, at cap  ─► DeadLetter(retries_exhausted)
-//! failed, Requeue    (not the message's fault) ─► Requeue at once
-//! failed, DeadLetter (will fail the same way)  ─► DeadLetter(the error's reason)
+//! Processed / Duplicate                          ─► Ack
+//! failed, Retry, attempts left                   ─► Retry after a backoff, in process
+//! failed, Retry, no attempts left, below the cap ─► Requeue after a pause that grows per delivery
+//! failed, Retry, no attempts left, at the cap    ─► DeadLetter(retries_exhausted)
+//! failed, Requeue (not the message's fault)      ─► Requeue at once
+//! failed, DeadLetter (fails the same every time) ─► DeadLetter(the error's reason)
 //! ```
 //!
 //! **Nothing loops forever.** In-process retries are bounded
