@@ -568,9 +568,8 @@ pub async fn outbox_purge_keeps_rows_published_at_the_cutoff<H: OutboxHarness>(h
     Ok(())
 }
 
-/// `Arc<S>` forwards every outbox call (a forgotten delegation would fall
-/// back to nothing: there are no defaults to fall back to, but a wrong
-/// forwarding would show here).
+/// `Arc<S>` forwards every outbox call to the store it shares, so an
+/// application may hand one store to its consumers and its relay.
 pub async fn outbox_a_shared_store_forwards_every_call<H: OutboxHarness>(h: &H) -> Outcome {
     let store = h.fresh_store().await;
     let shared = Arc::new(store.clone());
