@@ -597,6 +597,21 @@ mod tests {
         assert!(kv.len() > SHARDS / 2, "kv keys in {} shards", kv.len());
     }
 
+    /// A store is often a field of something logged with `{:?}`: its Debug
+    /// names it and stays one short line, whatever it holds.
+    #[tokio::test]
+    async fn debug_output_stays_short_however_many_rows() {
+        let store = MemoryStore::new();
+        for _ in 0..100 {
+            let mut tx = store.begin().await.unwrap();
+            assert_eq!(tx.claim(&key()).await.unwrap(), Claim::Fresh);
+            tx.commit().await.unwrap();
+        }
+        let shown = format!("{store:?}");
+        assert!(shown.starts_with("MemoryStore {"), "{shown}");
+        assert!(shown.len() < 200, "{shown}");
+    }
+
     #[tokio::test]
     async fn a_poisoned_shard_is_recovered() {
         let store = MemoryStore::new();
