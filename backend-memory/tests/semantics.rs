@@ -647,6 +647,27 @@ async fn purge_before_loops_batches_over_many_rows() {
     );
 }
 
+#[tokio::test]
+async fn one_batch_empties_shards_holding_more_than_a_lock_chunk() {
+    // About 310 rows a shard over 64 shards: more than one shard-lock chunk
+    // (256 rows) each, so a batch must come back to a shard until it is
+    // empty or the limit is reached.
+    let clock = Arc::new(ManualClock::new(t0()));
+    let store = MemoryStore::with_clock(clock.clone());
+    for _ in 0..20_000 {
+        commit_row(&store).await;
+    }
+    clock.advance(Duration::from_secs(1));
+    assert_eq!(
+        store
+            .purge_processed_batch(t0() + TimeDelta::seconds(1), nz(20_000))
+            .await
+            .unwrap(),
+        20_000
+    );
+    assert_eq!(store.inbox_len(), 0);
+}
+
 // --- the middleware on this store ------------------------------------------
 
 #[tokio::test]
