@@ -612,6 +612,24 @@ mod tests {
         assert!(shown.len() < 200, "{shown}");
     }
 
+    /// A transaction's Debug is what a stuck-claim investigation reads: which
+    /// transaction, which keys it holds, how many writes it buffers.
+    #[tokio::test]
+    async fn transaction_debug_names_its_claims() {
+        let store = MemoryStore::new();
+        let k = key();
+        let mut tx = store.begin().await.unwrap();
+        assert_eq!(tx.claim(&k).await.unwrap(), Claim::Fresh);
+        tx.put("effect", "x");
+        let shown = format!("{tx:?}");
+        assert!(shown.starts_with("MemoryTransaction {"), "{shown}");
+        assert!(
+            shown.contains(&k.message_id.as_uuid().to_string()),
+            "{shown}"
+        );
+        assert!(shown.contains("writes: 1"), "{shown}");
+    }
+
     #[tokio::test]
     async fn a_poisoned_shard_is_recovered() {
         let store = MemoryStore::new();
