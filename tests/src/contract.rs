@@ -698,6 +698,40 @@ pub async fn savepoint_rolls_back_only_later_writes<H: Harness>(h: &H) -> Outcom
     Ok(())
 }
 
+/// A released savepoint's writes belong to its parent: rolling back to the
+/// parent undoes them too, as SQL's `RELEASE SAVEPOINT` does.
+pub async fn released_savepoint_writes_roll_back_with_the_parent<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let (outer, inner) = (new_key("c1"), new_key("c1"));
+    let mut tx = store.begin().await?;
+    check_eq!(
+        tx.claim_batch(&[outer.clone(), inner.clone()]).await?,
+        vec![Claim::Fresh, Claim::Fresh],
+        "claims"
+    );
+    tx.savepoint().await?;
+    h.record_effect(&mut tx, &outer).await?;
+    tx.savepoint().await?;
+    h.record_effect(&mut tx, &inner).await?;
+    tx.release_savepoint().await?;
+    // Back to the outer savepoint: both effects go.
+    tx.rollback_to_savepoint().await?;
+    h.record_effect(&mut tx, &outer).await?;
+    tx.unclaim(&inner).await?;
+    tx.commit().await?;
+    expect_processed_once(h, &store, &outer).await?;
+    expect_no_trace(h, &store, &inner).await?;
+
+    // A release without a savepoint is refused (alone in its transaction,
+    // as Postgres aborts it).
+    let mut tx = store.begin().await?;
+    check!(
+        tx.release_savepoint().await.is_err(),
+        "release_savepoint without an open savepoint must fail"
+    );
+    Ok(())
+}
+
 /// `unclaim` gives a claim back: the key commits no row and is `Fresh`
 /// for the next claimer, including one that was waiting.
 pub async fn unclaim_gives_the_key_back<H: Harness>(h: &H) -> Outcome {

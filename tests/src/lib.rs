@@ -205,6 +205,7 @@ macro_rules! __with_contract_tests {
             claim_batch_answers_each_key_in_order,
             claim_batch_waits_for_pending_keys,
             savepoint_rolls_back_only_later_writes,
+            released_savepoint_writes_roll_back_with_the_parent,
             unclaim_gives_the_key_back,
             handle_batch_runs_each_message_once,
             handle_batch_rolls_back_a_failing_message_alone,
