@@ -23,6 +23,9 @@ pub(crate) struct OwnClaim {
     pub(crate) key: InboxKey,
     /// Cached so commit and release need not hash the key again.
     pub(crate) shard: usize,
+    /// Given back by `unclaim`: still held (as Postgres holds a deleted
+    /// row's lock) until the transaction ends, but committed as nothing.
+    pub(crate) given_back: bool,
 }
 
 /// The keys a transaction holds: inline for the usual one, so a message's
@@ -56,6 +59,12 @@ pub struct MemoryTransaction {
     aborted: bool,
     /// Open savepoints, oldest first.
     savepoints: Vec<Savepoint>,
+    /// How many of `claims` are given back: zero on every path but a
+    /// batch's failed message, so the others skip looking for them.
+    given_back: usize,
+    /// Positions in `claims` whose `given_back` flipped while a savepoint
+    /// was open, oldest first: what rolling back to it undoes.
+    flips: Vec<usize>,
 }
 
 /// What a savepoint restores: the buffered writes as they were, and which
@@ -66,6 +75,7 @@ struct Savepoint {
     writes: Writes,
     claims: usize,
     outgoing: usize,
+    flips: usize,
 }
 
 impl MemoryTransaction {
@@ -78,6 +88,8 @@ impl MemoryTransaction {
             writes: Writes::default(),
             outgoing: Vec::new(),
             aborted: false,
+            given_back: 0,
+            flips: Vec::new(),
             savepoints: Vec::new(),
         }
     }
@@ -170,6 +182,27 @@ impl MemoryTransaction {
         Ok(())
     }
 
+    /// Gives back, or takes again, the claim at `index`, undoably while a
+    /// savepoint is open.
+    fn flip(&mut self, index: usize) {
+        self.toggle(index);
+        if !self.savepoints.is_empty() {
+            self.flips.push(index);
+        }
+    }
+
+    /// Flips whether the claim at `index` is given back, keeping the count.
+    fn toggle(&mut self, index: usize) {
+        if let Some(claim) = self.claims.get_mut(index) {
+            claim.given_back = !claim.given_back;
+            if claim.given_back {
+                self.given_back += 1;
+            } else {
+                self.given_back -= 1;
+            }
+        }
+    }
+
     fn no_savepoint(&self) -> InboxError {
         InboxError::InvalidArgument {
             message: "no savepoint is open in this transaction".to_owned(),
@@ -186,6 +219,8 @@ impl MemoryTransaction {
         let outgoing = std::mem::take(&mut self.outgoing);
         self.unreserve(&outgoing);
         self.savepoints.clear();
+        self.flips.clear();
+        self.given_back = 0;
         let claims = std::mem::take(&mut self.claims);
         for claim in &claims {
             self.release_one(claim);
@@ -225,6 +260,17 @@ impl InboxTransaction for MemoryTransaction {
     /// after the inserting transaction ended.
     async fn claim(&mut self, key: &InboxKey) -> Result<Claim, InboxError> {
         self.ensure_open()?;
+        if self.given_back > 0
+            && let Some(index) = self
+                .claims
+                .iter()
+                .rposition(|claim| claim.given_back && claim.key == *key)
+        {
+            // Postgres: the unclaim's DELETE left no row, so the insert
+            // inserts again.
+            self.flip(index);
+            return Ok(Claim::Fresh);
+        }
         let shard = self.shared.inbox_shard_of(key);
         loop {
             let now = self.shared.clock.now();
@@ -236,6 +282,7 @@ impl InboxTransaction for MemoryTransaction {
                     self.claims.push(OwnClaim {
                         key: key.clone(),
                         shard,
+                        given_back: false,
                     });
                     return Ok(Claim::Fresh);
                 }
@@ -251,10 +298,22 @@ impl InboxTransaction for MemoryTransaction {
             // Postgres would answer ROLLBACK to this COMMIT; say so loudly.
             return self.ensure_open();
         }
-        let claims = std::mem::take(&mut self.claims);
+        let mut claims = std::mem::take(&mut self.claims);
+        let given_back = if self.given_back > 0 {
+            let (given_back, kept) = claims.into_iter().partition(|claim| claim.given_back);
+            claims = kept;
+            given_back
+        } else {
+            Claims::new()
+        };
         let writes = std::mem::take(&mut self.writes);
         let outgoing = std::mem::take(&mut self.outgoing);
         self.shared.commit(self.id, claims, writes, outgoing);
+        // The transaction has ended: whoever waits for a given-back key
+        // finds no row and claims it.
+        for claim in &given_back {
+            self.release_one(claim);
+        }
         Ok(())
     }
 
@@ -272,23 +331,29 @@ impl BatchTransaction for MemoryTransaction {
             writes: self.writes.clone(),
             claims: self.claims.len(),
             outgoing: self.outgoing.len(),
+            flips: self.flips.len(),
         });
         Ok(())
     }
 
-    /// Restores the writes, and releases the claims made since
-    /// the newest savepoint (waking their waiters at once: nothing of theirs
-    /// can commit any more).
+    /// Restores the writes and the claims given back since the newest
+    /// savepoint, and releases the claims made since it (waking their
+    /// waiters at once: nothing of theirs can commit any more).
     async fn rollback_to_savepoint(&mut self) -> Result<(), InboxError> {
         self.ensure_open()?;
         let savepoint = self.savepoints.pop().ok_or_else(|| self.no_savepoint())?;
         self.writes = savepoint.writes;
+        let undone: Vec<usize> = self.flips.drain(savepoint.flips..).collect();
+        for index in undone.into_iter().rev() {
+            self.toggle(index);
+        }
         let keep = savepoint.outgoing.min(self.outgoing.len());
         let later: Vec<_> = self.outgoing.drain(keep..).collect();
         self.unreserve(&later);
         let keep = savepoint.claims.min(self.claims.len());
         let later: Claims = self.claims.drain(keep..).collect();
         for claim in &later {
+            self.given_back -= usize::from(claim.given_back);
             self.release_one(claim);
         }
         Ok(())
@@ -296,31 +361,31 @@ impl BatchTransaction for MemoryTransaction {
 
     async fn release_savepoint(&mut self) -> Result<(), InboxError> {
         self.ensure_open()?;
-        self.savepoints
-            .pop()
-            .map(drop)
-            .ok_or_else(|| self.no_savepoint())
+        self.savepoints.pop().ok_or_else(|| self.no_savepoint())?;
+        if self.savepoints.is_empty() {
+            // Nothing can roll back to before these flips any more.
+            self.flips.clear();
+        }
+        Ok(())
     }
 
-    /// Releases a claim this transaction holds, waking its waiters at once
-    /// (Postgres wakes them at the end of the transaction; either way they
-    /// find no row and claim `Fresh`).
+    /// Gives a claim back: it commits as nothing, yet stays held until the
+    /// transaction ends, as Postgres keeps the lock of the row the unclaim
+    /// deletes. So a concurrent claim of the key waits (this transaction
+    /// may still roll back to a savepoint taken before the unclaim, which
+    /// restores the claim) and finds no row once this transaction ends.
     async fn unclaim(&mut self, key: &InboxKey) -> Result<(), InboxError> {
         self.ensure_open()?;
-        let Some(position) = self.claims.iter().rposition(|claim| claim.key == *key) else {
+        let Some(position) = self
+            .claims
+            .iter()
+            .rposition(|claim| !claim.given_back && claim.key == *key)
+        else {
             return Err(InboxError::InvalidArgument {
                 message: format!("cannot unclaim {key}: this transaction does not hold it"),
             });
         };
-        let claim = self.claims.remove(position);
-        self.release_one(&claim);
-        // Savepoints taken after the claim counted it: keep their counts
-        // pointing at the same claims.
-        for savepoint in &mut self.savepoints {
-            if savepoint.claims > position {
-                savepoint.claims -= 1;
-            }
-        }
+        self.flip(position);
         Ok(())
     }
 }

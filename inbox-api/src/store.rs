@@ -198,7 +198,9 @@ pub trait BatchTransaction: InboxTransaction {
     /// Gives back a claim this transaction made `Fresh` (deletes its
     /// uncommitted row), so that a message whose work failed in a batch is
     /// not recorded when the rest of the batch commits. A claim waiting on
-    /// the key gets `Fresh` once this transaction ends.
+    /// the key gets `Fresh` once this transaction ends, not before: like
+    /// any write, an unclaim is undone by rolling back to a savepoint taken
+    /// before it, which gives the claim back to this transaction.
     ///
     /// # Errors
     /// Store failures, or [`InboxError::InvalidArgument`] for a key this

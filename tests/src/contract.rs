@@ -767,6 +767,59 @@ pub async fn unclaim_gives_the_key_back<H: Harness>(h: &H) -> Outcome {
     expect_no_trace(h, &store, &kept).await
 }
 
+/// An `unclaim` is a write like any other: rolling back to a savepoint
+/// taken before it gives the key back to the transaction, and until the
+/// transaction ends nobody else may claim the key (Postgres keeps the
+/// deleted row's lock).
+pub async fn unclaim_rolls_back_with_its_savepoint<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let key = new_key("c1");
+    let mut a = store.begin().await?;
+    check_eq!(
+        a.claim_batch(std::slice::from_ref(&key)).await?,
+        vec![Claim::Fresh],
+        "A's claim"
+    );
+    a.savepoint().await?;
+    a.unclaim(&key).await?;
+
+    let b_store = store.clone();
+    let b_key = key.clone();
+    let mut b = pin!(async move {
+        let mut tx = b_store.begin().await?;
+        let claim = tx.claim(&b_key).await?;
+        Ok::<_, InboxError>((tx, claim))
+    });
+    check!(
+        stays_pending(h, &mut b).await,
+        "B claimed a key A gave back inside a savepoint A may still roll back"
+    );
+    a.rollback_to_savepoint().await?;
+    h.record_effect(&mut a, &key).await?;
+    a.commit().await?;
+    let (_b_tx, claim) = without_waiting("B's claim after A committed", b).await??;
+    check_eq!(
+        claim,
+        Claim::Duplicate,
+        "B's claim after A committed the restored claim"
+    );
+    expect_processed_once(h, &store, &key).await
+}
+
+/// A key given back can be claimed again by the same transaction: the
+/// unclaim left no row, so the claim is `Fresh` and commits.
+pub async fn a_key_given_back_can_be_claimed_again<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let key = new_key("c1");
+    let mut tx = store.begin().await?;
+    check_eq!(tx.claim(&key).await?, Claim::Fresh, "first claim");
+    tx.unclaim(&key).await?;
+    check_eq!(tx.claim(&key).await?, Claim::Fresh, "claim after unclaim");
+    h.record_effect(&mut tx, &key).await?;
+    tx.commit().await?;
+    expect_processed_once(h, &store, &key).await
+}
+
 /// Batched middleware: fresh messages run, duplicates (committed before, or
 /// repeated in the batch) do not, and all commit at once.
 pub async fn handle_batch_runs_each_message_once<H: Harness>(h: &H) -> Outcome {

@@ -207,6 +207,8 @@ macro_rules! __with_contract_tests {
             savepoint_rolls_back_only_later_writes,
             released_savepoint_writes_roll_back_with_the_parent,
             unclaim_gives_the_key_back,
+            unclaim_rolls_back_with_its_savepoint,
+            a_key_given_back_can_be_claimed_again,
             handle_batch_runs_each_message_once,
             handle_batch_rolls_back_a_failing_message_alone,
         }
