@@ -6,12 +6,10 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use consumer_app::parcel::store::{ParcelStore, StoreKind};
 use consumer_app::parcel::topology::Topology;
-use consumer_app::runtime::error::chain;
 use consumer_app::runtime::redact::redact_url;
 use consumer_app::runtime::service::cleanup_once;
-use consumer_app::runtime::telemetry::init_logging;
 use consumer_app::runtime::{AppError, CleanupConfig};
-use consumer_app::tools::cli::{CleanupArgs, ConsumeArgs, Global, Plain, WorkerArgs};
+use consumer_app::tools::cli::{CleanupArgs, ConsumeArgs, Global, Plain, WorkerArgs, run_main};
 use consumer_app::tools::demo::{self, DemoConfig};
 use consumer_app::tools::publish::{Plan, publish};
 use consumer_app::tools::stores::{WithStore, with_store};
@@ -76,24 +74,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime,
-        Err(error) => {
-            eprintln!("error: cannot start the runtime: {error}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(run(cli)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("error: {}", chain(&error));
-            ExitCode::FAILURE
-        }
-    }
+    run_main(run(cli))
 }
 
 async fn run(cli: Cli) -> Result<(), AppError> {

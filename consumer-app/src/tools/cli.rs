@@ -2,7 +2,9 @@
 //! the `consume` path (the service with its metrics endpoint and reconciler,
 //! until a signal).
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -368,5 +370,30 @@ pub async fn wait_for_signal() {
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// Runs a binary's async body on a multi-threaded runtime with logging set
+/// up, and turns its result into the exit status: on error, the whole
+/// cause chain on stderr and a failure status. Every binary of the service
+/// and of its lab starts and ends this way.
+pub fn run_main(body: impl Future<Output = Result<(), AppError>>) -> ExitCode {
+    crate::runtime::telemetry::init_logging();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(body) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {}", crate::runtime::error::chain(&error));
+            ExitCode::FAILURE
+        }
     }
 }

@@ -17,10 +17,8 @@ use consumer_app::parcel::downstream::Downstreams;
 use consumer_app::parcel::service::{consumers, with_handlers};
 use consumer_app::parcel::store::ParcelStore;
 use consumer_app::parcel::topology::Topology;
-use consumer_app::runtime::error::chain;
-use consumer_app::runtime::telemetry::init_logging;
 use consumer_app::runtime::{AppError, ServiceConfig, ServiceHandle};
-use consumer_app::tools::cli::{Consume, ConsumeArgs, Global, Spawner};
+use consumer_app::tools::cli::{Consume, ConsumeArgs, Global, Spawner, run_main};
 use consumer_app::tools::faults::Faults;
 use consumer_app::tools::stores::{WithStore, with_store};
 use inbox_conformance::broken::Broken;
@@ -102,22 +100,5 @@ async fn run(cli: Cli) -> Result<(), AppError> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime,
-        Err(error) => {
-            eprintln!("error: cannot start the runtime: {error}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(run(cli)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("error: {}", chain(&error));
-            ExitCode::FAILURE
-        }
-    }
+    run_main(run(cli))
 }
