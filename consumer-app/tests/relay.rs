@@ -443,3 +443,50 @@ async fn a_missing_exchange_fails_until_it_exists_then_the_same_ids_go_out() {
         .expect("delete exchange");
     broker.remove().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_command_publishes_until_sigterm() {
+    let id = test_id();
+    let (broker, store) = (Broker::declare(&id).await, sqlx_store(&id).await);
+    let committed: Vec<OutgoingMessage> = (0..5).map(|n| broker.message(&broker.good, n)).collect();
+    enqueue_committed(&store, &committed).await;
+
+    let database_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
+        .args(["--store", "sqlx", "--schema", store.schema()])
+        .args(["--database-url", &database_url, "--amqp-url", AMQP_URL])
+        .args(["relay", "--metrics-addr", "off", "--poll-interval-ms", "20"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("parcel-inbox starts");
+    wait_until(
+        "the relay command marks every message published",
+        async || store.pending_count().await.expect("count") == 0,
+    )
+    .await;
+    let pid = child.id().expect("running").to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let output = tokio::time::timeout(Duration::from_secs(20), child.wait_with_output())
+        .await
+        .expect("stops after SIGTERM")
+        .expect("output");
+    assert!(output.status.success(), "{:?}", output.status);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        stdout.contains("relay stopped: 5 published, 0 failed"),
+        "{stdout}"
+    );
+    let got: BTreeSet<String> = broker.drain().await.into_iter().map(|m| m.0).collect();
+    let ids: BTreeSet<String> = committed.iter().map(|m| m.id().to_string()).collect();
+    assert_eq!(got, ids);
+
+    broker.remove().await;
+    drop_schema(&store).await;
+}

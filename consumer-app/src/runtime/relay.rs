@@ -103,7 +103,13 @@ impl RelayConfig {
         }
     }
 
-    fn check(&self) -> Result<(), AppError> {
+    /// Checks the settings ([`Relay::new`] does too), so that a command
+    /// line can refuse them before it connects anywhere.
+    ///
+    /// # Errors
+    /// [`AppError::Config`] when the lease is not at least twice the
+    /// confirm timeout, or the confirm timeout is zero.
+    pub fn check(&self) -> Result<(), AppError> {
         if self.lease < self.confirm_timeout.saturating_mul(2) {
             return Err(AppError::Config(format!(
                 "the relay's lease ({:?}) must be at least twice its confirm timeout ({:?}): \
