@@ -490,3 +490,48 @@ async fn the_relay_command_publishes_until_sigterm() {
     broker.remove().await;
     drop_schema(&store).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wake_up_starts_a_round_before_the_poll_interval() {
+    let id = test_id();
+    let broker = Broker::declare(&id).await;
+    let store = MemoryStore::new();
+    let (wake, wakeups) = futures::channel::mpsc::unbounded::<()>();
+    let relay = Relay::new(
+        store.clone(),
+        RelayConfig {
+            poll_interval: Duration::from_secs(600),
+            ..config(&id, 10)
+        },
+    )
+    .expect("valid config")
+    .wake_on(wakeups)
+    .spawn();
+    let tally = std::sync::Arc::clone(&relay.tally);
+    // Let it find nothing and settle into its (long) poll wait.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let messages: Vec<OutgoingMessage> = (0..3).map(|n| broker.message(&broker.good, n)).collect();
+    enqueue_committed(&store, &messages).await;
+    for _ in 0..3 {
+        wake.unbounded_send(()).expect("relay listening");
+    }
+    let woke = Instant::now();
+    wait_until("the woken relay publishes", async || {
+        get(&tally.published) == 3
+    })
+    .await;
+    assert!(
+        woke.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        woke.elapsed()
+    );
+    assert_eq!(store.pending_count().await.expect("count"), 0);
+
+    // A wake-up source that ends leaves polling in charge, not a dead relay.
+    drop(wake);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    stop(relay).await;
+    assert_eq!(broker.drain().await.len(), 3);
+    broker.remove().await;
+}

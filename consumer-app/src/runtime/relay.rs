@@ -22,6 +22,9 @@
 //! relay's whole output; left leased, the next rounds publish the rest, and
 //! it comes back when its lease runs out.
 //!
+//! Between rounds it waits for the poll interval, or less when a wake-up
+//! source says there is something new ([`Relay::wake_on`]).
+//!
 //! Several relays may run at once: a lease is never held by two of them
 //! (the store's contract), so they share the pending rows without
 //! publishing one message twice while both live.
@@ -35,7 +38,9 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
+use futures::FutureExt;
 use futures::future::join_all;
+use futures::stream::{BoxStream, Stream, StreamExt};
 use inbox_api::metrics as names;
 use inbox_api::{MessageId, OutboxStore, OutboxStoreExt, OutgoingMessage};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
@@ -163,6 +168,9 @@ pub struct Relay<S> {
     store: S,
     config: RelayConfig,
     tally: Arc<RelayTally>,
+    /// In a mutex only so that the relay stays `Sync` (`run` takes it
+    /// out before the first round).
+    wakeups: Option<std::sync::Mutex<BoxStream<'static, ()>>>,
 }
 
 impl<S: OutboxStore + 'static> Relay<S> {
@@ -177,7 +185,20 @@ impl<S: OutboxStore + 'static> Relay<S> {
             store,
             config,
             tally: Arc::default(),
+            wakeups: None,
         })
+    }
+
+    /// Also starts a round, before the poll interval is up, whenever
+    /// `wakeups` yields (PostgreSQL's `LISTEN` on the outbox's channel,
+    /// say): new messages go out within a round trip instead of a poll
+    /// interval, without polling fast. Polling stays the fallback for a
+    /// lost notification or a stream that ends, so a wake-up source need
+    /// not be reliable. Wake-ups that arrive together start one round.
+    #[must_use]
+    pub fn wake_on(mut self, wakeups: impl Stream<Item = ()> + Send + 'static) -> Self {
+        self.wakeups = Some(std::sync::Mutex::new(Box::pin(wakeups)));
+        self
     }
 
     /// Its counters.
@@ -202,8 +223,13 @@ impl<S: OutboxStore + 'static> Relay<S> {
     /// # Errors
     /// A permanent store error (the outbox table is missing, say): no
     /// later round could do better.
-    pub async fn run(self, mut shutdown: watch::Receiver<bool>) -> Result<(), AppError> {
-        tracing::info!(config = ?self.config, "outbox relay starting");
+    pub async fn run(mut self, mut shutdown: watch::Receiver<bool>) -> Result<(), AppError> {
+        tracing::info!(config = ?self.config, wake_on = self.wakeups.is_some(),
+            "outbox relay starting");
+        let mut wakeups = self
+            .wakeups
+            .take()
+            .and_then(|stream| stream.into_inner().ok());
         let mut broker: Option<(Connection, Channel)> = None;
         let mut failures = 0_u32;
         let mut next_gauge = Instant::now();
@@ -251,6 +277,10 @@ impl<S: OutboxStore + 'static> Relay<S> {
                     if round.taken < self.config.batch_size.get() {
                         tokio::select! {
                             () = tokio::time::sleep(self.config.poll_interval) => {}
+                            woke = next_wakeup(&mut wakeups) => if !woke {
+                                tracing::warn!("the relay's wake-ups ended; polling only");
+                                wakeups = None;
+                            },
                             () = stopped(&mut shutdown) => break Ok(()),
                         }
                     }
@@ -559,6 +589,20 @@ async fn publish_batch(
 
 fn ids<'a>(ids: impl Iterator<Item = &'a MessageId>) -> Vec<String> {
     ids.map(ToString::to_string).collect()
+}
+
+/// Waits for the next wake-up and swallows those already queued behind it
+/// (one round takes them all); `false` when the stream ended. Without a
+/// stream it never resolves.
+async fn next_wakeup(wakeups: &mut Option<BoxStream<'static, ()>>) -> bool {
+    let Some(stream) = wakeups.as_mut() else {
+        return std::future::pending().await;
+    };
+    if stream.next().await.is_none() {
+        return false;
+    }
+    while let Some(Some(())) = stream.next().now_or_never() {}
+    true
 }
 
 /// Resolves when `shutdown` turns true or its sender is gone.
