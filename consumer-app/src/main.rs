@@ -9,10 +9,12 @@ use consumer_app::parcel::topology::Topology;
 use consumer_app::runtime::redact::redact_url;
 use consumer_app::runtime::service::cleanup_once;
 use consumer_app::runtime::{AppError, CleanupConfig};
-use consumer_app::tools::cli::{CleanupArgs, ConsumeArgs, Global, Plain, WorkerArgs, run_main};
+use consumer_app::tools::cli::{
+    CleanupArgs, ConsumeArgs, Global, Plain, RelayArgs, WorkerArgs, run_main,
+};
 use consumer_app::tools::demo::{self, DemoConfig};
 use consumer_app::tools::publish::{Plan, publish};
-use consumer_app::tools::stores::{WithStore, with_store};
+use consumer_app::tools::stores::{WithStore, with_outbox, with_store};
 
 /// Parcel Tracking: RabbitMQ consumers with exactly-once effects through the inbox.
 // No Debug: the URLs may hold passwords.
@@ -31,6 +33,9 @@ enum Command {
     Migrate,
     /// Run both consumers until SIGINT/SIGTERM.
     Consume(ConsumeArgs),
+    /// Publish the outbox's committed messages (publisher confirms, each under its own
+    /// message id on every attempt) until SIGINT/SIGTERM; several may run at once.
+    Relay(RelayArgs),
     /// Publish parcel events (with copies reusing message ids), with publisher confirms.
     Publish {
         /// Distinct events.
@@ -122,6 +127,10 @@ async fn run(cli: Cli) -> Result<(), AppError> {
         Command::Consume(args) => {
             let consume = args.consume(&global, Plain)?;
             with_store(&store, None, consume).await
+        }
+        Command::Relay(args) => {
+            let relay = args.relay(&global)?;
+            with_outbox(&store, None, relay).await
         }
         Command::Demo {
             events,

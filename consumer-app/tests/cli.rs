@@ -35,7 +35,9 @@ fn the_fault_flags_are_not_on_the_production_binary() {
 fn the_subcommands_and_consume_flags_are_all_there() {
     let (code, text) = parcel_inbox(&["--help"]);
     assert_eq!(code, Some(0), "{text}");
-    for command in ["migrate", "consume", "publish", "cleanup", "stats", "demo"] {
+    for command in [
+        "migrate", "consume", "relay", "publish", "cleanup", "stats", "demo",
+    ] {
         assert!(text.contains(command), "{command} missing:\n{text}");
     }
     let (code, text) = parcel_inbox(&["consume", "--help"]);
@@ -66,6 +68,35 @@ fn the_subcommands_and_consume_flags_are_all_there() {
         assert!(text.contains(flag), "{flag} missing:\n{text}");
     }
     assert!(!text.contains("--fault"), "{text}");
+}
+
+#[test]
+fn the_relay_flags_are_there_and_a_lease_shorter_than_the_confirms_is_refused() {
+    let (code, text) = parcel_inbox(&["relay", "--help"]);
+    assert_eq!(code, Some(0), "{text}");
+    for flag in [
+        "--batch-size",
+        "--lease-secs",
+        "--poll-interval-ms",
+        "--confirm-timeout-secs",
+        "--metrics-addr",
+    ] {
+        assert!(text.contains(flag), "{flag} missing:\n{text}");
+    }
+    // Refused before connecting anywhere: no service is needed.
+    let (code, text) = parcel_inbox(&[
+        "--database-url",
+        "postgres://nobody@127.0.0.1:1/none",
+        "relay",
+        "--lease-secs",
+        "5",
+        "--confirm-timeout-secs",
+        "10",
+    ]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("lease"), "{text}");
+    let (code, text) = parcel_inbox(&["relay", "--batch-size", "0"]);
+    assert_eq!(code, Some(2), "{text}");
 }
 
 /// Runs parcel-inbox with `args`, killing it after `limit`; returns its exit

@@ -17,6 +17,9 @@
 //! | `inbox_rows` | gauge | none | the consuming application (periodic count) |
 //! | `outbox_purged_rows_total` | counter | none | [`crate::OutboxStoreExt::purge_published_before`], once per batch |
 //! | `outbox_pending_messages` | gauge | none | [`crate::OutboxStoreExt::record_pending`] |
+//! | `outbox_published_total` | counter | none | the relay, per message the broker confirmed |
+//! | `outbox_publish_failures_total` | counter | `reason` (`nack`, `returned`, `channel`, `timeout`) | the relay, per message the broker did not confirm |
+//! | `outbox_publish_duration_seconds` | histogram | none | the relay, publish to confirm of one message |
 
 /// Messages whose work committed.
 pub const PROCESSED: &str = "inbox_processed_total";
@@ -41,6 +44,13 @@ pub const OUTBOX_PURGED_ROWS: &str = "outbox_purged_rows_total";
 /// Committed outgoing messages not yet published (a gauge): a relay that
 /// falls behind, or a broker that refuses, shows as a rising line.
 pub const OUTBOX_PENDING: &str = "outbox_pending_messages";
+/// Outgoing messages the broker confirmed (each then marked published).
+pub const OUTBOX_PUBLISHED: &str = "outbox_published_total";
+/// Publishes the broker did not confirm: the message stays pending and is
+/// published again, under its id, once its lease runs out.
+pub const OUTBOX_PUBLISH_FAILURES: &str = "outbox_publish_failures_total";
+/// Time from handing one outgoing message to the broker to its confirm.
+pub const OUTBOX_PUBLISH_DURATION: &str = "outbox_publish_duration_seconds";
 
 /// Registers help texts and units for every name above.
 pub fn describe() {
@@ -77,6 +87,19 @@ pub fn describe() {
         OUTBOX_PENDING,
         "Committed outgoing messages not yet published"
     );
+    describe_counter!(
+        OUTBOX_PUBLISHED,
+        "Outgoing messages published and confirmed by the broker"
+    );
+    describe_counter!(
+        OUTBOX_PUBLISH_FAILURES,
+        "Outgoing messages the broker did not confirm, per reason"
+    );
+    describe_histogram!(
+        OUTBOX_PUBLISH_DURATION,
+        Unit::Seconds,
+        "Time from publishing one outgoing message to its confirm"
+    );
 }
 
 #[cfg(test)]
@@ -101,10 +124,13 @@ mod tests {
                 PURGED_ROWS,
                 DEAD_LETTERED,
                 OUTBOX_PURGED_ROWS,
+                OUTBOX_PUBLISHED,
+                OUTBOX_PUBLISH_FAILURES,
             ] {
                 metrics::counter!(name).increment(1);
             }
             metrics::histogram!(HANDLE_DURATION).record(0.1);
+            metrics::histogram!(OUTBOX_PUBLISH_DURATION).record(0.1);
             metrics::gauge!(ROWS).set(1.0);
             metrics::gauge!(OUTBOX_PENDING).set(1.0);
         });
@@ -117,10 +143,12 @@ mod tests {
                 (key.key().name().to_owned(), unit, help)
             })
             .collect();
-        assert_eq!(described.len(), 10, "{described:?}");
+        assert_eq!(described.len(), 13, "{described:?}");
         for (name, unit, help) in &described {
             assert!(help.len() > 10, "{name} has no help text: {help:?}");
-            let expected = (name == HANDLE_DURATION).then_some(metrics::Unit::Seconds);
+            let expected = [HANDLE_DURATION, OUTBOX_PUBLISH_DURATION]
+                .contains(&name.as_str())
+                .then_some(metrics::Unit::Seconds);
             assert_eq!(*unit, expected, "{name}");
         }
     }

@@ -7,6 +7,7 @@
 //!             └► worker: decode ─► Inbox::handle / handle_batch(key = (message_id, handler.name()))
 //!                  └► SettlePolicy::decide ─► ack | retry | requeue | dead-letter (reason headers)
 //! beside it: cleanup of old inbox rows, the inbox_rows gauge, counters (Tally), metrics
+//! and apart: the outbox relay (take_pending ─► publish with confirms ─► mark_published)
 //! ```
 //!
 //! Why a runtime at all: the inbox makes one transaction exactly-once, but a
@@ -19,6 +20,7 @@
 //! - [`handler`]: the trait a consumer implements.
 //! - [`service`]: [`Service`], the builder that runs handlers on queues.
 //! - [`settle`]: the one decision of what happens after an attempt.
+//! - [`relay`]: [`Relay`], the outbox's publisher (confirms, stable ids).
 //! - [`config`], [`topology`], [`message`]: settings, queue names, decoding.
 //! - [`amqp`], [`backoff`], [`telemetry`], [`tally`], [`redact`],
 //!   [`error`]: plumbing.
@@ -30,6 +32,7 @@ pub mod error;
 pub mod handler;
 pub mod message;
 pub mod redact;
+pub mod relay;
 pub mod service;
 pub mod settle;
 pub mod tally;
@@ -44,6 +47,7 @@ use inbox_api::{BatchTransaction, InboxStats, InboxStore};
 pub use config::{BatchConfig, CleanupConfig, ServiceConfig, WorkerConfig};
 pub use error::AppError;
 pub use handler::Handler;
+pub use relay::{Relay, RelayConfig, RelayHandle};
 pub use service::{Service, ServiceHandle};
 pub use settle::{ErrorDisposition, Outcome, Settle, SettlePolicy};
 pub use tally::{ConsumerTally, Tally};

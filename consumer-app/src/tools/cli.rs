@@ -1,14 +1,16 @@
-//! The command line's pieces that more than one binary uses: the flags, and
-//! the `consume` path (the service with its metrics endpoint and reconciler,
-//! until a signal).
+//! The command line's pieces that more than one binary uses: the flags, the
+//! `consume` path (the service with its metrics endpoint and reconciler,
+//! until a signal) and the `relay` path (the outbox relay, likewise).
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::num::NonZeroU32;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
+use inbox_api::OutboxStore;
 use tokio::sync::watch;
 
 use crate::parcel::dispatch::{
@@ -18,11 +20,13 @@ use crate::parcel::downstream::Downstreams;
 use crate::parcel::service::{self, METRIC_NAMES};
 use crate::parcel::store::{ParcelStore, StoreKind};
 use crate::parcel::topology::Topology;
+use crate::runtime::relay::{Relay, RelayConfig};
+use crate::runtime::tally::get;
 use crate::runtime::telemetry::{install_recorder, serve_metrics};
 use crate::runtime::{
     AppError, BatchConfig, CleanupConfig, ServiceConfig, ServiceHandle, WorkerConfig,
 };
-use crate::tools::stores::{StoreConfig, WithStore};
+use crate::tools::stores::{StoreConfig, WithOutbox, WithStore};
 
 /// The flags every command takes.
 // No Debug: the URLs may hold passwords.
@@ -198,13 +202,7 @@ impl ConsumeArgs {
                     .config(Duration::from_secs(self.cleanup_interval_secs))?,
             )
         };
-        let metrics_addr = match self.metrics_addr.as_str() {
-            "off" | "" => None,
-            addr => Some(
-                addr.parse::<SocketAddr>()
-                    .map_err(|e| AppError::Config(format!("--metrics-addr {addr:?}: {e}")))?,
-            ),
-        };
+        let metrics_addr = parse_metrics_addr(&self.metrics_addr)?;
         Ok(Consume {
             config: ServiceConfig {
                 amqp_url: global.amqp_url.clone(),
@@ -346,6 +344,107 @@ impl<P: Spawner> Consume<P> {
         let _ = reconciler.await;
         stop_metrics.send_replace(true);
         result
+    }
+}
+
+/// The flags of `relay`.
+#[derive(Args, Debug, Clone)]
+pub struct RelayArgs {
+    /// Outgoing messages taken, published and confirmed per round.
+    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value = "100")]
+    pub batch_size: NonZeroU32,
+    /// Seconds a taken batch stays this relay's; then another relay may
+    /// publish what it did not mark (at least twice --confirm-timeout-secs).
+    #[arg(long, env = "OUTBOX_LEASE_SECS", default_value_t = 30)]
+    pub lease_secs: u64,
+    /// Milliseconds between rounds when the last one found less than a batch.
+    #[arg(long, env = "OUTBOX_POLL_INTERVAL_MS", default_value_t = 500)]
+    pub poll_interval_ms: u64,
+    /// Seconds to wait for a batch's confirms before counting them failed.
+    #[arg(long, env = "OUTBOX_CONFIRM_TIMEOUT_SECS", default_value_t = 10)]
+    pub confirm_timeout_secs: u64,
+    /// Where to serve Prometheus /metrics ("off" to disable).
+    #[arg(long, env = "RELAY_METRICS_ADDR", default_value = "127.0.0.1:9465")]
+    pub metrics_addr: String,
+}
+
+impl RelayArgs {
+    /// The `relay` command these flags (and `global`'s) make.
+    ///
+    /// # Errors
+    /// [`AppError::Config`] for an unusable flag.
+    pub fn relay(&self, global: &Global) -> Result<RelayCommand, AppError> {
+        let command = RelayCommand {
+            config: RelayConfig {
+                batch_size: self.batch_size,
+                lease: Duration::from_secs(self.lease_secs),
+                poll_interval: Duration::from_millis(self.poll_interval_ms),
+                confirm_timeout: Duration::from_secs(self.confirm_timeout_secs),
+                ..RelayConfig::new(
+                    global.amqp_url.clone(),
+                    format!("parcel-inbox relay {}{}", global.prefix, std::process::id()),
+                )
+            },
+            metrics_addr: parse_metrics_addr(&self.metrics_addr)?,
+        };
+        command.config.check()?;
+        Ok(command)
+    }
+}
+
+/// `relay`: the outbox relay and its metrics endpoint, until SIGINT/SIGTERM.
+#[derive(Debug)]
+pub struct RelayCommand {
+    /// The relay's settings.
+    pub config: RelayConfig,
+    /// Where to serve `/metrics` (`None`: nowhere).
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+impl WithOutbox for RelayCommand {
+    type Output = ();
+
+    async fn run<S: OutboxStore + Clone + 'static>(self, store: S) -> Result<(), AppError> {
+        let (stop_metrics, metrics_stopped) = watch::channel(false);
+        if let Some(addr) = self.metrics_addr {
+            let handle = install_recorder(METRIC_NAMES)?;
+            serve_metrics(addr, handle, metrics_stopped).await?;
+        }
+        let relay = Relay::new(store, self.config)?.spawn();
+        let shutdown = relay.shutdown_sender();
+        tokio::spawn(async move {
+            wait_for_signal().await;
+            tracing::info!(
+                "shutting down: finishing the batch in flight (signal again to exit at once)"
+            );
+            shutdown.send_replace(true);
+            wait_for_signal().await;
+            tracing::warn!(
+                "second signal: exiting now; unmarked messages are published again after their lease"
+            );
+            std::process::exit(130);
+        });
+        let tally = Arc::clone(&relay.tally);
+        let result = relay.join().await;
+        stop_metrics.send_replace(true);
+        println!(
+            "relay stopped: {} published, {} failed, in {} batches",
+            get(&tally.published),
+            get(&tally.failed),
+            get(&tally.batches)
+        );
+        result
+    }
+}
+
+/// Parses a `--metrics-addr` (`off` or empty: none).
+fn parse_metrics_addr(addr: &str) -> Result<Option<SocketAddr>, AppError> {
+    match addr {
+        "off" | "" => Ok(None),
+        addr => addr
+            .parse::<SocketAddr>()
+            .map(Some)
+            .map_err(|e| AppError::Config(format!("--metrics-addr {addr:?}: {e}"))),
     }
 }
 

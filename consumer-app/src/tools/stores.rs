@@ -1,8 +1,11 @@
 //! Opening the store `--store` picks, with a retry while the database is
-//! not up yet, and running a task on it whatever its type.
+//! not up yet, and running a task on it (or on its outbox) whatever its
+//! type.
 
 use std::fmt;
 use std::future::Future;
+
+use inbox_api::OutboxStore;
 
 use crate::parcel::store::{ParcelStore, StoreKind};
 use crate::runtime::AppError;
@@ -70,51 +73,9 @@ pub async fn with_store<W: WithStore>(
     let _ = attempts;
     match config.kind {
         #[cfg(feature = "sqlx")]
-        StoreKind::Sqlx => {
-            let store = retry_connect(config, attempts, || async {
-                use inbox_backend_sqlx::{SqlxStore, classify};
-                use sqlx::{ConnectOptions as _, Connection as _};
-                let options = SqlxStore::connect_options(&config.database_url, &config.schema)?;
-                // sqlx's pool takes "connection refused" for a server still
-                // starting: it retries silently until its acquire timeout
-                // (30 s) and then reports only "pool timed out". One direct
-                // connection first fails at once with the real cause.
-                let probe = tokio::time::timeout(CONNECT_TIMEOUT, options.connect())
-                    .await
-                    .map_err(|_| inbox_api::InboxError::Connection {
-                        source: Box::new(std::io::Error::new(
-                            std::io::ErrorKind::TimedOut,
-                            format!("no answer within {CONNECT_TIMEOUT:?}"),
-                        )),
-                    })?
-                    .map_err(classify)?;
-                if let Err(error) = probe.close().await {
-                    tracing::debug!(error = %error, "closing the probe connection failed");
-                }
-                let pool = sqlx::postgres::PgPoolOptions::new()
-                    .max_connections(config.pool_size.max(1))
-                    .connect_with(options)
-                    .await
-                    .map_err(classify)?;
-                SqlxStore::new(pool, &config.schema)
-            })
-            .await?;
-            task.run(store).await
-        }
+        StoreKind::Sqlx => task.run(open_sqlx(config, attempts).await?).await,
         #[cfg(feature = "diesel")]
-        StoreKind::Diesel => {
-            let pool_size = usize::try_from(config.pool_size).unwrap_or(10);
-            let store = retry_connect(config, attempts, || async {
-                inbox_backend_diesel::DieselStore::connect(
-                    &config.database_url,
-                    &config.schema,
-                    pool_size,
-                )
-                .await
-            })
-            .await?;
-            task.run(store).await
-        }
+        StoreKind::Diesel => task.run(open_diesel(config, attempts).await?).await,
         #[cfg(feature = "memory")]
         StoreKind::Memory => task.run(inbox_backend_memory::MemoryStore::new()).await,
         #[allow(
@@ -125,6 +86,94 @@ pub async fn with_store<W: WithStore>(
             "store {other} is not compiled in"
         ))),
     }
+}
+
+/// Something to do with the outbox of the store `--store` picks (the
+/// relay): it needs the outbox, not the Parcel domain's tables.
+pub trait WithOutbox {
+    /// What the task returns.
+    type Output;
+
+    /// Runs the task.
+    fn run<S: OutboxStore + Clone + 'static>(
+        self,
+        store: S,
+    ) -> impl Future<Output = Result<Self::Output, AppError>>;
+}
+
+/// As [`with_store`], for a task on the store's outbox.
+///
+/// # Errors
+/// The connection's last error, or the task's.
+pub async fn with_outbox<W: WithOutbox>(
+    config: &StoreConfig,
+    attempts: Option<u32>,
+    task: W,
+) -> Result<W::Output, AppError> {
+    let _ = attempts;
+    match config.kind {
+        #[cfg(feature = "sqlx")]
+        StoreKind::Sqlx => task.run(open_sqlx(config, attempts).await?).await,
+        #[cfg(feature = "diesel")]
+        StoreKind::Diesel => task.run(open_diesel(config, attempts).await?).await,
+        #[cfg(feature = "memory")]
+        StoreKind::Memory => task.run(inbox_backend_memory::MemoryStore::new()).await,
+        #[allow(
+            unreachable_patterns,
+            reason = "which arms exist depends on the features"
+        )]
+        other => Err(AppError::Config(format!(
+            "store {other} is not compiled in"
+        ))),
+    }
+}
+
+#[cfg(feature = "sqlx")]
+async fn open_sqlx(
+    config: &StoreConfig,
+    attempts: Option<u32>,
+) -> Result<inbox_backend_sqlx::SqlxStore, AppError> {
+    retry_connect(config, attempts, || async {
+        use inbox_backend_sqlx::{SqlxStore, classify};
+        use sqlx::{ConnectOptions as _, Connection as _};
+        let options = SqlxStore::connect_options(&config.database_url, &config.schema)?;
+        // sqlx's pool takes "connection refused" for a server still
+        // starting: it retries silently until its acquire timeout (30 s)
+        // and then reports only "pool timed out". One direct connection
+        // first fails at once with the real cause.
+        let probe = tokio::time::timeout(CONNECT_TIMEOUT, options.connect())
+            .await
+            .map_err(|_| inbox_api::InboxError::Connection {
+                source: Box::new(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no answer within {CONNECT_TIMEOUT:?}"),
+                )),
+            })?
+            .map_err(classify)?;
+        if let Err(error) = probe.close().await {
+            tracing::debug!(error = %error, "closing the probe connection failed");
+        }
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(config.pool_size.max(1))
+            .connect_with(options)
+            .await
+            .map_err(classify)?;
+        SqlxStore::new(pool, &config.schema)
+    })
+    .await
+}
+
+#[cfg(feature = "diesel")]
+async fn open_diesel(
+    config: &StoreConfig,
+    attempts: Option<u32>,
+) -> Result<inbox_backend_diesel::DieselStore, AppError> {
+    let pool_size = usize::try_from(config.pool_size).unwrap_or(10);
+    retry_connect(config, attempts, || async {
+        inbox_backend_diesel::DieselStore::connect(&config.database_url, &config.schema, pool_size)
+            .await
+    })
+    .await
 }
 
 #[cfg(any(feature = "sqlx", feature = "diesel"))]

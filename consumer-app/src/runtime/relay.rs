@@ -1,0 +1,653 @@
+//! The outbox relay: publishes the committed outgoing messages of an
+//! [`OutboxStore`] and marks them published once the broker confirmed them.
+//!
+//! ```text
+//! loop: take_pending(batch, lease) ─► basic.publish each (message_id = the row's id)
+//!         on a confirm-mode channel ─► await every confirm of the batch
+//!         ─► mark_published(the confirmed ids); the others stay leased
+//! ```
+//!
+//! The guarantee is at-least-once publishing under a stable id: a message is
+//! marked published only after its confirm, so a relay that dies, loses its
+//! broker or its database between the publish and the mark publishes it
+//! again later, under the same AMQP `message_id`, and the consumers' inboxes
+//! discard the copy. That is what makes the whole path exactly-once in
+//! effect.
+//!
+//! Why a message the broker did not confirm (nack, returned unroutable,
+//! channel closed, no confirm in time) is left leased instead of released:
+//! the lease is its retry delay. A message the broker refuses for its own
+//! sake (its exchange is missing, its queue is full) would otherwise be
+//! taken again at once, ahead of every younger message, and could stall the
+//! relay's whole output; left leased, the next rounds publish the rest, and
+//! it comes back when its lease runs out.
+//!
+//! Between rounds it waits for the poll interval, or less when a wake-up
+//! source says there is something new ([`Relay::wake_on`]).
+//!
+//! Several relays may run at once: a lease is never held by two of them
+//! (the store's contract), so they share the pending rows without
+//! publishing one message twice while both live.
+//!
+//! The relay knows no domain: the rows say which exchange, routing key,
+//! type, headers and body to publish.
+
+use std::fmt;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::join_all;
+use futures::stream::{BoxStream, Stream, StreamExt};
+use inbox_api::metrics as names;
+use inbox_api::{MessageId, OutboxStore, OutboxStoreExt, OutgoingMessage};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{BasicProperties, Channel, Connection};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::runtime::AppError;
+use crate::runtime::amqp::connect_with_backoff;
+use crate::runtime::backoff::backoff;
+use crate::runtime::error::chain;
+use crate::runtime::redact::redact_url;
+use crate::runtime::tally::bump;
+
+/// Settings of a [`Relay`].
+#[derive(Clone)]
+pub struct RelayConfig {
+    /// The broker (may hold a password: logged redacted only).
+    pub amqp_url: String,
+    /// The AMQP connection's name, as `rabbitmqctl list_connections
+    /// user_provided_name` shows it.
+    pub connection_name: String,
+    /// The most messages taken, published and confirmed in one round.
+    pub batch_size: NonZeroU32,
+    /// How long a taken batch stays this relay's. Another relay takes the
+    /// messages it did not mark once this runs out, so it must be well
+    /// above `confirm_timeout`.
+    pub lease: Duration,
+    /// The pause after a round that found fewer messages than a batch.
+    pub poll_interval: Duration,
+    /// The longest wait for a batch's publishes and confirms; what is not
+    /// confirmed by then counts as failed.
+    pub confirm_timeout: Duration,
+    /// The first pause after a round in which the broker confirmed nothing
+    /// (or the store failed); doubled per such round in a row.
+    pub retry_base_delay: Duration,
+    /// The longest such pause.
+    pub retry_max_delay: Duration,
+    /// How often the `outbox_pending_messages` gauge is refreshed (a count
+    /// of the pending rows, so not every round).
+    pub gauge_interval: Duration,
+    /// Publish with the `mandatory` flag: a message no queue is bound for
+    /// comes back and stays pending (counted as `returned`) instead of
+    /// being dropped by the broker.
+    pub mandatory: bool,
+}
+
+impl RelayConfig {
+    /// A relay publishing to the broker at `amqp_url` on a connection named
+    /// `connection_name`, with batches of 100, 30 s leases, 10 s for the
+    /// confirms and polling every 500 ms.
+    pub fn new(amqp_url: impl Into<String>, connection_name: impl Into<String>) -> Self {
+        Self {
+            amqp_url: amqp_url.into(),
+            connection_name: connection_name.into(),
+            batch_size: NonZeroU32::new(100).unwrap_or(NonZeroU32::MIN),
+            lease: Duration::from_secs(30),
+            poll_interval: Duration::from_millis(500),
+            confirm_timeout: Duration::from_secs(10),
+            retry_base_delay: Duration::from_millis(200),
+            retry_max_delay: Duration::from_secs(10),
+            gauge_interval: Duration::from_secs(15),
+            mandatory: true,
+        }
+    }
+
+    /// Checks the settings ([`Relay::new`] does too), so that a command
+    /// line can refuse them before it connects anywhere.
+    ///
+    /// # Errors
+    /// [`AppError::Config`] when the lease is not at least twice the
+    /// confirm timeout, or the confirm timeout is zero.
+    pub fn check(&self) -> Result<(), AppError> {
+        if self.lease < self.confirm_timeout.saturating_mul(2) {
+            return Err(AppError::Config(format!(
+                "the relay's lease ({:?}) must be at least twice its confirm timeout ({:?}): \
+                 another relay would take messages this one is still publishing",
+                self.lease, self.confirm_timeout
+            )));
+        }
+        if self.confirm_timeout.is_zero() {
+            return Err(AppError::Config(
+                "the relay's confirm timeout must be above zero".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for RelayConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RelayConfig")
+            .field("amqp_url", &redact_url(&self.amqp_url))
+            .field("connection_name", &self.connection_name)
+            .field("batch_size", &self.batch_size)
+            .field("lease", &self.lease)
+            .field("poll_interval", &self.poll_interval)
+            .field("confirm_timeout", &self.confirm_timeout)
+            .field("retry_base_delay", &self.retry_base_delay)
+            .field("retry_max_delay", &self.retry_max_delay)
+            .field("gauge_interval", &self.gauge_interval)
+            .field("mandatory", &self.mandatory)
+            .finish()
+    }
+}
+
+/// What a relay did so far (read with [`crate::runtime::tally::get`]); the
+/// metrics say the same to a dashboard, these to a test or a summary line.
+#[derive(Debug, Default)]
+pub struct RelayTally {
+    /// Non-empty batches taken.
+    pub batches: AtomicU64,
+    /// Messages the broker confirmed.
+    pub published: AtomicU64,
+    /// Rows this relay's marks changed (a mark after a lost answer changes
+    /// none).
+    pub marked: AtomicU64,
+    /// Messages the broker did not confirm.
+    pub failed: AtomicU64,
+}
+
+/// Publishes an [`OutboxStore`]'s pending messages until shutdown.
+pub struct Relay<S> {
+    store: S,
+    config: RelayConfig,
+    tally: Arc<RelayTally>,
+    /// In a mutex only so that the relay stays `Sync` (`run` takes it
+    /// out before the first round).
+    wakeups: Option<std::sync::Mutex<BoxStream<'static, ()>>>,
+}
+
+impl<S: OutboxStore + 'static> Relay<S> {
+    /// A relay of `store`'s messages.
+    ///
+    /// # Errors
+    /// [`AppError::Config`] when the lease is not well above the confirm
+    /// timeout, or the confirm timeout is zero.
+    pub fn new(store: S, config: RelayConfig) -> Result<Self, AppError> {
+        config.check()?;
+        Ok(Self {
+            store,
+            config,
+            tally: Arc::default(),
+            wakeups: None,
+        })
+    }
+
+    /// Also starts a round, before the poll interval is up, whenever
+    /// `wakeups` yields (PostgreSQL's `LISTEN` on the outbox's channel,
+    /// say): new messages go out within a round trip instead of a poll
+    /// interval, without polling fast. Polling stays the fallback for a
+    /// lost notification or a stream that ends, so a wake-up source need
+    /// not be reliable. Wake-ups that arrive together start one round.
+    #[must_use]
+    pub fn wake_on(mut self, wakeups: impl Stream<Item = ()> + Send + 'static) -> Self {
+        self.wakeups = Some(std::sync::Mutex::new(Box::pin(wakeups)));
+        self
+    }
+
+    /// Its counters.
+    pub fn tally(&self) -> Arc<RelayTally> {
+        Arc::clone(&self.tally)
+    }
+
+    /// Runs it on a task of its own.
+    pub fn spawn(self) -> RelayHandle {
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let tally = self.tally();
+        RelayHandle {
+            shutdown,
+            task: tokio::spawn(self.run(shutdown_rx)),
+            tally,
+        }
+    }
+
+    /// Publishes until `shutdown` turns true (the batch in flight is
+    /// finished first), reconnecting to the broker with backoff.
+    ///
+    /// # Errors
+    /// A permanent store error (the outbox table is missing, say): no
+    /// later round could do better.
+    pub async fn run(mut self, mut shutdown: watch::Receiver<bool>) -> Result<(), AppError> {
+        tracing::info!(config = ?self.config, wake_on = self.wakeups.is_some(),
+            "outbox relay starting");
+        let mut wakeups = self
+            .wakeups
+            .take()
+            .and_then(|stream| stream.into_inner().ok());
+        let mut broker: Option<(Connection, Channel)> = None;
+        let mut failures = 0_u32;
+        let mut next_gauge = Instant::now();
+        let result = loop {
+            if *shutdown.borrow() {
+                break Ok(());
+            }
+            if Instant::now() >= next_gauge {
+                next_gauge = Instant::now() + self.config.gauge_interval;
+                if let Err(error) = self.store.record_pending().await {
+                    tracing::debug!(error = %chain(&error), "counting pending outbox rows failed");
+                }
+            }
+            let channel = match self.channel(&mut broker, &mut shutdown).await {
+                Ok(channel) => channel,
+                Err(_) if *shutdown.borrow() => break Ok(()),
+                Err(error) => {
+                    broker = None;
+                    failures = failures.saturating_add(1);
+                    if !self.pause(&error, failures, &mut shutdown).await {
+                        break Ok(());
+                    }
+                    continue;
+                }
+            };
+            match self.round(&channel).await {
+                Ok(round) => {
+                    if round.channel_broken {
+                        let _ = channel.close(200, "reopening after a failure".into()).await;
+                    }
+                    if round.confirmed == 0 && round.failed > 0 {
+                        // The broker took nothing: an outage, a blocked
+                        // connection, a refused exchange. Do not hammer it.
+                        failures = failures.saturating_add(1);
+                        let error = AppError::NotConfirmed(format!(
+                            "none of {} messages confirmed",
+                            round.failed
+                        ));
+                        if !self.pause(&error, failures, &mut shutdown).await {
+                            break Ok(());
+                        }
+                        continue;
+                    }
+                    failures = 0;
+                    if round.taken < self.config.batch_size.get() {
+                        tokio::select! {
+                            () = tokio::time::sleep(self.config.poll_interval) => {}
+                            woke = next_wakeup(&mut wakeups) => if !woke {
+                                tracing::warn!("the relay's wake-ups ended; polling only");
+                                wakeups = None;
+                            },
+                            () = stopped(&mut shutdown) => break Ok(()),
+                        }
+                    }
+                }
+                Err(AppError::Inbox(error)) if !error.is_retryable() => {
+                    break Err(AppError::Inbox(error));
+                }
+                Err(error) => {
+                    failures = failures.saturating_add(1);
+                    if !self.pause(&error, failures, &mut shutdown).await {
+                        break Ok(());
+                    }
+                }
+            }
+        };
+        if let Some((connection, _)) = broker {
+            let _ = connection.close(200, "relay stopping".into()).await;
+        }
+        tracing::info!("outbox relay stopped");
+        result
+    }
+
+    /// The confirm-mode channel, (re)opened when it or its connection died.
+    async fn channel(
+        &self,
+        broker: &mut Option<(Connection, Channel)>,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Result<Channel, AppError> {
+        if let Some((connection, channel)) = broker.as_mut() {
+            if channel.status().connected() {
+                return Ok(channel.clone());
+            }
+            if connection.status().connected() {
+                *channel = open_confirm_channel(connection).await?;
+                return Ok(channel.clone());
+            }
+            tracing::warn!("RabbitMQ connection lost; reconnecting");
+        }
+        *broker = None;
+        let connection = connect_with_backoff(
+            &self.config.amqp_url,
+            &self.config.connection_name,
+            None,
+            shutdown,
+        )
+        .await?;
+        let channel = open_confirm_channel(&connection).await?;
+        *broker = Some((connection, channel.clone()));
+        Ok(channel)
+    }
+
+    /// One batch: take, publish, await the confirms, mark the confirmed.
+    async fn round(&self, channel: &Channel) -> Result<Round, AppError> {
+        let lease = self
+            .store
+            .take_pending(self.config.batch_size, self.config.lease)
+            .await?;
+        let taken = u32::try_from(lease.messages.len()).unwrap_or(u32::MAX);
+        if lease.is_empty() {
+            return Ok(Round::default());
+        }
+        bump(&self.tally.batches);
+        let results = publish_batch(
+            channel,
+            &lease.messages,
+            self.config.mandatory,
+            self.config.confirm_timeout,
+        )
+        .await;
+        let mut confirmed = Vec::with_capacity(results.len());
+        let mut failed: Vec<(MessageId, PublishFailure)> = Vec::new();
+        for (message, result) in lease.messages.iter().zip(results) {
+            match result {
+                Ok(()) => confirmed.push(message.id()),
+                Err(failure) => failed.push((message.id(), failure)),
+            }
+        }
+        let round = Round {
+            taken,
+            confirmed: confirmed.len(),
+            failed: failed.len(),
+            channel_broken: failed.iter().any(|(_, f)| f.breaks_channel()),
+        };
+        self.count_failures(&failed, &lease.id);
+        if confirmed.is_empty() {
+            return Ok(round);
+        }
+        metrics::counter!(names::OUTBOX_PUBLISHED).increment(confirmed.len() as u64);
+        self.tally
+            .published
+            .fetch_add(confirmed.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        match self.store.mark_published(&confirmed).await {
+            Ok(marked) => {
+                self.tally
+                    .marked
+                    .fetch_add(marked, std::sync::atomic::Ordering::Relaxed);
+                Ok(round)
+            }
+            Err(error) => {
+                // Published but not marked: they go out once more, under
+                // their ids, when the lease runs out. Harmless downstream.
+                tracing::warn!(lease = %lease.id, ids = ?ids(confirmed.iter()),
+                    error = %chain(&error),
+                    "marking confirmed messages published failed; they will be published again");
+                Err(error.into())
+            }
+        }
+    }
+
+    fn count_failures(&self, failed: &[(MessageId, PublishFailure)], lease: &inbox_api::LeaseId) {
+        if failed.is_empty() {
+            return;
+        }
+        self.tally
+            .failed
+            .fetch_add(failed.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        for reason in ["nack", "returned", "channel", "timeout"] {
+            let of_reason: Vec<&(MessageId, PublishFailure)> = failed
+                .iter()
+                .filter(|(_, f)| f.reason() == reason)
+                .collect();
+            let Some((_, first)) = of_reason.first() else {
+                continue;
+            };
+            metrics::counter!(names::OUTBOX_PUBLISH_FAILURES, "reason" => reason)
+                .increment(of_reason.len() as u64);
+            tracing::warn!(%lease, reason, count = of_reason.len(),
+                ids = ?ids(of_reason.iter().map(|(id, _)| id)), error = %first,
+                "the broker did not confirm these messages; they stay pending and are published again, under their ids, when the lease runs out");
+        }
+    }
+
+    async fn pause(
+        &self,
+        error: &AppError,
+        failures: u32,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> bool {
+        let delay = backoff(
+            self.config.retry_base_delay,
+            self.config.retry_max_delay,
+            failures.saturating_sub(1),
+        );
+        tracing::warn!(error = %chain(error), ?delay, failures, "outbox relay backing off");
+        tokio::select! {
+            () = tokio::time::sleep(delay) => true,
+            () = stopped(shutdown) => false,
+        }
+    }
+}
+
+/// A relay started by [`Relay::spawn`].
+pub struct RelayHandle {
+    shutdown: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<Result<(), AppError>>,
+    /// What it did so far.
+    pub tally: Arc<RelayTally>,
+}
+
+impl RelayHandle {
+    /// Asks it to stop after the batch in flight (idempotent).
+    pub fn shutdown(&self) {
+        self.shutdown.send_replace(true);
+    }
+
+    /// A sender that stops it, for signal handlers.
+    pub fn shutdown_sender(&self) -> watch::Sender<bool> {
+        self.shutdown.clone()
+    }
+
+    /// Waits for it to end (after [`RelayHandle::shutdown`]).
+    ///
+    /// # Errors
+    /// The relay's error, or a panic turned into one.
+    pub async fn join(self) -> Result<(), AppError> {
+        match self.task.await {
+            Ok(result) => result,
+            Err(error) => Err(AppError::Unavailable(format!("relay task failed: {error}"))),
+        }
+    }
+}
+
+/// What one round did.
+#[derive(Clone, Copy, Debug, Default)]
+struct Round {
+    taken: u32,
+    confirmed: usize,
+    failed: usize,
+    /// The channel must be reopened (it closed, or confirms are stuck).
+    channel_broken: bool,
+}
+
+/// Why the broker did not confirm one message.
+#[derive(Debug, thiserror::Error)]
+enum PublishFailure {
+    #[error("nacked by the broker")]
+    Nack,
+    #[error("returned unroutable: {0}")]
+    Returned(String),
+    #[error("channel failed: {0}")]
+    Channel(#[source] lapin::Error),
+    #[error("no confirm within {0:?}")]
+    Timeout(Duration),
+}
+
+impl PublishFailure {
+    /// The `reason` label of `outbox_publish_failures_total`.
+    fn reason(&self) -> &'static str {
+        match self {
+            Self::Nack => "nack",
+            Self::Returned(_) => "returned",
+            Self::Channel(_) => "channel",
+            Self::Timeout(_) => "timeout",
+        }
+    }
+
+    fn breaks_channel(&self) -> bool {
+        matches!(self, Self::Channel(_) | Self::Timeout(_))
+    }
+}
+
+async fn open_confirm_channel(connection: &Connection) -> Result<Channel, AppError> {
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(|e| AppError::broker("open the relay's channel", e))?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .map_err(|e| AppError::broker("enable publisher confirms", e))?;
+    Ok(channel)
+}
+
+/// The AMQP properties of `message`: its id as `message_id` (the same on
+/// every publish: what the consumers' inboxes deduplicate on), its type and
+/// headers, persistent.
+fn properties(message: &OutgoingMessage) -> BasicProperties {
+    let mut headers = FieldTable::default();
+    for (name, value) in message.headers() {
+        headers.insert(
+            name.as_str().into(),
+            AMQPValue::LongString(LongString::from(value.as_str())),
+        );
+    }
+    BasicProperties::default()
+        .with_message_id(message.id().to_string().into())
+        .with_type(message.message_type().into())
+        .with_headers(headers)
+        .with_delivery_mode(2)
+}
+
+/// Publishes every message, then awaits all their confirms at once, within
+/// `timeout` in all; one result per message, in order.
+async fn publish_batch(
+    channel: &Channel,
+    messages: &[OutgoingMessage],
+    mandatory: bool,
+    timeout: Duration,
+) -> Vec<Result<(), PublishFailure>> {
+    let deadline = Instant::now() + timeout;
+    let options = BasicPublishOptions {
+        mandatory,
+        ..BasicPublishOptions::default()
+    };
+    let mut pending = Vec::with_capacity(messages.len());
+    for message in messages {
+        let started = Instant::now();
+        let sent = tokio::time::timeout_at(
+            deadline,
+            channel.basic_publish(
+                message.exchange().into(),
+                message.routing_key().into(),
+                options,
+                message.body(),
+                properties(message),
+            ),
+        )
+        .await;
+        pending.push(async move {
+            let confirm = match sent {
+                Ok(Ok(confirm)) => confirm,
+                Ok(Err(error)) => return Err(PublishFailure::Channel(error)),
+                Err(_) => return Err(PublishFailure::Timeout(timeout)),
+            };
+            let confirmation = match tokio::time::timeout_at(deadline, confirm).await {
+                Ok(Ok(confirmation)) => confirmation,
+                Ok(Err(error)) => return Err(PublishFailure::Channel(error)),
+                Err(_) => return Err(PublishFailure::Timeout(timeout)),
+            };
+            if !confirmation.is_ack() {
+                return Err(PublishFailure::Nack);
+            }
+            if let Some(returned) = confirmation.take_message() {
+                return Err(PublishFailure::Returned(format!(
+                    "{} {}",
+                    returned.reply_code, returned.reply_text
+                )));
+            }
+            metrics::histogram!(names::OUTBOX_PUBLISH_DURATION)
+                .record(started.elapsed().as_secs_f64());
+            Ok(())
+        });
+    }
+    join_all(pending).await
+}
+
+fn ids<'a>(ids: impl Iterator<Item = &'a MessageId>) -> Vec<String> {
+    ids.map(ToString::to_string).collect()
+}
+
+/// Waits for the next wake-up and swallows those already queued behind it
+/// (one round takes them all); `false` when the stream ended. Without a
+/// stream it never resolves.
+async fn next_wakeup(wakeups: &mut Option<BoxStream<'static, ()>>) -> bool {
+    let Some(stream) = wakeups.as_mut() else {
+        return std::future::pending().await;
+    };
+    if stream.next().await.is_none() {
+        return false;
+    }
+    while let Some(Some(())) = stream.next().now_or_never() {}
+    true
+}
+
+/// Resolves when `shutdown` turns true or its sender is gone.
+async fn stopped(shutdown: &mut watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stop| *stop).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_lease_must_outlast_the_confirms() {
+        let mut config = RelayConfig::new("amqp://guest:secret@localhost", "t");
+        assert!(config.check().is_ok());
+        assert!(!format!("{config:?}").contains("secret"));
+        config.lease = config.confirm_timeout;
+        assert!(matches!(config.check(), Err(AppError::Config(_))));
+        config.confirm_timeout = Duration::ZERO;
+        assert!(matches!(config.check(), Err(AppError::Config(_))));
+    }
+
+    #[test]
+    fn a_message_keeps_its_id_type_and_headers() {
+        let message = OutgoingMessage::new(MessageId::new_v7(), "x", "k", "T", b"{}".to_vec())
+            .and_then(|m| m.with_header("tenant", "acme"))
+            .expect("valid");
+        let properties = properties(&message);
+        assert_eq!(
+            properties.message_id().as_ref().map(|id| id.as_str()),
+            Some(message.id().to_string().as_str())
+        );
+        assert_eq!(properties.kind().as_ref().map(|t| t.as_str()), Some("T"));
+        assert_eq!(properties.delivery_mode(), &Some(2));
+        let headers = properties.headers().clone().unwrap_or_default();
+        assert_eq!(
+            headers.inner().get("tenant"),
+            Some(&AMQPValue::LongString("acme".into()))
+        );
+    }
+
+    #[test]
+    fn failures_that_break_the_channel_reopen_it() {
+        assert!(PublishFailure::Timeout(Duration::ZERO).breaks_channel());
+        assert!(!PublishFailure::Nack.breaks_channel());
+        assert_eq!(PublishFailure::Returned(String::new()).reason(), "returned");
+    }
+}

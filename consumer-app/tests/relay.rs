@@ -1,0 +1,537 @@
+//! The outbox relay against the real RabbitMQ (127.0.0.1:5672, guest/guest)
+//! and, where the store's transactions and `SKIP LOCKED` are the point,
+//! PostgreSQL (`DATABASE_URL`); the memory store where the broker is. Each
+//! test has its own exchange, queues and schema, removed afterwards.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use consumer_app::runtime::amqp::{connect, no_args};
+use consumer_app::runtime::relay::{Relay, RelayConfig, RelayHandle};
+use consumer_app::runtime::tally::get;
+use inbox_api::{
+    InboxStore, InboxTransaction, MessageId, OutboxStore, OutboxTransaction, OutgoingMessage,
+};
+use inbox_backend_memory::MemoryStore;
+use inbox_backend_sqlx::SqlxStore;
+use lapin::options::{
+    BasicGetOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Channel, Connection, ExchangeKind};
+
+const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// One test's exchange with a queue taking `good` and a queue that refuses
+/// every publish (`x-max-length` 0, `reject-publish`: the broker nacks).
+struct Broker {
+    connection: Connection,
+    channel: Channel,
+    exchange: String,
+    good: String,
+    full: String,
+}
+
+impl Broker {
+    async fn declare(id: &str) -> Self {
+        let connection = connect(AMQP_URL, &format!("relay test {id}"))
+            .await
+            .expect("RabbitMQ reachable (bash .ci/services.sh)");
+        let channel = connection.create_channel().await.expect("channel");
+        let prefix = format!("test-relay-{id}.");
+        let (exchange, good, full) = (
+            format!("{prefix}events"),
+            format!("{prefix}good"),
+            format!("{prefix}full"),
+        );
+        channel
+            .exchange_declare(
+                exchange.as_str().into(),
+                ExchangeKind::Direct,
+                ExchangeDeclareOptions::default(),
+                no_args(),
+            )
+            .await
+            .expect("exchange");
+        let mut refusing = FieldTable::default();
+        refusing.insert("x-max-length".into(), AMQPValue::LongInt(0));
+        refusing.insert(
+            "x-overflow".into(),
+            AMQPValue::LongString("reject-publish".into()),
+        );
+        for (queue, arguments) in [(&good, no_args()), (&full, refusing)] {
+            channel
+                .queue_declare(
+                    queue.as_str().into(),
+                    QueueDeclareOptions::default(),
+                    arguments,
+                )
+                .await
+                .expect("queue");
+            channel
+                .queue_bind(
+                    queue.as_str().into(),
+                    exchange.as_str().into(),
+                    queue.as_str().into(),
+                    QueueBindOptions::default(),
+                    no_args(),
+                )
+                .await
+                .expect("bind");
+        }
+        Self {
+            connection,
+            channel,
+            exchange,
+            good,
+            full,
+        }
+    }
+
+    /// Takes every message of the good queue: (message_id, type, tenant
+    /// header, body).
+    async fn drain(&self) -> Vec<(String, String, String, Vec<u8>)> {
+        let mut got = Vec::new();
+        while let Some(message) = self
+            .channel
+            .basic_get(self.good.as_str().into(), BasicGetOptions { no_ack: true })
+            .await
+            .expect("basic.get")
+        {
+            let properties = &message.delivery.properties;
+            let tenant = properties
+                .headers()
+                .as_ref()
+                .and_then(|h| h.inner().get("tenant").cloned());
+            let tenant = match tenant {
+                Some(AMQPValue::LongString(s)) => s.to_string(),
+                other => format!("{other:?}"),
+            };
+            got.push((
+                properties
+                    .message_id()
+                    .as_ref()
+                    .map(ToString::to_string)
+                    .unwrap_or_default(),
+                properties
+                    .kind()
+                    .as_ref()
+                    .map(ToString::to_string)
+                    .unwrap_or_default(),
+                tenant,
+                message.delivery.data.clone(),
+            ));
+        }
+        got
+    }
+
+    async fn remove(self) {
+        for queue in [&self.good, &self.full] {
+            self.channel
+                .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                .await
+                .expect("delete queue");
+        }
+        self.channel
+            .exchange_delete(
+                self.exchange.as_str().into(),
+                ExchangeDeleteOptions::default(),
+            )
+            .await
+            .expect("delete exchange");
+        let _ = self.connection.close(200, "bye".into()).await;
+    }
+
+    fn message(&self, queue: &str, n: usize) -> OutgoingMessage {
+        OutgoingMessage::new(
+            MessageId::new_v7(),
+            self.exchange.as_str(),
+            queue,
+            "ParcelCreatedEvent",
+            format!("{{\"n\":{n}}}").into_bytes(),
+        )
+        .and_then(|m| m.with_header("tenant", "acme"))
+        .expect("valid message")
+    }
+}
+
+fn test_id() -> String {
+    uuid::Uuid::new_v4().simple().to_string()[..10].to_owned()
+}
+
+async fn sqlx_store(id: &str) -> SqlxStore {
+    let database_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let store = SqlxStore::connect(&database_url, &format!("relay_test_{id}"))
+        .await
+        .expect("PostgreSQL reachable (bash .ci/services.sh)");
+    store.migrate().await.expect("migrate");
+    store
+}
+
+async fn drop_schema(store: &SqlxStore) {
+    sqlx::query(&format!("DROP SCHEMA \"{}\" CASCADE", store.schema()))
+        .execute(store.pool())
+        .await
+        .expect("drop schema");
+}
+
+/// Enqueues each message in a committed transaction of its own.
+async fn enqueue_committed<S: OutboxStore>(store: &S, messages: &[OutgoingMessage]) {
+    for message in messages {
+        let mut tx = store.begin().await.expect("begin");
+        let _ = tx.enqueue(message).await.expect("enqueue");
+        tx.commit().await.expect("commit");
+    }
+}
+
+fn config(id: &str, batch: u32) -> RelayConfig {
+    RelayConfig {
+        batch_size: std::num::NonZeroU32::new(batch).expect("non-zero"),
+        poll_interval: Duration::from_millis(20),
+        retry_base_delay: Duration::from_millis(20),
+        retry_max_delay: Duration::from_millis(200),
+        ..RelayConfig::new(AMQP_URL, format!("relay test {id}"))
+    }
+}
+
+async fn wait_until<F: AsyncFn() -> bool>(what: &str, condition: F) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !condition().await {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn stop(relay: RelayHandle) {
+    relay.shutdown();
+    relay.join().await.expect("the relay stops cleanly");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn committed_messages_are_published_once_under_their_ids_and_marked() {
+    let id = test_id();
+    let (broker, store) = (Broker::declare(&id).await, sqlx_store(&id).await);
+    let committed: Vec<OutgoingMessage> =
+        (0..20).map(|n| broker.message(&broker.good, n)).collect();
+    enqueue_committed(&store, &committed).await;
+    let rolled_back = broker.message(&broker.good, 99);
+    let mut tx = store.begin().await.expect("begin");
+    let _ = tx.enqueue(&rolled_back).await.expect("enqueue");
+    tx.rollback().await.expect("rollback");
+    assert_eq!(store.pending_count().await.expect("count"), 20);
+
+    let relay = Relay::new(store.clone(), config(&id, 7))
+        .expect("valid config")
+        .spawn();
+    wait_until("every committed message is marked published", async || {
+        store.pending_count().await.expect("count") == 0
+    })
+    .await;
+    let tally = std::sync::Arc::clone(&relay.tally);
+    stop(relay).await;
+
+    let got = broker.drain().await;
+    let expected: BTreeMap<String, &OutgoingMessage> =
+        committed.iter().map(|m| (m.id().to_string(), m)).collect();
+    assert_eq!(got.len(), 20, "each committed message published once");
+    for (message_id, kind, tenant, body) in &got {
+        let sent = expected.get(message_id).expect("a committed message's id");
+        assert_eq!(kind, "ParcelCreatedEvent");
+        assert_eq!(tenant, "acme");
+        assert_eq!(body.as_slice(), sent.body());
+    }
+    let distinct: BTreeSet<&String> = got.iter().map(|(id, ..)| id).collect();
+    assert_eq!(distinct.len(), 20);
+    assert!(!distinct.contains(&rolled_back.id().to_string()));
+    for message in &committed {
+        let record = store
+            .lookup_outgoing(&message.id())
+            .await
+            .expect("lookup")
+            .expect("committed row");
+        assert!(record.published_at.is_some());
+        assert_eq!(record.attempts, 1);
+    }
+    assert!(
+        store
+            .lookup_outgoing(&rolled_back.id())
+            .await
+            .expect("lookup")
+            .is_none()
+    );
+    assert_eq!(
+        (
+            get(&tally.published),
+            get(&tally.marked),
+            get(&tally.failed)
+        ),
+        (20, 20, 0)
+    );
+    assert!(get(&tally.batches) >= 3, "batches of at most 7");
+
+    broker.remove().await;
+    drop_schema(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relays_share_the_messages_without_taking_one_twice() {
+    let id = test_id();
+    let (broker, store) = (Broker::declare(&id).await, sqlx_store(&id).await);
+    let committed: Vec<OutgoingMessage> =
+        (0..200).map(|n| broker.message(&broker.good, n)).collect();
+    enqueue_committed(&store, &committed).await;
+
+    let relays = [
+        Relay::new(store.clone(), config(&id, 5))
+            .expect("valid config")
+            .spawn(),
+        Relay::new(store.clone(), config(&id, 5))
+            .expect("valid config")
+            .spawn(),
+    ];
+    wait_until("every message is marked published", async || {
+        store.pending_count().await.expect("count") == 0
+    })
+    .await;
+    let mut marked = 0;
+    for relay in relays {
+        assert_eq!(get(&relay.tally.failed), 0);
+        assert!(get(&relay.tally.batches) > 0, "both relays took batches");
+        assert_eq!(get(&relay.tally.published), get(&relay.tally.marked));
+        marked += get(&relay.tally.marked);
+        stop(relay).await;
+    }
+    assert_eq!(marked, 200, "each message marked exactly once");
+
+    // No failures, so a message taken by both relays at once would have
+    // been published twice, and taken twice.
+    let got = broker.drain().await;
+    let distinct: BTreeSet<&String> = got.iter().map(|(id, ..)| id).collect();
+    assert_eq!((got.len(), distinct.len()), (200, 200));
+    for message in &committed {
+        assert!(distinct.contains(&message.id().to_string()));
+        let record = store
+            .lookup_outgoing(&message.id())
+            .await
+            .expect("lookup")
+            .expect("row");
+        assert_eq!(record.attempts, 1, "taken once");
+    }
+
+    broker.remove().await;
+    drop_schema(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nacked_messages_stay_pending_while_the_others_are_marked() {
+    let id = test_id();
+    let broker = Broker::declare(&id).await;
+    let store = MemoryStore::new();
+    let good: Vec<OutgoingMessage> = (0..6).map(|n| broker.message(&broker.good, n)).collect();
+    let refused: Vec<OutgoingMessage> = (0..4).map(|n| broker.message(&broker.full, n)).collect();
+    let mut all = good.clone();
+    all.extend(refused.iter().cloned());
+    enqueue_committed(&store, &all).await;
+
+    let relay = Relay::new(store.clone(), config(&id, 10))
+        .expect("valid config")
+        .spawn();
+    let tally = std::sync::Arc::clone(&relay.tally);
+    wait_until(
+        "the good ones are published and the refused ones failed",
+        async || get(&tally.published) == 6 && get(&tally.failed) >= 4,
+    )
+    .await;
+    stop(relay).await;
+
+    assert_eq!(store.pending_count().await.expect("count"), 4);
+    for message in &refused {
+        let record = store
+            .lookup_outgoing(&message.id())
+            .await
+            .expect("lookup")
+            .expect("row");
+        assert!(
+            record.published_at.is_none(),
+            "a nacked message stays pending"
+        );
+    }
+    let got: BTreeSet<String> = broker.drain().await.into_iter().map(|m| m.0).collect();
+    let good_ids: BTreeSet<String> = good.iter().map(|m| m.id().to_string()).collect();
+    assert_eq!(got, good_ids);
+    broker.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_exchange_fails_until_it_exists_then_the_same_ids_go_out() {
+    let id = test_id();
+    let broker = Broker::declare(&id).await;
+    let store = MemoryStore::new();
+    let missing = format!("test-relay-{id}.missing");
+    let messages: Vec<OutgoingMessage> = (0..3)
+        .map(|n| {
+            OutgoingMessage::new(MessageId::new_v7(), missing.as_str(), "k", "T", vec![n])
+                .expect("valid message")
+        })
+        .collect();
+    enqueue_committed(&store, &messages).await;
+
+    let relay = Relay::new(
+        store.clone(),
+        RelayConfig {
+            lease: Duration::from_secs(2),
+            confirm_timeout: Duration::from_secs(1),
+            ..config(&id, 10)
+        },
+    )
+    .expect("valid config")
+    .spawn();
+    let tally = std::sync::Arc::clone(&relay.tally);
+    wait_until("the publishes to a missing exchange fail", async || {
+        get(&tally.failed) >= 3
+    })
+    .await;
+    assert_eq!(store.pending_count().await.expect("count"), 3);
+    assert_eq!(get(&tally.published), 0);
+
+    // The exchange appears (bound to the good queue): once the leases run
+    // out, the relay publishes the same messages, under the same ids.
+    broker
+        .channel
+        .exchange_declare(
+            missing.as_str().into(),
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions::default(),
+            no_args(),
+        )
+        .await
+        .expect("exchange");
+    broker
+        .channel
+        .queue_bind(
+            broker.good.as_str().into(),
+            missing.as_str().into(),
+            "k".into(),
+            QueueBindOptions::default(),
+            no_args(),
+        )
+        .await
+        .expect("bind");
+    wait_until("the messages are published after all", async || {
+        store.pending_count().await.expect("count") == 0
+    })
+    .await;
+    stop(relay).await;
+    let got: BTreeSet<String> = broker.drain().await.into_iter().map(|m| m.0).collect();
+    let ids: BTreeSet<String> = messages.iter().map(|m| m.id().to_string()).collect();
+    assert_eq!(got, ids);
+    for message in &messages {
+        let record = store
+            .lookup_outgoing(&message.id())
+            .await
+            .expect("lookup")
+            .expect("row");
+        assert!(record.attempts >= 2, "published on a later take");
+    }
+
+    broker
+        .channel
+        .exchange_delete(missing.as_str().into(), ExchangeDeleteOptions::default())
+        .await
+        .expect("delete exchange");
+    broker.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_command_publishes_until_sigterm() {
+    let id = test_id();
+    let (broker, store) = (Broker::declare(&id).await, sqlx_store(&id).await);
+    let committed: Vec<OutgoingMessage> = (0..5).map(|n| broker.message(&broker.good, n)).collect();
+    enqueue_committed(&store, &committed).await;
+
+    let database_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
+        .args(["--store", "sqlx", "--schema", store.schema()])
+        .args(["--database-url", &database_url, "--amqp-url", AMQP_URL])
+        .args(["relay", "--metrics-addr", "off", "--poll-interval-ms", "20"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("parcel-inbox starts");
+    wait_until(
+        "the relay command marks every message published",
+        async || store.pending_count().await.expect("count") == 0,
+    )
+    .await;
+    let pid = child.id().expect("running").to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let output = tokio::time::timeout(Duration::from_secs(20), child.wait_with_output())
+        .await
+        .expect("stops after SIGTERM")
+        .expect("output");
+    assert!(output.status.success(), "{:?}", output.status);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        stdout.contains("relay stopped: 5 published, 0 failed"),
+        "{stdout}"
+    );
+    let got: BTreeSet<String> = broker.drain().await.into_iter().map(|m| m.0).collect();
+    let ids: BTreeSet<String> = committed.iter().map(|m| m.id().to_string()).collect();
+    assert_eq!(got, ids);
+
+    broker.remove().await;
+    drop_schema(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wake_up_starts_a_round_before_the_poll_interval() {
+    let id = test_id();
+    let broker = Broker::declare(&id).await;
+    let store = MemoryStore::new();
+    let (wake, wakeups) = futures::channel::mpsc::unbounded::<()>();
+    let relay = Relay::new(
+        store.clone(),
+        RelayConfig {
+            poll_interval: Duration::from_secs(600),
+            ..config(&id, 10)
+        },
+    )
+    .expect("valid config")
+    .wake_on(wakeups)
+    .spawn();
+    let tally = std::sync::Arc::clone(&relay.tally);
+    // Let it find nothing and settle into its (long) poll wait.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let messages: Vec<OutgoingMessage> = (0..3).map(|n| broker.message(&broker.good, n)).collect();
+    enqueue_committed(&store, &messages).await;
+    for _ in 0..3 {
+        wake.unbounded_send(()).expect("relay listening");
+    }
+    let woke = Instant::now();
+    wait_until("the woken relay publishes", async || {
+        get(&tally.published) == 3
+    })
+    .await;
+    assert!(
+        woke.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        woke.elapsed()
+    );
+    assert_eq!(store.pending_count().await.expect("count"), 0);
+
+    // A wake-up source that ends leaves polling in charge, not a dead relay.
+    drop(wake);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    stop(relay).await;
+    assert_eq!(broker.drain().await.len(), 3);
+    broker.remove().await;
+}
