@@ -149,3 +149,24 @@ fn one_shot_commands_fail_fast_with_the_cause_on_a_refusing_database() {
         assert!(!text.contains("pool timed out"), "{command}:\n{text}");
     }
 }
+
+#[test]
+fn logs_written_to_a_pipe_carry_no_colour_codes() {
+    let (code, text, _) = parcel_inbox_within(
+        &[
+            "--database-url=postgres://postgres@127.0.0.1:1/test",
+            "--store=sqlx",
+            "stats",
+        ],
+        Duration::from_secs(15),
+    );
+    assert!(code.is_some(), "stats did not finish:\n{text}");
+    assert!(
+        text.contains("parcel-inbox starting"),
+        "no log line:\n{text}"
+    );
+    assert!(
+        !text.contains("\x1b["),
+        "ANSI escape codes in piped logs:\n{text:?}"
+    );
+}
