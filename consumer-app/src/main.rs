@@ -77,6 +77,9 @@ enum Command {
     },
 }
 
+/// Connection attempts of a one-shot command.
+const ONE_SHOT: Option<u32> = Some(1);
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     run_main(run(cli))
@@ -88,12 +91,15 @@ async fn run(cli: Cli) -> Result<(), AppError> {
         amqp = %redact_url(&global.amqp_url), schema = %global.schema, prefix = %global.prefix,
         "parcel-inbox starting");
     let store = global.store();
+    // One-shot commands try the database once: whoever runs them is waiting
+    // for an answer, and a wrong URL should say so in seconds, with its cause.
+    // Only `consume`, a service, waits for its database to come up.
     match cli.command {
-        Command::Migrate => with_store(&store, Some(10), Migrate).await,
-        Command::Stats => with_store(&store, Some(5), PrintStats).await,
+        Command::Migrate => with_store(&store, ONE_SHOT, Migrate).await,
+        Command::Stats => with_store(&store, ONE_SHOT, PrintStats).await,
         Command::Cleanup { cleanup } => {
             let config = cleanup.config(Duration::ZERO)?;
-            with_store(&store, Some(5), CleanupOnce(config)).await
+            with_store(&store, ONE_SHOT, CleanupOnce(config)).await
         }
         Command::Publish {
             count,

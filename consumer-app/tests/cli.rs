@@ -1,8 +1,10 @@
 //! The production binary's command line: fault injection is not on it (the
 //! lab's `parcel-lab-consume` has the fault flags), and nothing else of it
-//! went away. Needs no service: every case fails or answers in parsing.
+//! went away; one-shot commands fail fast on a database that refuses. Needs
+//! no service: every case fails or answers in parsing, or meets a closed port.
 
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 fn parcel_inbox(args: &[&str]) -> (Option<i32>, String) {
     let output = Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
@@ -95,4 +97,76 @@ fn the_relay_flags_are_there_and_a_lease_shorter_than_the_confirms_is_refused() 
     assert!(text.contains("lease"), "{text}");
     let (code, text) = parcel_inbox(&["relay", "--batch-size", "0"]);
     assert_eq!(code, Some(2), "{text}");
+}
+
+/// Runs parcel-inbox with `args`, killing it after `limit`; returns its exit
+/// code (`None` when killed), its output, and how long it ran.
+fn parcel_inbox_within(args: &[&str], limit: Duration) -> (Option<i32>, String, Duration) {
+    let started = Instant::now();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run parcel-inbox");
+    let mut killed = false;
+    while child.try_wait().expect("poll parcel-inbox").is_none() {
+        if started.elapsed() > limit {
+            child.kill().expect("kill parcel-inbox");
+            killed = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let output = child
+        .wait_with_output()
+        .expect("collect parcel-inbox's output");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let code = if killed { None } else { output.status.code() };
+    (code, text, started.elapsed())
+}
+
+#[test]
+fn one_shot_commands_fail_fast_with_the_cause_on_a_refusing_database() {
+    // Port 1 is closed: every connection is refused at once.
+    let url = "--database-url=postgres://postgres@127.0.0.1:1/test";
+    for command in ["migrate", "stats", "cleanup"] {
+        let (code, text, took) =
+            parcel_inbox_within(&[url, "--store=sqlx", command], Duration::from_secs(15));
+        assert!(
+            code.is_some(),
+            "{command} still running after {took:?}:\n{text}"
+        );
+        assert_ne!(code, Some(0), "{command} must fail:\n{text}");
+        assert!(
+            text.to_lowercase().contains("connection refused"),
+            "{command} must name the cause:\n{text}"
+        );
+        assert!(!text.contains("pool timed out"), "{command}:\n{text}");
+    }
+}
+
+#[test]
+fn logs_written_to_a_pipe_carry_no_colour_codes() {
+    let (code, text, _) = parcel_inbox_within(
+        &[
+            "--database-url=postgres://postgres@127.0.0.1:1/test",
+            "--store=sqlx",
+            "stats",
+        ],
+        Duration::from_secs(15),
+    );
+    assert!(code.is_some(), "stats did not finish:\n{text}");
+    assert!(
+        text.contains("parcel-inbox starting"),
+        "no log line:\n{text}"
+    );
+    assert!(
+        !text.contains("\x1b["),
+        "ANSI escape codes in piped logs:\n{text:?}"
+    );
 }

@@ -41,13 +41,18 @@ impl Default for MetricNames {
 }
 
 /// Installs a `tracing` subscriber reading `RUST_LOG` (default `info`),
-/// once; later calls do nothing.
+/// writing to stderr, once; later calls do nothing.
+///
+/// Colours only when stderr is a terminal: in a file, a pipe or a log
+/// collector the escape codes are noise that breaks grep and parsers.
 pub fn init_logging() {
+    use std::io::IsTerminal as _;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .try_init();
 }
 

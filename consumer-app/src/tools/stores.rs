@@ -50,8 +50,18 @@ pub trait WithStore {
     fn run<S: ParcelStore>(self, store: S) -> impl Future<Output = Result<Self::Output, AppError>>;
 }
 
+/// How long one connection attempt may wait for the server to answer: a
+/// server that drops packets (a wrong host, a firewall) fails an attempt
+/// after this instead of after the operating system's minutes.
+#[cfg(feature = "sqlx")]
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Connects the configured store, retrying with backoff while the database
 /// is unreachable (`attempts` times; `None`: forever), and runs `task` on it.
+///
+/// One-shot commands pass `Some(1)`: a wrong URL should fail in seconds with
+/// its cause, not after minutes of retries. A long-running service passes
+/// `None` and waits for its database to come up.
 ///
 /// # Errors
 /// The connection's last error, or the task's.
@@ -164,7 +174,24 @@ async fn open_sqlx(
 ) -> Result<inbox_backend_sqlx::SqlxStore, AppError> {
     retry_connect(config, attempts, || async {
         use inbox_backend_sqlx::{SqlxStore, classify};
+        use sqlx::{ConnectOptions as _, Connection as _};
         let options = SqlxStore::connect_options(&config.database_url, &config.schema)?;
+        // sqlx's pool takes "connection refused" for a server still
+        // starting: it retries silently until its acquire timeout (30 s)
+        // and then reports only "pool timed out". One direct connection
+        // first fails at once with the real cause.
+        let probe = tokio::time::timeout(CONNECT_TIMEOUT, options.connect())
+            .await
+            .map_err(|_| inbox_api::InboxError::Connection {
+                source: Box::new(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no answer within {CONNECT_TIMEOUT:?}"),
+                )),
+            })?
+            .map_err(classify)?;
+        if let Err(error) = probe.close().await {
+            tracing::debug!(error = %error, "closing the probe connection failed");
+        }
         let pool = sqlx::postgres::PgPoolOptions::new()
             .max_connections(config.pool_size.max(1))
             .connect_with(options)
@@ -206,8 +233,13 @@ where
             Err(error) if error.is_retryable() => {
                 attempt += 1;
                 if attempts.is_some_and(|max| attempt >= max) {
+                    let after = if attempt == 1 {
+                        String::new()
+                    } else {
+                        format!(" after {attempt} attempts")
+                    };
                     return Err(AppError::Unavailable(format!(
-                        "PostgreSQL at {url} unreachable after {attempt} attempts: {}",
+                        "PostgreSQL at {url} unreachable{after}: {}",
                         crate::runtime::error::chain(&error)
                     )));
                 }
