@@ -185,6 +185,31 @@ impl SqlxStore {
     }
 }
 
+impl SqlxStore {
+    /// A listener on the schema's outbox channel
+    /// ([`SchemaName::outbox_channel`]), which the outbox's trigger
+    /// notifies when a transaction that enqueued messages commits: a relay
+    /// waits on it instead of polling fast.
+    ///
+    /// It holds one connection of the pool for as long as it lives (LISTEN
+    /// belongs to a session), and after a lost connection it reconnects and
+    /// listens again by itself; what was notified meanwhile is lost, so a
+    /// relay keeps polling as its fallback.
+    ///
+    /// # Errors
+    /// Connection and statement failures as [`classify`] maps them.
+    pub async fn listen_outbox(&self) -> Result<sqlx::postgres::PgListener, InboxError> {
+        let mut listener = sqlx::postgres::PgListener::connect_with(&self.pool)
+            .await
+            .map_err(classify)?;
+        listener
+            .listen(&self.schema.outbox_channel())
+            .await
+            .map_err(classify)?;
+        Ok(listener)
+    }
+}
+
 /// [`inbox_postgres::migrate`]'s view of a sqlx connection.
 struct Migrating<'c>(&'c mut PgConnection);
 

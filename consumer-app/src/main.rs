@@ -93,7 +93,8 @@ async fn run(cli: Cli) -> Result<(), AppError> {
     let store = global.store();
     // One-shot commands try the database once: whoever runs them is waiting
     // for an answer, and a wrong URL should say so in seconds, with its cause.
-    // Only `consume`, a service, waits for its database to come up.
+    // Only the services, `consume` and `relay`, wait for their database to
+    // come up.
     match cli.command {
         Command::Migrate => with_store(&store, ONE_SHOT, Migrate).await,
         Command::Stats => with_store(&store, ONE_SHOT, PrintStats).await,

@@ -535,3 +535,50 @@ async fn a_wake_up_starts_a_round_before_the_poll_interval() {
     assert_eq!(broker.drain().await.len(), 3);
     broker.remove().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_notifies_a_listening_relay_on_postgres() {
+    let id = test_id();
+    let (broker, store) = (Broker::declare(&id).await, sqlx_store(&id).await);
+    let wakeups = consumer_app::tools::stores::sqlx_wakeups(&store)
+        .await
+        .expect("LISTEN on the outbox channel");
+    let relay = Relay::new(
+        store.clone(),
+        RelayConfig {
+            poll_interval: Duration::from_secs(600),
+            ..config(&id, 10)
+        },
+    )
+    .expect("valid config")
+    .wake_on(wakeups)
+    .spawn();
+    let tally = std::sync::Arc::clone(&relay.tally);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // A rolled-back enqueue notifies nobody; the committed ones do, once
+    // their transaction commits.
+    let rolled_back = broker.message(&broker.good, 99);
+    let mut tx = store.begin().await.expect("begin");
+    let _ = tx.enqueue(&rolled_back).await.expect("enqueue");
+    tx.rollback().await.expect("rollback");
+    let messages: Vec<OutgoingMessage> = (0..3).map(|n| broker.message(&broker.good, n)).collect();
+    enqueue_committed(&store, &messages).await;
+    let committed = Instant::now();
+    wait_until("the notified relay publishes", async || {
+        get(&tally.published) == 3
+    })
+    .await;
+    assert!(
+        committed.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        committed.elapsed()
+    );
+    stop(relay).await;
+    let got: BTreeSet<String> = broker.drain().await.into_iter().map(|m| m.0).collect();
+    let ids: BTreeSet<String> = messages.iter().map(|m| m.id().to_string()).collect();
+    assert_eq!(got, ids);
+
+    broker.remove().await;
+    drop_schema(&store).await;
+}

@@ -14,7 +14,7 @@
 //! `inbox_diesel_migrations`. The runner reads neither: on such a schema it
 //! finds [`LEDGER_TABLE`] missing and applies every migration again. That is
 //! harmless because every migration is idempotent (`CREATE … IF NOT
-//! EXISTS`, `COMMENT ON`), which the test `migrations_are_idempotent`
+//! EXISTS`, `CREATE OR REPLACE`, `COMMENT ON`), which the test `migrations_are_idempotent`
 //! holds each file to; the old ledger tables are left alone.
 
 use async_trait::async_trait;
@@ -63,6 +63,11 @@ pub static MIGRATIONS: &[Migration] = &[
         version: 20261204000001,
         description: "create outbox messages",
         sql: include_str!("../20261204000001_create_outbox_messages.sql"),
+    },
+    Migration {
+        version: 20261204000002,
+        description: "notify relays on enqueue",
+        sql: include_str!("../20261204000002_notify_relays_on_enqueue.sql"),
     },
 ];
 
@@ -276,7 +281,8 @@ mod tests {
     #[test]
     fn migrations_are_idempotent() {
         // Re-applying under a new ledger must be harmless (see the module
-        // docs): every DDL statement says IF NOT EXISTS, or is a COMMENT.
+        // docs): every DDL statement says IF NOT EXISTS or OR REPLACE, or
+        // is a COMMENT.
         for m in MIGRATIONS {
             let code: String = m
                 .sql
@@ -284,6 +290,12 @@ mod tests {
                 .filter(|line| !line.trim_start().starts_with("--"))
                 .collect::<Vec<_>>()
                 .join("\n");
+            // Dollar-quoted function bodies hold semicolons: blank them out.
+            let code: String = code
+                .split("$$")
+                .enumerate()
+                .map(|(i, part)| if i % 2 == 0 { part } else { " " })
+                .collect();
             // String literals may hold semicolons: blank them out ('' is
             // an escaped quote, which toggling twice handles).
             let mut quoted = false;
@@ -299,6 +311,7 @@ mod tests {
             for statement in code.split(';').map(str::trim).filter(|s| !s.is_empty()) {
                 let upper = statement.to_ascii_uppercase();
                 let ok = upper.starts_with("COMMENT ON ")
+                    || upper.starts_with("CREATE OR REPLACE ")
                     || (upper.starts_with("CREATE ") && upper.contains(" IF NOT EXISTS "));
                 assert!(ok, "migration {} is not idempotent: {statement}", m.version);
             }

@@ -56,6 +56,17 @@ impl SchemaName {
         &self.0
     }
 
+    /// The channel the outbox's trigger NOTIFYs when outgoing rows commit
+    /// in this schema: `outbox_` and the name, cut to PostgreSQL's 63-byte
+    /// limit exactly as the trigger cuts it (the name is ASCII, so bytes
+    /// are characters). Two schemas sharing their first 56 bytes share a
+    /// channel: a needless wake-up, nothing worse.
+    pub fn outbox_channel(&self) -> String {
+        let mut channel = format!("outbox_{}", self.0);
+        channel.truncate(63);
+        channel
+    }
+
     /// The name as a quoted SQL identifier. Safe by construction: the
     /// validated alphabet contains no quote.
     pub fn quoted(&self) -> String {
@@ -131,5 +142,14 @@ mod tests {
             assert!(matches!(err, InboxError::InvalidArgument { .. }), "{bad:?}");
             assert!(!err.is_retryable());
         }
+    }
+
+    #[test]
+    fn the_outbox_channel_fits_a_notify() {
+        let short = SchemaName::new("parcel_inbox").expect("valid");
+        assert_eq!(short.outbox_channel(), "outbox_parcel_inbox");
+        let long = SchemaName::new(&"s".repeat(63)).expect("valid");
+        assert_eq!(long.outbox_channel().len(), 63);
+        assert!(long.outbox_channel().starts_with("outbox_sss"));
     }
 }

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
+use futures::stream::BoxStream;
 use inbox_api::OutboxStore;
 use tokio::sync::watch;
 
@@ -404,13 +405,21 @@ pub struct RelayCommand {
 impl WithOutbox for RelayCommand {
     type Output = ();
 
-    async fn run<S: OutboxStore + Clone + 'static>(self, store: S) -> Result<(), AppError> {
+    async fn run<S: OutboxStore + Clone + 'static>(
+        self,
+        store: S,
+        wakeups: Option<BoxStream<'static, ()>>,
+    ) -> Result<(), AppError> {
         let (stop_metrics, metrics_stopped) = watch::channel(false);
         if let Some(addr) = self.metrics_addr {
             let handle = install_recorder(METRIC_NAMES)?;
             serve_metrics(addr, handle, metrics_stopped).await?;
         }
-        let relay = Relay::new(store, self.config)?.spawn();
+        let mut relay = Relay::new(store, self.config)?;
+        if let Some(wakeups) = wakeups {
+            relay = relay.wake_on(wakeups);
+        }
+        let relay = relay.spawn();
         let shutdown = relay.shutdown_sender();
         tokio::spawn(async move {
             wait_for_signal().await;

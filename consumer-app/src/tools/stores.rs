@@ -5,6 +5,7 @@
 use std::fmt;
 use std::future::Future;
 
+use futures::stream::BoxStream;
 use inbox_api::OutboxStore;
 
 use crate::parcel::store::{ParcelStore, StoreKind};
@@ -94,10 +95,13 @@ pub trait WithOutbox {
     /// What the task returns.
     type Output;
 
-    /// Runs the task.
+    /// Runs the task; `wakeups` yields when new outgoing messages committed
+    /// (PostgreSQL's LISTEN/NOTIFY on the sqlx store; `None` where the
+    /// store offers none, and polling alone must do).
     fn run<S: OutboxStore + Clone + 'static>(
         self,
         store: S,
+        wakeups: Option<BoxStream<'static, ()>>,
     ) -> impl Future<Output = Result<Self::Output, AppError>>;
 }
 
@@ -113,11 +117,19 @@ pub async fn with_outbox<W: WithOutbox>(
     let _ = attempts;
     match config.kind {
         #[cfg(feature = "sqlx")]
-        StoreKind::Sqlx => task.run(open_sqlx(config, attempts).await?).await,
+        StoreKind::Sqlx => {
+            let store = open_sqlx(config, attempts).await?;
+            let wakeups = sqlx_wakeups(&store).await;
+            task.run(store, wakeups).await
+        }
+        // diesel-async offers no LISTEN stream: the relay polls.
         #[cfg(feature = "diesel")]
-        StoreKind::Diesel => task.run(open_diesel(config, attempts).await?).await,
+        StoreKind::Diesel => task.run(open_diesel(config, attempts).await?, None).await,
         #[cfg(feature = "memory")]
-        StoreKind::Memory => task.run(inbox_backend_memory::MemoryStore::new()).await,
+        StoreKind::Memory => {
+            task.run(inbox_backend_memory::MemoryStore::new(), None)
+                .await
+        }
         #[allow(
             unreachable_patterns,
             reason = "which arms exist depends on the features"
@@ -125,6 +137,33 @@ pub async fn with_outbox<W: WithOutbox>(
         other => Err(AppError::Config(format!(
             "store {other} is not compiled in"
         ))),
+    }
+}
+
+/// The sqlx store's outbox notifications as wake-ups, or `None` (polling
+/// only) when LISTEN fails. A listener error (its connection lost, a
+/// reconnect refused) wakes the relay too, after a pause: a needless round
+/// costs little, and the pause keeps a failing listener from spinning it.
+#[cfg(feature = "sqlx")]
+pub async fn sqlx_wakeups(store: &inbox_backend_sqlx::SqlxStore) -> Option<BoxStream<'static, ()>> {
+    use futures::StreamExt;
+    match store.listen_outbox().await {
+        Ok(listener) => Some(
+            listener
+                .into_stream()
+                .then(|notification| async move {
+                    if let Err(error) = notification {
+                        tracing::warn!(error = %error, "outbox LISTEN failed; retrying");
+                        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    }
+                })
+                .boxed(),
+        ),
+        Err(error) => {
+            tracing::warn!(error = %crate::runtime::error::chain(&error),
+                "LISTEN on the outbox channel failed; the relay polls only");
+            None
+        }
     }
 }
 
