@@ -453,10 +453,15 @@ async fn the_relay_command_publishes_until_sigterm() {
 
     let database_url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let metrics_addr = {
+        let free = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+        free.local_addr().expect("its address").to_string()
+    };
     let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
         .args(["--store", "sqlx", "--schema", store.schema()])
         .args(["--database-url", &database_url, "--amqp-url", AMQP_URL])
-        .args(["relay", "--metrics-addr", "off", "--poll-interval-ms", "20"])
+        .args(["relay", "--metrics-addr", &metrics_addr])
+        .args(["--poll-interval-ms", "20"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .kill_on_drop(true)
@@ -467,6 +472,14 @@ async fn the_relay_command_publishes_until_sigterm() {
         async || store.pending_count().await.expect("count") == 0,
     )
     .await;
+    let metrics = scrape(&metrics_addr).await;
+    for line in [
+        "outbox_published_total 5",
+        "outbox_publish_duration_seconds_count 5",
+        "outbox_pending_messages ",
+    ] {
+        assert!(metrics.contains(line), "{line} missing:\n{metrics}");
+    }
     let pid = child.id().expect("running").to_string();
     let killed = std::process::Command::new("kill")
         .args(["-TERM", &pid])
@@ -581,4 +594,84 @@ async fn a_commit_notifies_a_listening_relay_on_postgres() {
 
     broker.remove().await;
     drop_schema(&store).await;
+}
+
+/// The relay command's `/metrics` text.
+async fn scrape(addr: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("metrics endpoint");
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("request");
+    let mut text = String::new();
+    stream.read_to_string(&mut text).await.expect("response");
+    text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_reconnects_after_the_broker_closes_its_connection() {
+    let id = test_id();
+    let broker = Broker::declare(&id).await;
+    let store = MemoryStore::new();
+    let name = format!("relay outage test {id}");
+    let relay = Relay::new(
+        store.clone(),
+        RelayConfig {
+            lease: Duration::from_secs(3),
+            confirm_timeout: Duration::from_secs(1),
+            ..RelayConfig {
+                connection_name: name.clone(),
+                ..config(&id, 10)
+            }
+        },
+    )
+    .expect("valid config")
+    .spawn();
+    let tally = std::sync::Arc::clone(&relay.tally);
+    let first: Vec<OutgoingMessage> = (0..3).map(|n| broker.message(&broker.good, n)).collect();
+    enqueue_committed(&store, &first).await;
+    wait_until("the first messages are published", async || {
+        get(&tally.published) == 3
+    })
+    .await;
+
+    // The broker drops the relay's connection (as on a broker restart).
+    let listed = std::process::Command::new("rabbitmqctl")
+        .args(["list_connections", "--quiet", "--no-table-headers"])
+        .args(["pid", "client_properties"])
+        .output()
+        .expect("rabbitmqctl");
+    let needle = format!("{{\"connection_name\",\"{name}\"}}");
+    let connection = String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .find_map(|line| {
+            let (pid, properties) = line.split_once('\t')?;
+            properties.contains(&needle).then(|| pid.trim().to_owned())
+        })
+        .expect("the relay's connection is listed");
+    let closed = std::process::Command::new("rabbitmqctl")
+        .args(["close_connection", &connection, "relay test: broker outage"])
+        .output()
+        .expect("rabbitmqctl");
+    assert!(closed.status.success(), "{closed:?}");
+
+    let second: Vec<OutgoingMessage> = (3..6).map(|n| broker.message(&broker.good, n)).collect();
+    enqueue_committed(&store, &second).await;
+    wait_until("the relay reconnects and publishes the rest", async || {
+        store.pending_count().await.expect("count") == 0
+    })
+    .await;
+    assert_eq!(get(&tally.connections), 2, "reconnected once");
+    stop(relay).await;
+    let got: BTreeSet<String> = broker.drain().await.into_iter().map(|m| m.0).collect();
+    let ids: BTreeSet<String> = first
+        .iter()
+        .chain(&second)
+        .map(|m| m.id().to_string())
+        .collect();
+    assert_eq!(got, ids);
+    broker.remove().await;
 }

@@ -152,6 +152,8 @@ impl fmt::Debug for RelayConfig {
 /// metrics say the same to a dashboard, these to a test or a summary line.
 #[derive(Debug, Default)]
 pub struct RelayTally {
+    /// Connections to the broker opened (more than one: it reconnected).
+    pub connections: AtomicU64,
     /// Non-empty batches taken.
     pub batches: AtomicU64,
     /// Messages the broker confirmed.
@@ -327,6 +329,7 @@ impl<S: OutboxStore + 'static> Relay<S> {
             shutdown,
         )
         .await?;
+        bump(&self.tally.connections);
         let channel = open_confirm_channel(&connection).await?;
         *broker = Some((connection, channel.clone()));
         Ok(channel)
