@@ -317,7 +317,7 @@ async fn pause_after(
 }
 
 /// Resolves when `shutdown` turns true or its sender is gone.
-async fn stopped(shutdown: &mut watch::Receiver<bool>) {
+pub(crate) async fn stopped(shutdown: &mut watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|stop| *stop).await;
 }
 
@@ -500,8 +500,9 @@ where
                     )
                     .await;
                     let worker = worker.clone();
+                    let stop = shutdown.clone();
                     in_flight.spawn(async move {
-                        worker.process(deliveries).await;
+                        worker.process(deliveries, stop).await;
                         drop(permit);
                     });
                     if let Some(error) = failed {
@@ -510,8 +511,9 @@ where
                 }
                 _ => {
                     let worker = worker.clone();
+                    let stop = shutdown.clone();
                     in_flight.spawn(async move {
-                        worker.process(vec![delivery]).await;
+                        worker.process(vec![delivery], stop).await;
                         drop(permit);
                     });
                 }

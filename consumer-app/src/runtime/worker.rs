@@ -8,7 +8,9 @@
 //!        each message's outcome ─► SettlePolicy::decide(outcome, attempt, delivery count, disposition)
 //!          Ack        ─► after-commit call (if processed) ─► ack (one multiple-ack where the tags allow)
 //!          Retry      ─► the next in-process attempt (a smaller batch), after backoff
-//!          Requeue    ─► nack + requeue (after a pause if the retries ran out)
+//!                         (shutdown during the backoff: nack + requeue instead)
+//!          Requeue    ─► nack + requeue (after a pause if the retries ran out,
+//!                         cut short by shutdown)
 //!          DeadLetter ─► publish with reason headers, then ack
 //! ```
 //!
@@ -44,6 +46,7 @@ use inbox_api::metrics as names;
 use inbox_api::{Handled, Inbox, InboxKey, MessageId};
 use lapin::Channel;
 use lapin::message::Delivery;
+use tokio::sync::watch;
 
 use crate::runtime::ack::{AckTracker, Frame, settle_one};
 use crate::runtime::amqp::Publisher;
@@ -51,6 +54,7 @@ use crate::runtime::config::WorkerConfig;
 use crate::runtime::error::chain;
 use crate::runtime::handler::Handler;
 use crate::runtime::message::{RawMessage, decode, delivery_count, long_string, truncate};
+use crate::runtime::service::stopped;
 use crate::runtime::settle::{DeadLetterReason, ErrorDisposition, Outcome, Settle};
 use crate::runtime::tally::{ConsumerTally, bump};
 use crate::runtime::telemetry::MetricNames;
@@ -115,7 +119,18 @@ where
     /// Handles deliveries to their ends, each acked, requeued or
     /// dead-lettered: one per call in per-message mode, a batch in batched
     /// mode.
-    pub(crate) async fn process(self, deliveries: Vec<Delivery>) {
+    ///
+    /// The backoffs between attempts watch `shutdown`: a graceful stop waits
+    /// for in-flight deliveries, and one waiting out a long backoff would
+    /// hold the process for as long (SIGTERM ignored, then SIGKILL). On
+    /// shutdown a pending requeue goes at once, and a pending retry is
+    /// handed back to the broker instead (nack + requeue: not the message's
+    /// fault, and the inbox makes the redelivery safe).
+    pub(crate) async fn process(
+        self,
+        deliveries: Vec<Delivery>,
+        mut shutdown: watch::Receiver<bool>,
+    ) {
         let batched = self.config.batch.is_some();
         let mut items = Vec::with_capacity(deliveries.len());
         for delivery in deliveries {
@@ -255,17 +270,34 @@ where
                 // Hold the worker's slot for a while, longer with each
                 // delivery: during an outage (PostgreSQL down) this slows the
                 // whole consumer down instead of spinning through the
-                // delivery cap in seconds.
-                tokio::time::sleep(pause).await;
+                // delivery cap in seconds. Shutdown ends the pause: the
+                // requeue happens either way.
+                tokio::select! {
+                    biased;
+                    () = stopped(&mut shutdown) => {}
+                    () = tokio::time::sleep(pause) => {}
+                }
                 for i in requeue {
                     self.requeue(&items[i].delivery, &items[i].key).await;
                 }
             }
             if !again.is_empty() {
+                let stopping = tokio::select! {
+                    biased;
+                    () = stopped(&mut shutdown) => true,
+                    () = tokio::time::sleep(retry_delay) => false,
+                };
+                if stopping {
+                    tracing::info!(consumer = %self.consumer_label(), deliveries = again.len(),
+                        "shutting down: handing deliveries back to the broker instead of retrying");
+                    for i in again {
+                        self.requeue(&items[i].delivery, &items[i].key).await;
+                    }
+                    return;
+                }
                 for _ in &again {
                     bump(&self.tally.retried);
                 }
-                tokio::time::sleep(retry_delay).await;
             }
             open = again;
         }
