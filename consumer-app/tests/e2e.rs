@@ -326,6 +326,18 @@ async fn bad_input_is_dead_lettered_with_reason<S: ParcelStore>(store: S, names:
                 body: br#"{"parcel":"P-1"}"#.to_vec(),
             },
         ),
+        // JSON carries a NUL that PostgreSQL text cannot store: refused
+        // in decoding by both consumers alike, not as a store error by
+        // the one that writes the field.
+        (
+            BadInputReason::InvalidEvent,
+            Outgoing {
+                message_id: id(),
+                kind: event(),
+                body: br#"{"parcel_id":"P-3","tracking_number":"TN3","destination":"Ly\u0000on"}"#
+                    .to_vec(),
+            },
+        ),
         (
             BadInputReason::UnknownType,
             Outgoing {
@@ -356,12 +368,12 @@ async fn bad_input_is_dead_lettered_with_reason<S: ParcelStore>(store: S, names:
 
     let tally = Arc::clone(&run.service.tally);
     eventually(
-        "6 dead-lettered and 1 processed per consumer",
+        "7 dead-lettered and 1 processed per consumer",
         Duration::from_secs(20),
         async || {
             Role::ALL.iter().all(|r| {
                 let t = tally.consumer(r.consumer_name());
-                t.dead_lettered_total() >= 6 && get(&t.processed) >= 1
+                t.dead_lettered_total() >= 7 && get(&t.processed) >= 1
             })
         },
     )
@@ -384,12 +396,18 @@ async fn bad_input_is_dead_lettered_with_reason<S: ParcelStore>(store: S, names:
         assert_eq!(counted, expected, "{role:?}: one dead-letter per class");
         let dlq = topology.dead_letter_queue(role);
         let mut reasons = BTreeSet::new();
-        for _ in 0..6 {
+        let mut details = Vec::new();
+        for _ in 0..bad.len() {
             let message = channel
                 .basic_get(dlq.as_str().into(), BasicGetOptions { no_ack: true })
                 .await
                 .expect("basic.get")
-                .unwrap_or_else(|| panic!("{dlq}: fewer than 6 dead letters (got {reasons:?})"));
+                .unwrap_or_else(|| {
+                    panic!(
+                        "{dlq}: fewer than {} dead letters (got {reasons:?})",
+                        bad.len()
+                    )
+                });
             let headers = message
                 .delivery
                 .properties
@@ -404,7 +422,14 @@ async fn bad_input_is_dead_lettered_with_reason<S: ParcelStore>(store: S, names:
                 Some(role.consumer_name())
             );
             reasons.insert(reason);
+            details.push(detail);
         }
+        assert!(
+            details
+                .iter()
+                .any(|d| d.contains("destination") && d.contains("NUL")),
+            "{dlq}: the NUL event's detail names its field: {details:?}"
+        );
         assert_eq!(
             reasons, expected,
             "{dlq}: every bad-input class with its reason"

@@ -33,8 +33,14 @@ impl ParcelCreatedEvent {
     /// The longest accepted text field, in bytes.
     pub const MAX_FIELD_LEN: usize = 200;
 
-    /// The rules beyond the JSON shape: every field non-blank and at most
-    /// [`Self::MAX_FIELD_LEN`] bytes (they end up in rows and in labels).
+    /// The rules beyond the JSON shape: every field non-blank, at most
+    /// [`Self::MAX_FIELD_LEN`] bytes, and free of NUL characters (they end
+    /// up in rows and in labels).
+    ///
+    /// JSON may carry `\u0000`, but PostgreSQL's `text` cannot store it:
+    /// let through, such an event would fail only in the consumers that
+    /// write the field, as a store error, while the others processed it.
+    /// Refused here, it is bad input for every consumer alike.
     ///
     /// # Errors
     /// Which field breaks which rule.
@@ -46,6 +52,11 @@ impl ParcelCreatedEvent {
         ] {
             if value.trim().is_empty() {
                 return Err(format!("{name} is empty"));
+            }
+            if value.contains('\0') {
+                return Err(format!(
+                    "{name} contains a NUL character, which PostgreSQL text cannot store"
+                ));
             }
             if value.len() > Self::MAX_FIELD_LEN {
                 return Err(format!(
@@ -149,5 +160,32 @@ mod tests {
         assert_eq!(reason(raw(Some(ID), None, BODY)), UnknownType);
         let big = vec![b' '; 2000];
         assert_eq!(reason(raw(Some(ID), Some(EVENT_TYPE), &big)), Oversized);
+    }
+
+    #[test]
+    fn a_nul_character_in_any_text_field_is_refused_naming_the_field() {
+        for (field, body) in [
+            (
+                "parcel_id",
+                br#"{"parcel_id":"P\u00001","tracking_number":"TN1","destination":"Lyon"}"#
+                    .as_slice(),
+            ),
+            (
+                "tracking_number",
+                br#"{"parcel_id":"P-1","tracking_number":"TN\u0000","destination":"Lyon"}"#,
+            ),
+            (
+                "destination",
+                br#"{"parcel_id":"P-1","tracking_number":"TN1","destination":"\u0000Lyon"}"#,
+            ),
+        ] {
+            let bad = decode(raw(Some(ID), Some(EVENT_TYPE), body), 1024).expect_err(field);
+            assert_eq!(bad.reason, BadInputReason::InvalidEvent, "{field}");
+            let said = bad.to_string();
+            assert!(
+                said.contains(field) && said.contains("NUL"),
+                "{field}: {said}"
+            );
+        }
     }
 }
