@@ -86,6 +86,7 @@
 #![deny(missing_docs)]
 
 mod error;
+mod listen;
 mod migrate;
 mod outbox;
 pub mod schema;
@@ -103,5 +104,6 @@ pub use diesel_async::AsyncPgConnection;
 pub use error::{classify, classify_connection, classify_pool};
 /// The schema-name rules, shared with the sqlx backend.
 pub use inbox_postgres::SchemaName;
+pub use listen::OutboxListener;
 pub use store::{DieselPool, DieselStore, DieselStoreBuilder, PooledConnection};
 pub use transaction::DieselTransaction;

@@ -749,3 +749,38 @@ async fn outbox_hot_statements_are_prepared_once_per_connection() {
         assert_eq!(n, 1, "{start}… prepared {n} times: {prepared:#?}");
     }
 }
+
+/// The outbox's trigger wakes a listener when a transaction that enqueued
+/// messages commits, and not when one rolls back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_that_enqueued_wakes_an_outbox_listener() {
+    use inbox_api::{MessageId, OutboxTransaction, OutgoingMessage};
+    use inbox_backend_diesel::OutboxListener;
+
+    let store = common::fresh_store(2).await;
+    let mut listener = OutboxListener::connect(&common::database_url(), store.schema())
+        .await
+        .expect("LISTEN");
+    let message =
+        || OutgoingMessage::new(MessageId::new_v7(), "x", "k", "T", Vec::new()).expect("valid");
+    let mut tx = store.begin().await.expect("begin");
+    let _ = tx.enqueue(&message()).await.expect("enqueue");
+    tx.rollback().await.expect("rollback");
+    let quiet = tokio::time::timeout(Duration::from_millis(300), listener.next()).await;
+    assert!(quiet.is_err(), "a rollback notifies nobody");
+
+    let mut tx = store.begin().await.expect("begin");
+    let _ = tx.enqueue(&message()).await.expect("enqueue");
+    let _ = tx.enqueue(&message()).await.expect("enqueue");
+    tx.commit().await.expect("commit");
+    let woke = tokio::time::timeout(Duration::from_secs(5), listener.next()).await;
+    assert_eq!(woke, Ok(Some(())), "a commit wakes the listener");
+    let again = tokio::time::timeout(Duration::from_millis(300), listener.next()).await;
+    assert!(again.is_err(), "one wake-up per transaction");
+    drop(listener);
+    let mut admin = common::admin().await;
+    diesel::sql_query(common::drop_schema_sql(store.schema()))
+        .execute(&mut admin)
+        .await
+        .expect("drop the test schema");
+}

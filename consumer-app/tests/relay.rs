@@ -550,7 +550,7 @@ async fn a_wake_up_starts_a_round_before_the_poll_interval() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_commit_notifies_a_listening_relay_on_postgres() {
+async fn a_commit_notifies_a_listening_relay_on_the_sqlx_store() {
     let id = test_id();
     let (broker, store) = (Broker::declare(&id).await, sqlx_store(&id).await);
     let wakeups = consumer_app::tools::stores::sqlx_wakeups(&store)
@@ -674,4 +674,46 @@ async fn the_relay_reconnects_after_the_broker_closes_its_connection() {
         .collect();
     assert_eq!(got, ids);
     broker.remove().await;
+}
+
+#[cfg(feature = "diesel")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_notifies_a_listening_relay_on_the_diesel_store() {
+    let id = test_id();
+    // Migrated through sqlx, used through diesel: one schema, one ledger.
+    let (broker, migrated) = (Broker::declare(&id).await, sqlx_store(&id).await);
+    let database_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let store = inbox_backend_diesel::DieselStore::connect(&database_url, migrated.schema(), 4)
+        .await
+        .expect("diesel store");
+    let wakeups = consumer_app::tools::stores::diesel_wakeups(&database_url, store.schema())
+        .await
+        .expect("LISTEN on the outbox channel");
+    let relay = Relay::new(
+        store.clone(),
+        RelayConfig {
+            poll_interval: Duration::from_secs(600),
+            ..config(&id, 10)
+        },
+    )
+    .expect("valid config")
+    .wake_on(wakeups)
+    .spawn();
+    let tally = std::sync::Arc::clone(&relay.tally);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let messages: Vec<OutgoingMessage> = (0..3).map(|n| broker.message(&broker.good, n)).collect();
+    enqueue_committed(&store, &messages).await;
+    wait_until("the notified relay publishes", async || {
+        get(&tally.published) == 3
+    })
+    .await;
+    stop(relay).await;
+    let got: BTreeSet<String> = broker.drain().await.into_iter().map(|m| m.0).collect();
+    let ids: BTreeSet<String> = messages.iter().map(|m| m.id().to_string()).collect();
+    assert_eq!(got, ids);
+
+    broker.remove().await;
+    drop_schema(&migrated).await;
 }

@@ -96,8 +96,8 @@ pub trait WithOutbox {
     type Output;
 
     /// Runs the task; `wakeups` yields when new outgoing messages committed
-    /// (PostgreSQL's LISTEN/NOTIFY on the sqlx store; `None` where the
-    /// store offers none, and polling alone must do).
+    /// (PostgreSQL's LISTEN/NOTIFY on the Postgres stores; `None` on the
+    /// memory store, or when LISTEN failed, and polling alone must do).
     fn run<S: OutboxStore + Clone + 'static>(
         self,
         store: S,
@@ -122,9 +122,12 @@ pub async fn with_outbox<W: WithOutbox>(
             let wakeups = sqlx_wakeups(&store).await;
             task.run(store, wakeups).await
         }
-        // diesel-async offers no LISTEN stream: the relay polls.
         #[cfg(feature = "diesel")]
-        StoreKind::Diesel => task.run(open_diesel(config, attempts).await?, None).await,
+        StoreKind::Diesel => {
+            let store = open_diesel(config, attempts).await?;
+            let wakeups = diesel_wakeups(&config.database_url, store.schema()).await;
+            task.run(store, wakeups).await
+        }
         #[cfg(feature = "memory")]
         StoreKind::Memory => {
             task.run(inbox_backend_memory::MemoryStore::new(), None)
@@ -158,6 +161,30 @@ pub async fn sqlx_wakeups(store: &inbox_backend_sqlx::SqlxStore) -> Option<BoxSt
                     }
                 })
                 .boxed(),
+        ),
+        Err(error) => {
+            tracing::warn!(error = %crate::runtime::error::chain(&error),
+                "LISTEN on the outbox channel failed; the relay polls only");
+            None
+        }
+    }
+}
+
+/// The diesel store's outbox notifications as wake-ups, through a
+/// connection of their own, or `None` (polling only) when LISTEN fails. The
+/// stream ends if that connection is lost; the relay then polls.
+#[cfg(feature = "diesel")]
+pub async fn diesel_wakeups(
+    url: &str,
+    schema: &inbox_backend_diesel::SchemaName,
+) -> Option<BoxStream<'static, ()>> {
+    use futures::StreamExt;
+    match inbox_backend_diesel::OutboxListener::connect(url, schema).await {
+        Ok(listener) => Some(
+            futures::stream::unfold(listener, |mut listener| async move {
+                listener.next().await.map(|()| ((), listener))
+            })
+            .boxed(),
         ),
         Err(error) => {
             tracing::warn!(error = %crate::runtime::error::chain(&error),
