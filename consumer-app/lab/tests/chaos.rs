@@ -3,25 +3,118 @@
 //! local RabbitMQ with `rabbitmqctl` (`bash .ci/services.sh`).
 //!
 //! The runs are serialised: each already loads both cores.
+//!
+//! Each run has a time limit: a harness that hangs (once: 20 minutes parked
+//! in its final teardown) is killed with its consumer processes, and the
+//! test fails saying so, instead of holding CI until its global timeout.
 
+use std::io::Read;
+use std::os::unix::process::CommandExt as _;
+use std::process::{Command, Stdio};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-/// Runs `parcel-chaos` with `args`; returns (exit code, stdout).
+/// One CI-size run takes well under a minute on an idle machine; this
+/// allows for a loaded one many times over.
+const RUN_LIMIT: Duration = Duration::from_secs(10 * 60);
+
+/// How a bounded run ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Ended {
+    /// It exited by itself, with this code (`None`: killed by a signal).
+    Exited(Option<i32>),
+    /// It ran over its limit and was killed, with its process group.
+    Killed,
+}
+
+/// Runs `command` in a process group of its own, killing the whole group
+/// (the harness and the consumers it spawned) once `limit` passes; returns
+/// how it ended, its stdout and its stderr.
+fn run_bounded(mut command: Command, limit: Duration) -> (Ended, String, String) {
+    let mut child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .expect("spawn");
+    // Drained while it runs, so that a full pipe cannot stall it.
+    let drain = |pipe: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut text = Vec::new();
+            if let Some(mut pipe) = pipe {
+                let _ = pipe.read_to_end(&mut text);
+            }
+            String::from_utf8_lossy(&text).into_owned()
+        })
+    };
+    let stdout = drain(child.stdout.take().map(|p| Box::new(p) as _));
+    let stderr = drain(child.stderr.take().map(|p| Box::new(p) as _));
+    let started = Instant::now();
+    let ended = loop {
+        if let Some(status) = child.try_wait().expect("poll the child") {
+            break Ended::Exited(status.code());
+        }
+        if started.elapsed() > limit {
+            let group = format!("-{}", child.id());
+            let killed = Command::new("kill").args(["-KILL", "--", &group]).status();
+            if !killed.is_ok_and(|s| s.success()) {
+                let _ = child.kill();
+            }
+            let _ = child.wait();
+            break Ended::Killed;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let stdout = stdout.join().expect("stdout reader");
+    let stderr = stderr.join().expect("stderr reader");
+    (ended, stdout, stderr)
+}
+
+/// Runs `parcel-chaos` with `args`; returns (exit code, stdout). Fails the
+/// test if the run goes over [`RUN_LIMIT`].
 fn chaos(args: &[&str]) -> (Option<i32>, String) {
     let _one = ONE_AT_A_TIME
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_parcel-chaos"))
+    let mut command = Command::new(env!("CARGO_BIN_EXE_parcel-chaos"));
+    command
         .args(["--consume-binary", env!("CARGO_BIN_EXE_parcel-lab-consume")])
         .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run parcel-chaos");
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    eprintln!("{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
-    (output.status.code(), stdout)
+        .env("RUST_LOG", "warn");
+    let (ended, stdout, stderr) = run_bounded(command, RUN_LIMIT);
+    eprintln!("{stdout}\n{stderr}");
+    match ended {
+        Ended::Exited(code) => (code, stdout),
+        Ended::Killed => panic!(
+            "parcel-chaos {args:?} ran over its {RUN_LIMIT:?} limit and was killed \
+             (its output so far is above)"
+        ),
+    }
+}
+
+/// The limit holds for what the harness spawned too: a child that leaves a
+/// grandchild holding its output is killed with it, within the limit.
+#[test]
+fn a_run_over_its_limit_is_killed_with_its_children() {
+    let mut command = Command::new("sh");
+    command.args(["-c", "echo started; sleep 30 & sleep 30"]);
+    let started = Instant::now();
+    let (ended, stdout, _) = run_bounded(command, Duration::from_millis(500));
+    assert_eq!(ended, Ended::Killed);
+    assert!(stdout.contains("started"), "{stdout}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "took {:?}: the grandchild outlived the kill",
+        started.elapsed()
+    );
+    let mut command = Command::new("sh");
+    command.args(["-c", "exit 3"]);
+    assert_eq!(
+        run_bounded(command, Duration::from_secs(30)).0,
+        Ended::Exited(Some(3))
+    );
 }
 
 /// The CI size: 2,000 events (+15 % copies, +6 % bad), 3 consumers, 6 kill -9,
