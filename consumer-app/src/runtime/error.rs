@@ -144,13 +144,48 @@ impl AppError {
 
 /// The error and its chain of sources on one line, for logs and the
 /// dead-letter detail header.
+///
+/// A cause that its error's own text already ends with is not repeated:
+/// some drivers (sqlx's I/O error) print their source in their message too,
+/// which read "Connection refused (os error 111): Connection refused (os
+/// error 111)".
 pub fn chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(inner) = source {
-        text.push_str(": ");
-        text.push_str(&inner.to_string());
+        let cause = inner.to_string();
+        if !text.ends_with(&cause) {
+            text.push_str(": ");
+            text.push_str(&cause);
+        }
         source = inner.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An error that prints its source in its own message, as sqlx's
+    /// `Io` does.
+    #[derive(Debug, thiserror::Error)]
+    #[error("error communicating with database: {0}")]
+    struct Echoing(#[source] std::io::Error);
+
+    #[test]
+    fn chain_names_each_cause_once() {
+        let refused = || std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        let error = AppError::Io {
+            context: "connect".into(),
+            source: std::io::Error::other(Echoing(refused())),
+        };
+        let text = chain(&error);
+        let cause = refused().to_string();
+        assert_eq!(text.matches(&cause).count(), 1, "{text}");
+        assert!(
+            text.starts_with("connect: error communicating with database: "),
+            "{text}"
+        );
+    }
 }
