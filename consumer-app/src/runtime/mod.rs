@@ -40,6 +40,7 @@ pub mod telemetry;
 pub mod topology;
 
 mod ack;
+mod shutdown;
 mod worker;
 
 use inbox_api::{BatchTransaction, InboxStats, InboxStore};

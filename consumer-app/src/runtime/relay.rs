@@ -54,6 +54,7 @@ use crate::runtime::amqp::connect_with_backoff;
 use crate::runtime::backoff::backoff;
 use crate::runtime::error::chain;
 use crate::runtime::redact::redact_url;
+use crate::runtime::shutdown::stopped;
 use crate::runtime::tally::bump;
 
 /// Settings of a [`Relay`].
@@ -606,11 +607,6 @@ async fn next_wakeup(wakeups: &mut Option<BoxStream<'static, ()>>) -> bool {
     }
     while let Some(Some(())) = stream.next().now_or_never() {}
     true
-}
-
-/// Resolves when `shutdown` turns true or its sender is gone.
-async fn stopped(shutdown: &mut watch::Receiver<bool>) {
-    let _ = shutdown.wait_for(|stop| *stop).await;
 }
 
 #[cfg(test)]

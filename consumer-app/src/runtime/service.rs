@@ -45,6 +45,7 @@ use crate::runtime::backoff::backoff;
 use crate::runtime::config::{CleanupConfig, ServiceConfig};
 use crate::runtime::error::chain;
 use crate::runtime::handler::Handler;
+use crate::runtime::shutdown::stopped;
 use crate::runtime::tally::{ConsumerTally, Tally};
 use crate::runtime::telemetry::MetricNames;
 use crate::runtime::topology::Topology;
@@ -314,11 +315,6 @@ async fn pause_after(
         () = tokio::time::sleep(delay) => true,
         () = stopped(shutdown) => false,
     }
-}
-
-/// Resolves when `shutdown` turns true or its sender is gone.
-pub(crate) async fn stopped(shutdown: &mut watch::Receiver<bool>) {
-    let _ = shutdown.wait_for(|stop| *stop).await;
 }
 
 struct Supervisor<S> {
