@@ -820,6 +820,34 @@ pub async fn a_key_given_back_can_be_claimed_again<H: Harness>(h: &H) -> Outcome
     expect_processed_once(h, &store, &key).await
 }
 
+/// A key given back changes nothing for the transaction's other keys: a
+/// key it still holds claims `Duplicate`, a new one `Fresh`, and only the
+/// given-back key leaves no trace.
+pub async fn a_key_given_back_leaves_the_other_claims_alone<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let (held, given_back, new) = (new_key("c1"), new_key("c1"), new_key("c1"));
+    let mut tx = store.begin().await?;
+    check_eq!(tx.claim(&held).await?, Claim::Fresh, "first claim of held");
+    check_eq!(
+        tx.claim(&given_back).await?,
+        Claim::Fresh,
+        "first claim of given_back"
+    );
+    tx.unclaim(&given_back).await?;
+    check_eq!(
+        tx.claim(&held).await?,
+        Claim::Duplicate,
+        "claim of a key still held"
+    );
+    check_eq!(tx.claim(&new).await?, Claim::Fresh, "claim of a new key");
+    h.record_effect(&mut tx, &held).await?;
+    h.record_effect(&mut tx, &new).await?;
+    tx.commit().await?;
+    expect_processed_once(h, &store, &held).await?;
+    expect_processed_once(h, &store, &new).await?;
+    expect_no_trace(h, &store, &given_back).await
+}
+
 /// Batched middleware: fresh messages run, duplicates (committed before, or
 /// repeated in the batch) do not, and all commit at once.
 pub async fn handle_batch_runs_each_message_once<H: Harness>(h: &H) -> Outcome {

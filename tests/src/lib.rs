@@ -209,6 +209,7 @@ macro_rules! __with_contract_tests {
             unclaim_gives_the_key_back,
             unclaim_rolls_back_with_its_savepoint,
             a_key_given_back_can_be_claimed_again,
+            a_key_given_back_leaves_the_other_claims_alone,
             handle_batch_runs_each_message_once,
             handle_batch_rolls_back_a_failing_message_alone,
         }
