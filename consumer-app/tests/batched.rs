@@ -69,7 +69,7 @@ async fn teardown<S: ParcelStore>(store: &S, names: &Names) {
         if let Ok(channel) = connection.create_channel().await {
             let _ = Topology::new(&names.prefix).delete(&channel).await;
         }
-        let _ = connection.close(200, "bye".into()).await;
+        consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
     }
     let _ = store.drop_schema().await;
 }
@@ -93,7 +93,7 @@ async fn batched_exactly_once<S: ParcelStore>(store: S, names: Names) {
             .expect("connect");
         let channel = connection.create_channel().await.expect("channel");
         topology.declare(&channel).await.expect("declare");
-        let _ = connection.close(200, "bye".into()).await;
+        consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
     }
     let plan = Plan::new(N as usize, 0.5, 21, &format!("P{}", names.schema)).expect("plan");
     let copies = plan.copies as u64;
@@ -239,7 +239,7 @@ async fn batched_exactly_once<S: ParcelStore>(store: S, names: Names) {
             "nothing left in {role:?}'s queue"
         );
     }
-    let _ = connection.close(200, "bye".into()).await;
+    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
     teardown(&store, &names).await;
 }
 

@@ -180,7 +180,7 @@ impl<S: ParcelStore> Drop for Teardown<S> {
                     if let Ok(channel) = connection.create_channel().await {
                         let _ = Topology::new(prefix).delete(&channel).await;
                     }
-                    let _ = connection.close(200, "bye".into()).await;
+                    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
                 }
                 let _ = store.drop_schema().await;
             });
@@ -197,7 +197,7 @@ async fn cleanup<S: ParcelStore>(store: &S, names: &Names) {
         .delete(&channel)
         .await
         .expect("delete topology");
-    let _ = connection.close(200, "bye".into()).await;
+    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
     store.drop_schema().await.expect("drop schema");
 }
 
@@ -443,7 +443,7 @@ async fn bad_input_is_dead_lettered_with_reason<S: ParcelStore>(store: S, names:
             "nothing left in the work queue"
         );
     }
-    let _ = connection.close(200, "bye".into()).await;
+    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
     run.service.shutdown();
     run.service.join().await.expect("clean shutdown");
     let stats = store.stats().await.expect("stats");
@@ -534,7 +534,7 @@ async fn retryable_failures_are_capped<S: ParcelStore>(store: S, names: Names) {
         header_text(&headers, "x-dead-letter-reason").as_deref(),
         Some("retries_exhausted")
     );
-    let _ = connection.close(200, "bye".into()).await;
+    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
     cleanup(&store, &names).await;
 }
 
@@ -679,7 +679,7 @@ async fn closed_connection_redelivers_exactly_once<S: ParcelStore>(store: S, nam
                             .expect("depth"),
                     );
                 }
-                let _ = c.close(200, "bye".into()).await;
+                consumer_app::runtime::amqp::close_bounded(&c, "bye").await;
                 eprintln!("still waiting: ready {depths:?}\n{stats}{tally:?}");
                 tokio::time::sleep(Duration::from_secs(2)).await;
             }
@@ -700,7 +700,7 @@ async fn closed_connection_redelivers_exactly_once<S: ParcelStore>(store: S, nam
                 .await
                 .expect("depth");
         }
-        let _ = c.close(200, "bye".into()).await;
+        consumer_app::runtime::amqp::close_bounded(&c, "bye").await;
         total == 0
     };
     eventually("queues empty", Duration::from_secs(20), depth_zero).await;

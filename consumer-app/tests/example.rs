@@ -97,7 +97,7 @@ async fn a_redelivered_invoice_is_booked_once() {
         .delete(&channel)
         .await
         .expect("delete topology");
-    let _ = connection.close(200, "bye".into()).await;
+    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
     sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
         .execute(store.pool())
         .await

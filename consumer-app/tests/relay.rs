@@ -140,7 +140,7 @@ impl Broker {
             )
             .await
             .expect("delete exchange");
-        let _ = self.connection.close(200, "bye".into()).await;
+        consumer_app::runtime::amqp::close_bounded(&self.connection, "bye").await;
     }
 
     fn message(&self, queue: &str, n: usize) -> OutgoingMessage {

@@ -136,7 +136,7 @@ async fn shutdown_during_backoff(test: &str, retry_attempts: u32, bound: Duratio
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     topology.delete(&channel).await.expect("delete topology");
-    let _ = connection.close(200, "bye".into()).await;
+    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
 }
 
 /// Between in-process attempts (a 5 s retry delay here).

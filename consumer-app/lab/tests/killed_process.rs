@@ -167,7 +167,7 @@ async fn killed_process_redelivers_exactly_once<S: ParcelStore>(store: S, kind: 
         .expect("connect");
     let channel = connection.create_channel().await.expect("channel");
     topology.delete(&channel).await.expect("delete topology");
-    let _ = connection.close(200, "bye".into()).await;
+    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
     store.drop_schema().await.expect("drop schema");
 }
 

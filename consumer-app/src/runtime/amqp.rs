@@ -263,6 +263,21 @@ async fn check_confirm(confirm: PublisherConfirm) -> Result<(), AppError> {
     Ok(())
 }
 
+/// Closes `connection`, waiting at most ten seconds for the broker's
+/// answer: lapin's close can wait forever for a close-ok that never comes
+/// once the socket is gone, and a caller that is only tidying up must not
+/// hang on it.
+pub async fn close_bounded(connection: &Connection, reason: &str) {
+    let close = connection.close(200, reason.into());
+    match tokio::time::timeout(Duration::from_secs(10), close).await {
+        Ok(_) => {}
+        Err(_) => tracing::warn!(
+            reason,
+            "AMQP connection close not answered in 10 s; going on"
+        ),
+    }
+}
+
 /// An empty argument table.
 pub fn no_args() -> FieldTable {
     FieldTable::default()
