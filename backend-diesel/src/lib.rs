@@ -29,6 +29,9 @@
 //!   [`inbox_api::OutboxStore`] for the relay, with `inbox-postgres`'s
 //!   statements: leases taken with `FOR UPDATE SKIP LOCKED`, expiring on
 //!   their own.
+//! - The attempt ledger: [`DieselStore`] implements
+//!   [`inbox_api::AttemptLedger`], each failure one upsert on a pooled
+//!   connection outside any transaction (the consumer's has rolled back).
 //! - [`classify`] turns diesel errors into [`inbox_api::InboxError`]s that
 //!   say retry or dead-letter, by the SQLSTATE table both backends share.
 //!
@@ -85,6 +88,7 @@
 //! [diesel-async]: diesel_async
 #![deny(missing_docs)]
 
+mod attempts;
 mod error;
 mod listen;
 mod migrate;

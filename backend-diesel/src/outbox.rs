@@ -11,7 +11,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use diesel::OptionalExtension;
-use diesel::sql_types::{Array, BigInt, Timestamptz, Uuid};
+use diesel::sql_types::{Array, BigInt, Uuid};
 use diesel_async::RunQueryDsl;
 use inbox_api::{
     EnqueueOutcome, InboxError, LeaseId, MessageId, OutboxLease, OutboxRecord, OutboxStore,
@@ -124,18 +124,7 @@ impl OutboxStore for DieselStore {
         cutoff: DateTime<Utc>,
         limit: NonZeroU32,
     ) -> Result<u64, InboxError> {
-        let mut conn = self.relay_connection().await?;
-        let deleted = diesel::sql_query(sql::PURGE_PUBLISHED_BATCH)
-            .bind::<Timestamptz, _>(cutoff)
-            .bind::<BigInt, _>(i64::from(limit.get()))
-            .execute(&mut *conn)
-            .await;
-        match deleted {
-            Ok(rows) => {
-                tracing::debug!(deleted = rows, %cutoff, limit, "purged published outbox rows");
-                Ok(affected(rows))
-            }
-            Err(error) => Err(refine(&mut conn, error).await),
-        }
+        self.purge_batch(sql::PURGE_PUBLISHED_BATCH, cutoff, limit, "outbox")
+            .await
     }
 }

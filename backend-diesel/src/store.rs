@@ -254,6 +254,32 @@ impl DieselStore {
         inbox_postgres::migrate(&mut Migrating(&mut conn), &self.schema).await
     }
 
+    /// One batch of a cleanup `statement` (`$1` cutoff, `$2` limit, the
+    /// shape of every purge in [`sql`]): the inbox's, the outbox's and the
+    /// attempt ledger's, each on a pooled connection in a transaction of its
+    /// own. Returns the rows deleted.
+    pub(crate) async fn purge_batch(
+        &self,
+        statement: &'static str,
+        cutoff: DateTime<Utc>,
+        limit: NonZeroU32,
+        table: &'static str,
+    ) -> Result<u64, InboxError> {
+        let mut conn = self.pool.get().await.map_err(classify_pool)?;
+        let deleted = diesel::sql_query(statement)
+            .bind::<Timestamptz, _>(cutoff)
+            .bind::<BigInt, _>(i64::from(limit.get()))
+            .execute(&mut *conn)
+            .await;
+        match deleted {
+            Ok(n) => {
+                tracing::debug!(table, deleted = n, %cutoff, limit, "purge batch");
+                Ok(u64::try_from(n).unwrap_or(u64::MAX))
+            }
+            Err(error) => Err(refine(&mut conn, error).await),
+        }
+    }
+
     /// Checks out a connection and runs `BEGIN`, retrying on another
     /// connection when a pooled one turns out to be dead (BEGIN has no
     /// effect, so retrying it is always safe).
@@ -327,19 +353,8 @@ impl InboxStore for DieselStore {
         cutoff: DateTime<Utc>,
         limit: NonZeroU32,
     ) -> Result<u64, InboxError> {
-        let mut conn = self.pool.get().await.map_err(classify_pool)?;
-        let deleted = diesel::sql_query(sql::PURGE_BATCH)
-            .bind::<Timestamptz, _>(cutoff)
-            .bind::<BigInt, _>(i64::from(limit.get()))
-            .execute(&mut *conn)
-            .await;
-        match deleted {
-            Ok(n) => {
-                tracing::debug!(deleted = n, %cutoff, limit, "purged processed inbox rows");
-                Ok(u64::try_from(n).unwrap_or(u64::MAX))
-            }
-            Err(error) => Err(refine(&mut conn, error).await),
-        }
+        self.purge_batch(sql::PURGE_BATCH, cutoff, limit, "inbox")
+            .await
     }
 }
 

@@ -206,6 +206,20 @@ impl inbox_conformance::OutboxHarness for DieselHarness {
     }
 }
 
+inbox_conformance::ledger_conformance_tests!(harness);
+
+#[async_trait]
+impl inbox_conformance::LedgerHarness for DieselHarness {
+    async fn age_attempts(&self, store: &DieselStore, age: Duration) {
+        let mut conn = common::live_conn(store).await;
+        diesel::sql_query(inbox_conformance::postgres::support::AGE_ATTEMPTS)
+            .bind::<Double, _>(age.as_secs_f64())
+            .execute(&mut *conn)
+            .await
+            .expect("age the attempt ledger");
+    }
+}
+
 #[derive(diesel::QueryableByName)]
 struct Int8 {
     #[diesel(sql_type = BigInt)]

@@ -45,6 +45,11 @@
 //!   deadline on the store clock, so a relay that dies gives them back when
 //!   its lease runs out, exactly as `locked_until` does on Postgres.
 //!
+//! - **Attempt ledger.** [`AttemptLedger`](inbox_api::AttemptLedger):
+//!   failed deliveries per key, recorded at once and apart from every
+//!   transaction (a failure's transaction has rolled back), on the store
+//!   clock, as `inbox_attempts` on Postgres.
+//!
 //! Where it differs from Postgres, knowingly: business keys carry no row
 //! locks, so two transactions writing the same business key do not wait for
 //! each other and the last commit wins. Effects should use unique keys (the
@@ -81,6 +86,7 @@
 //! ```
 #![deny(missing_docs)]
 
+mod attempts;
 mod clock;
 mod deadlock;
 mod outbox;

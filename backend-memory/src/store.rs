@@ -246,6 +246,8 @@ pub(crate) struct Shared {
     /// Committed outgoing rows; locked after every inbox and key-value
     /// shard, last in the global lock order.
     outbox: Mutex<Outbox>,
+    /// The attempt ledger; never locked together with anything else.
+    pub(crate) attempts: Mutex<crate::attempts::Ledger>,
 }
 
 impl Shared {
@@ -258,6 +260,7 @@ impl Shared {
             next_tx: AtomicU64::new(1),
             waits: WaitGraph::default(),
             outbox: Mutex::default(),
+            attempts: Mutex::default(),
         }
     }
 

@@ -62,6 +62,9 @@
 //!   into `outbox_messages`); [`SqlxStore`] implements
 //!   [`inbox_api::OutboxStore`] for the relay: leases taken with `FOR
 //!   UPDATE SKIP LOCKED` in one short statement, expiring on their own.
+//! - **Attempt ledger**: [`SqlxStore`] implements
+//!   [`inbox_api::AttemptLedger`], each failure one upsert on the pool, in
+//!   its own transaction, outside the consumer's (which has rolled back).
 //! - **Errors**: [`classify`] reads the SQLSTATE (or sqlx's error kind) and
 //!   maps it through `inbox-postgres`'s table onto retryable and permanent
 //!   [`InboxError`]s.
@@ -71,6 +74,7 @@
 //!   both. Building needs no database.
 #![deny(missing_docs)]
 
+mod attempts;
 mod error;
 mod outbox;
 
@@ -210,6 +214,29 @@ impl SqlxStore {
     }
 }
 
+impl SqlxStore {
+    /// One batch of a cleanup `statement` (`$1` cutoff, `$2` limit, the
+    /// shape of every purge in [`sql`]): the inbox's, the outbox's and the
+    /// attempt ledger's. Returns the rows deleted.
+    pub(crate) async fn purge_batch(
+        &self,
+        statement: &'static str,
+        cutoff: DateTime<Utc>,
+        limit: NonZeroU32,
+        table: &'static str,
+    ) -> Result<u64, InboxError> {
+        let deleted = sqlx::query(statement)
+            .bind(cutoff)
+            .bind(i64::from(limit.get()))
+            .execute(&self.pool)
+            .await
+            .map_err(classify)?
+            .rows_affected();
+        tracing::debug!(schema = %self.schema, table, %cutoff, limit, deleted, "purge batch");
+        Ok(deleted)
+    }
+}
+
 /// [`inbox_postgres::migrate`]'s view of a sqlx connection.
 struct Migrating<'c>(&'c mut PgConnection);
 
@@ -273,15 +300,8 @@ impl InboxStore for SqlxStore {
         cutoff: DateTime<Utc>,
         limit: NonZeroU32,
     ) -> Result<u64, InboxError> {
-        let deleted = sqlx::query(sql::PURGE_BATCH)
-            .bind(cutoff)
-            .bind(i64::from(limit.get()))
-            .execute(&self.pool)
+        self.purge_batch(sql::PURGE_BATCH, cutoff, limit, "inbox")
             .await
-            .map_err(classify)?
-            .rows_affected();
-        tracing::debug!(schema = %self.schema, %cutoff, limit, deleted, "inbox purge batch");
-        Ok(deleted)
     }
 }
 

@@ -97,14 +97,7 @@ impl OutboxStore for SqlxStore {
         cutoff: DateTime<Utc>,
         limit: NonZeroU32,
     ) -> Result<u64, InboxError> {
-        let deleted = sqlx::query(sql::PURGE_PUBLISHED_BATCH)
-            .bind(cutoff)
-            .bind(i64::from(limit.get()))
-            .execute(&self.pool)
+        self.purge_batch(sql::PURGE_PUBLISHED_BATCH, cutoff, limit, "outbox")
             .await
-            .map_err(classify)?
-            .rows_affected();
-        tracing::debug!(schema = %self.schema, %cutoff, limit, deleted, "outbox purge batch");
-        Ok(deleted)
     }
 }

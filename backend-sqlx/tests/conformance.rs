@@ -242,6 +242,19 @@ impl inbox_conformance::OutboxHarness for SqlxHarness {
     }
 }
 
+inbox_conformance::ledger_conformance_tests!(harness);
+
+#[async_trait]
+impl inbox_conformance::LedgerHarness for SqlxHarness {
+    async fn age_attempts(&self, store: &SqlxStore, age: Duration) {
+        sqlx::query(inbox_conformance::postgres::support::AGE_ATTEMPTS)
+            .bind(age.as_secs_f64())
+            .execute(store.pool())
+            .await
+            .expect("age the attempt ledger");
+    }
+}
+
 /// A connection of its own (outside every store's pool) in `store`'s
 /// schema.
 async fn side(store: &SqlxStore) -> sqlx::PgConnection {

@@ -11,7 +11,9 @@
 //!   (`inbox-backend-memory`, `inbox-backend-sqlx`, `inbox-backend-diesel`).
 //! - Optional capabilities in traits of their own: [`BatchTransaction`]
 //!   (many claims per statement, savepoints; what [`Inbox::handle_batch`]
-//!   needs) and [`InboxStats`] (row counts per consumer).
+//!   needs), [`InboxStats`] (row counts per consumer) and [`AttemptLedger`]
+//!   (failed deliveries per message, the service's own poison count,
+//!   written outside the rolled-back transaction).
 //! - [`InboxStoreExt`]: conveniences implemented once for every store
 //!   (`purge_processed_before`, which records the purge metric).
 //! - [`Inbox::handle`] / [`Inbox::handle_batch`]: the middleware a consumer
@@ -26,6 +28,7 @@
 //! This crate depends on no backend and no runtime.
 #![deny(missing_docs)]
 
+mod attempts;
 mod error;
 mod inbox;
 mod key;
@@ -33,6 +36,7 @@ pub mod metrics;
 mod outbox;
 mod store;
 
+pub use attempts::{AttemptLedger, AttemptLedgerExt, AttemptRecord, DeadMark, LastError};
 pub use error::{BoxError, Disposition, InboxError};
 pub use inbox::{AsyncWork, AsyncWorkMut, Handled, Inbox};
 pub use key::{ConsumerName, InboxKey, MessageId};

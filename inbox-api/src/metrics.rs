@@ -13,6 +13,7 @@
 //! | `inbox_handle_duration_seconds` | histogram | `consumer`, `outcome` (`processed`, `duplicate`, `failed`) | [`crate::Inbox::handle`] |
 //! | `inbox_batch_reruns_total` | counter | none | [`crate::Inbox::handle_batch`], when a work failure makes it rerun a batch with savepoints |
 //! | `inbox_purged_rows_total` | counter | none | [`crate::InboxStoreExt::purge_processed_before`], once per batch |
+//! | `inbox_attempts_purged_rows_total` | counter | none | [`crate::AttemptLedgerExt::purge_attempts_before`], once per batch |
 //! | `inbox_dead_lettered_total` | counter | `consumer`, `reason` | the consuming application |
 //! | `inbox_rows` | gauge | none | the consuming application (periodic count) |
 //! | `inbox_store_available` | gauge | none | the consuming application: 1 while it consumes, 0 while a store outage pauses it |
@@ -36,6 +37,8 @@ pub const HANDLE_DURATION: &str = "inbox_handle_duration_seconds";
 pub const BATCH_RERUNS: &str = "inbox_batch_reruns_total";
 /// Rows deleted by cleanup.
 pub const PURGED_ROWS: &str = "inbox_purged_rows_total";
+/// Attempt-ledger rows deleted by cleanup.
+pub const ATTEMPTS_PURGED_ROWS: &str = "inbox_attempts_purged_rows_total";
 /// Deliveries sent to a dead-letter queue (recorded by the application).
 pub const DEAD_LETTERED: &str = "inbox_dead_lettered_total";
 /// Rows in the inbox table (a gauge the application refreshes).
@@ -81,6 +84,10 @@ pub fn describe() {
         "Batches rerun with savepoints after a message's work failed"
     );
     describe_counter!(PURGED_ROWS, "Processed inbox rows deleted by cleanup");
+    describe_counter!(
+        ATTEMPTS_PURGED_ROWS,
+        "Attempt-ledger rows (failed deliveries) deleted by cleanup"
+    );
     describe_counter!(
         DEAD_LETTERED,
         "Deliveries rejected into a dead-letter queue, per consumer and reason"
@@ -134,6 +141,7 @@ mod tests {
                 FAILED,
                 BATCH_RERUNS,
                 PURGED_ROWS,
+                ATTEMPTS_PURGED_ROWS,
                 DEAD_LETTERED,
                 OUTBOX_PURGED_ROWS,
                 OUTBOX_PUBLISHED,
@@ -157,7 +165,7 @@ mod tests {
                 (key.key().name().to_owned(), unit, help)
             })
             .collect();
-        assert_eq!(described.len(), 15, "{described:?}");
+        assert_eq!(described.len(), 16, "{described:?}");
         for (name, unit, help) in &described {
             assert!(help.len() > 10, "{name} has no help text: {help:?}");
             let expected = [HANDLE_DURATION, OUTBOX_PUBLISH_DURATION]

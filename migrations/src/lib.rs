@@ -10,6 +10,8 @@
 //!   through one driver is migrated for the other.
 //! - [`sql`]: every statement the inbox and its outbox send, and the
 //!   outbox table (`outbox_messages`) among the migrations.
+//! - [`AttemptColumns`] and [`attempt_record`]: the attempt ledger's rows
+//!   (`inbox_attempts`), decoded once for both drivers.
 //! - [`OutboxRow`] and its helpers: the outbox's parameters and rows,
 //!   decoded once for both drivers.
 //! - [`ErrorClass`]: the SQLSTATE table deciding retry or dead-letter.
@@ -30,6 +32,7 @@
 //! ```
 #![deny(missing_docs)]
 
+mod attempts;
 mod claims;
 mod migrate;
 mod outbox;
@@ -37,6 +40,7 @@ mod schema_name;
 pub mod sql;
 mod sqlstate;
 
+pub use attempts::{AttemptColumns, attempt_count, attempt_record};
 pub use claims::{Claims, SavepointDriver, key_columns, rollback_to_savepoint, savepoint};
 pub use migrate::{
     ADVISORY_LOCK_KEY, LEDGER_TABLE, MIGRATIONS, Migration, MigrationConnection, migrate, pending,

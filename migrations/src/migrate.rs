@@ -69,6 +69,11 @@ pub static MIGRATIONS: &[Migration] = &[
         description: "notify relays on enqueue",
         sql: include_str!("../20261204000002_notify_relays_on_enqueue.sql"),
     },
+    Migration {
+        version: 20261205000001,
+        description: "create inbox attempts",
+        sql: include_str!("../20261205000001_create_inbox_attempts.sql"),
+    },
 ];
 
 /// The ledger: one row per applied migration, in the store's schema.

@@ -1,4 +1,5 @@
-//! Every SQL statement of the inbox and its outbox, once, for every driver.
+//! Every SQL statement of the inbox, its attempt ledger and its outbox,
+//! once, for every driver.
 //!
 //! Names are unqualified: each store picks its schema through `search_path`,
 //! so statements stay constant (prepared once per connection) and no text
@@ -64,6 +65,74 @@ pub const PURGE_BATCH: &str = "DELETE FROM inbox_messages WHERE ctid = ANY(ARRAY
 /// int8)`.
 pub const PROCESSED_COUNTS: &str = "SELECT consumer_type::text, count(*) \
      FROM inbox_messages GROUP BY consumer_type";
+
+/// Records one failed delivery, in one statement and so outside the
+/// handler's (rolled-back) transaction: `$1` message id (uuid), `$2`
+/// consumer (text), `$3` the error's text. Returns the count including this
+/// failure (int4).
+///
+/// One upsert, so concurrent failures of one key each add one (the row
+/// lock of `ON CONFLICT DO UPDATE` serialises them; no read-then-write).
+/// Every `SET` expression reads the old row: a row marked dead starts a
+/// fresh count at one, its dead mark cleared (a replay after a fix).
+pub const RECORD_FAILURE: &str = "INSERT INTO inbox_attempts AS a \
+     (message_id, consumer, attempts, last_error) VALUES ($1, $2, 1, $3) \
+     ON CONFLICT (message_id, consumer) DO UPDATE SET \
+     attempts = CASE WHEN a.dead_at IS NULL THEN a.attempts + 1 ELSE 1 END, \
+     first_failed_at = CASE WHEN a.dead_at IS NULL THEN a.first_failed_at ELSE now() END, \
+     last_error = EXCLUDED.last_error, last_failed_at = now(), \
+     dead_at = NULL, dead_reason = NULL \
+     RETURNING attempts";
+
+/// Marks a message dead-lettered: `$1` message id, `$2` consumer, `$3` the
+/// error's text, `$4` the reason label. A key without a row (dead at its
+/// first failure) gets one counting that failure; an existing row keeps its
+/// count and takes the error as its last.
+pub const MARK_DEAD: &str = "INSERT INTO inbox_attempts AS a \
+     (message_id, consumer, attempts, last_error, dead_at, dead_reason) \
+     VALUES ($1, $2, 1, $3, now(), $4) \
+     ON CONFLICT (message_id, consumer) DO UPDATE SET \
+     last_error = EXCLUDED.last_error, last_failed_at = now(), \
+     dead_at = now(), dead_reason = EXCLUDED.dead_reason";
+
+/// The columns of one ledger row, as [`crate::AttemptColumns`] reads them,
+/// for a statement that names the table `a`.
+macro_rules! attempt_row_columns {
+    () => {
+        "a.message_id, a.consumer::text AS consumer, a.attempts, a.last_error, \
+         a.first_failed_at, a.last_failed_at, a.dead_at, a.dead_reason::text AS dead_reason"
+    };
+}
+
+/// One key's ledger row: `$1` message id, `$2` consumer. Returns the
+/// columns of [`crate::AttemptColumns`].
+pub const LOOKUP_ATTEMPTS: &str = concat!(
+    "SELECT ",
+    attempt_row_columns!(),
+    " FROM inbox_attempts AS a WHERE a.message_id = $1 AND a.consumer = $2"
+);
+
+/// Dead rows, newest first: `$1` consumer (text, NULL for every consumer),
+/// `$2` limit (int8). Returns the columns of [`crate::AttemptColumns`].
+///
+/// Walks the partial index of dead rows; a message processed since (its
+/// inbox row committed: a replay that succeeded) is left out.
+pub const DEAD_MESSAGES: &str = concat!(
+    "SELECT ",
+    attempt_row_columns!(),
+    " FROM inbox_attempts AS a \
+     WHERE a.dead_at IS NOT NULL AND a.consumer = COALESCE($1, a.consumer) \
+     AND NOT EXISTS (SELECT 1 FROM inbox_messages AS m \
+                     WHERE m.id = a.message_id AND m.consumer_type = a.consumer) \
+     ORDER BY a.dead_at DESC LIMIT $2"
+);
+
+/// One batch of ledger cleanup: `$1` cutoff (timestamptz), `$2` batch size
+/// (int8). Affects the rows deleted. The same shape as [`PURGE_BATCH`],
+/// through the index on `last_failed_at`.
+pub const PURGE_ATTEMPTS_BATCH: &str = "DELETE FROM inbox_attempts WHERE ctid = ANY(ARRAY(\
+     SELECT ctid FROM inbox_attempts WHERE last_failed_at < $1 \
+     ORDER BY last_failed_at LIMIT $2 FOR UPDATE SKIP LOCKED))";
 
 /// The columns of one outgoing row, as [`crate::OutboxRow`] reads them,
 /// for a statement that names the table `o`. The headers come back as two
@@ -226,6 +295,11 @@ mod tests {
             (LOOKUP, 2),
             (PURGE_BATCH, 2),
             (PROCESSED_COUNTS, 0),
+            (RECORD_FAILURE, 3),
+            (MARK_DEAD, 4),
+            (LOOKUP_ATTEMPTS, 2),
+            (DEAD_MESSAGES, 2),
+            (PURGE_ATTEMPTS_BATCH, 2),
             (ENQUEUE, 7),
             (TAKE_PENDING, 3),
             (MARK_PUBLISHED, 1),

@@ -14,12 +14,20 @@ use chrono::{DateTime, Utc};
 use std::num::NonZeroU32;
 
 use inbox_api::{
-    BatchTransaction, Claim, EnqueueOutcome, InboxError, InboxKey, InboxRecord, InboxStats,
-    InboxStore, InboxTransaction, MessageId, OutboxLease, OutboxRecord, OutboxStore,
-    OutboxTransaction, OutgoingMessage,
+    AttemptLedger, AttemptRecord, BatchTransaction, Claim, ConsumerName, EnqueueOutcome,
+    InboxError, InboxKey, InboxRecord, InboxStats, InboxStore, InboxTransaction, LastError,
+    MessageId, OutboxLease, OutboxRecord, OutboxStore, OutboxTransaction, OutgoingMessage,
 };
 
-use crate::{CrashKind, Harness, OutboxHarness, TxOf};
+use crate::{CrashKind, Harness, LedgerHarness, OutboxHarness, TxOf};
+
+fn lock_unflushed(
+    unflushed: &Mutex<Vec<(InboxKey, LastError)>>,
+) -> std::sync::MutexGuard<'_, Vec<(InboxKey, LastError)>> {
+    unflushed
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 /// Which promise the store breaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -45,6 +53,13 @@ pub enum Broken {
     /// lease holds is handed to the next relay too (a take without
     /// `SKIP LOCKED` and without `locked_until`).
     LeaseIgnored,
+    /// An attempt ledger that forgets: every failure answers "the first",
+    /// so a message failing for ever never reaches the delivery cap on a
+    /// queue without a broker count.
+    LedgerForgetsCounts,
+    /// An attempt ledger that writes its count in the consumer's
+    /// transaction: the failed attempt rolls back, and the count with it.
+    LedgerInFailedTransaction,
 }
 
 impl Broken {
@@ -59,6 +74,13 @@ impl Broken {
     /// Every store with a broken outbox (its inbox is sound): the outbox
     /// suite must reject each.
     pub const OUTBOX: [Broken; 2] = [Broken::PublishBeforeCommit, Broken::LeaseIgnored];
+
+    /// Every store with a broken attempt ledger (its inbox and outbox are
+    /// sound): the ledger suite must reject each.
+    pub const LEDGER: [Broken; 2] = [
+        Broken::LedgerForgetsCounts,
+        Broken::LedgerInFailedTransaction,
+    ];
 }
 
 /// Keys claimed by open transactions of one [`BrokenStore`], so that
@@ -78,6 +100,12 @@ pub struct BrokenStore<S> {
     in_flight: InFlight,
     /// Every message [`Broken::LeaseIgnored`] handed out, to hand out again.
     leased: Arc<Mutex<Vec<MessageId>>>,
+    /// [`Broken::LedgerInFailedTransaction`]'s failures, written "in the
+    /// open transaction": kept by a commit, lost by a rollback.
+    unflushed: Arc<Mutex<Vec<(InboxKey, LastError)>>>,
+    /// Those of them a commit kept, not yet written to the ledger
+    /// underneath.
+    kept: Arc<Mutex<Vec<(InboxKey, LastError)>>>,
 }
 
 impl<S> BrokenStore<S> {
@@ -88,6 +116,8 @@ impl<S> BrokenStore<S> {
             kind,
             in_flight: Arc::default(),
             leased: Arc::default(),
+            unflushed: Arc::default(),
+            kept: Arc::default(),
         }
     }
 
@@ -221,17 +251,26 @@ impl<S: InboxStore + Clone> InboxTransaction for BrokenTransaction<S> {
                 self.held.keys.push(key.clone());
                 self.inner.claim(key).await
             }
-            // Outbox bugs: the inbox is sound.
-            Broken::PublishBeforeCommit | Broken::LeaseIgnored => self.inner.claim(key).await,
+            // Outbox and ledger bugs: the inbox is sound.
+            Broken::PublishBeforeCommit
+            | Broken::LeaseIgnored
+            | Broken::LedgerForgetsCounts
+            | Broken::LedgerInFailedTransaction => self.inner.claim(key).await,
         }
     }
 
     async fn commit(mut self) -> Result<(), InboxError> {
         self.claim_late().await?;
-        self.inner.commit().await
+        self.inner.commit().await?;
+        // Committed "with the transaction": the ledger writes them through
+        // at its next call.
+        let committed = std::mem::take(&mut *lock_unflushed(&self.store.unflushed));
+        lock_unflushed(&self.store.kept).extend(committed);
+        Ok(())
     }
 
     async fn rollback(self) -> Result<(), InboxError> {
+        lock_unflushed(&self.store.unflushed).clear();
         self.inner.rollback().await
     }
 }
@@ -430,5 +469,79 @@ where
 {
     async fn age_outbox(&self, store: &Self::Store, age: Duration) {
         self.inner.age_outbox(store.inner(), age).await;
+    }
+}
+
+impl<S: AttemptLedger> BrokenStore<S> {
+    /// Writes the failures a commit kept to the ledger underneath.
+    async fn write_kept(&self) -> Result<(), InboxError> {
+        let kept = std::mem::take(&mut *lock_unflushed(&self.kept));
+        for (key, error) in kept {
+            self.inner.record_failure(&key, &error).await?;
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl<S: AttemptLedger + Clone> AttemptLedger for BrokenStore<S> {
+    async fn record_failure(&self, key: &InboxKey, error: &LastError) -> Result<u32, InboxError> {
+        self.write_kept().await?;
+        match self.kind {
+            Broken::LedgerForgetsCounts => Ok(1),
+            Broken::LedgerInFailedTransaction => {
+                let pending = {
+                    let mut unflushed = lock_unflushed(&self.unflushed);
+                    unflushed.push((key.clone(), error.clone()));
+                    unflushed.iter().filter(|(k, _)| k == key).count()
+                };
+                let stored = self.inner.attempts(key).await?.map_or(0, |r| r.attempts);
+                Ok(stored + u32::try_from(pending).unwrap_or(u32::MAX))
+            }
+            _ => self.inner.record_failure(key, error).await,
+        }
+    }
+
+    async fn mark_dead(
+        &self,
+        key: &InboxKey,
+        reason: &str,
+        error: &LastError,
+    ) -> Result<(), InboxError> {
+        self.write_kept().await?;
+        self.inner.mark_dead(key, reason, error).await
+    }
+
+    async fn attempts(&self, key: &InboxKey) -> Result<Option<AttemptRecord>, InboxError> {
+        self.write_kept().await?;
+        self.inner.attempts(key).await
+    }
+
+    async fn dead_messages(
+        &self,
+        consumer: Option<&ConsumerName>,
+        limit: NonZeroU32,
+    ) -> Result<Vec<AttemptRecord>, InboxError> {
+        self.write_kept().await?;
+        self.inner.dead_messages(consumer, limit).await
+    }
+
+    async fn purge_attempts_batch(
+        &self,
+        cutoff: DateTime<Utc>,
+        limit: NonZeroU32,
+    ) -> Result<u64, InboxError> {
+        self.write_kept().await?;
+        self.inner.purge_attempts_batch(cutoff, limit).await
+    }
+}
+
+#[async_trait]
+impl<H: LedgerHarness> LedgerHarness for BrokenHarness<H>
+where
+    H::Store: AttemptLedger,
+{
+    async fn age_attempts(&self, store: &Self::Store, age: Duration) {
+        self.inner.age_attempts(store.inner(), age).await;
     }
 }

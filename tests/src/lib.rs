@@ -23,12 +23,16 @@
 //! and call [`outbox_conformance_tests!`]: the outbox's contract tests and
 //! its relay crash-point model ([`outbox`]).
 //!
+//! Stores that keep an attempt ledger implement [`LedgerHarness`] and call
+//! [`ledger_conformance_tests!`]: the ledger's contract tests ([`ledger`]).
+//!
 //! `PROPTEST_CASES` sets the models' case count (default 1,000).
 #![deny(missing_docs)]
 
 pub mod broken;
 pub mod contract;
 mod harness;
+pub mod ledger;
 pub mod model;
 pub mod outbox;
 pub mod postgres;
@@ -36,6 +40,7 @@ pub mod postgres;
 use std::fmt;
 
 pub use harness::{CrashKind, Harness, TxOf};
+pub use ledger::LedgerHarness;
 pub use outbox::OutboxHarness;
 pub use postgres::PgHarness;
 

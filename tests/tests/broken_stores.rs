@@ -6,7 +6,7 @@ mod common;
 
 use inbox_conformance::broken::{Broken, BrokenHarness};
 use inbox_conformance::model::Mode;
-use inbox_conformance::{contract, model, outbox, runtime};
+use inbox_conformance::{contract, ledger, model, outbox, runtime};
 
 /// Cases the model gets to find each bug (with a fixed seed, so the test is
 /// stable); the healthy store passes the same schedules.
@@ -88,6 +88,24 @@ fn the_inbox_suite_passes_over_a_broken_outbox() {
 }
 
 #[test]
+fn ledger_contract_tests_reject_every_broken_ledger() {
+    let rt = runtime();
+    for kind in Broken::LEDGER {
+        let harness = BrokenHarness::new(common::MemoryHarness, kind);
+        let failures = rt.block_on(ledger::run_all(&harness));
+        assert!(
+            !failures.is_empty(),
+            "the ledger contract tests accepted a store broken by {kind:?}"
+        );
+        let names: Vec<_> = failures.iter().map(|(name, _)| *name).collect();
+        println!("{kind:?} rejected by {names:?}");
+        // A ledger bug is not an inbox bug.
+        let inbox_failures = rt.block_on(contract::run_all(&harness));
+        assert!(inbox_failures.is_empty(), "{kind:?}: {inbox_failures:?}");
+    }
+}
+
+#[test]
 fn healthy_store_passes_what_rejects_the_broken_ones() {
     let rt = runtime();
     let failures = rt.block_on(contract::run_all(&common::MemoryHarness));
@@ -106,4 +124,9 @@ fn healthy_store_passes_what_rejects_the_broken_ones() {
     );
     outbox::model::run_deterministic(&rt, &common::MemoryHarness, MODEL_CASES)
         .unwrap_or_else(|failure| panic!("{failure}"));
+    let failures = rt.block_on(ledger::run_all(&common::MemoryHarness));
+    assert!(
+        failures.is_empty(),
+        "healthy memory ledger failed: {failures:?}"
+    );
 }

@@ -5,3 +5,5 @@ mod common;
 inbox_conformance::conformance_tests!(common::memory_harness);
 
 inbox_conformance::outbox_conformance_tests!(common::memory_harness);
+
+inbox_conformance::ledger_conformance_tests!(common::memory_harness);

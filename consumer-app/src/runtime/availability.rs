@@ -43,7 +43,7 @@ use inbox_api::{
 use tokio::sync::watch;
 
 use crate::runtime::AppError;
-use crate::runtime::backoff::backoff;
+use crate::runtime::backoff::Backoff;
 use crate::runtime::config::AvailabilityConfig;
 use crate::runtime::error::chain;
 use crate::runtime::shutdown::stopped;
@@ -205,11 +205,8 @@ impl StoreCircuit {
                 failed_probes = 0;
             }
             loop {
-                let delay = backoff(
-                    self.config.probe_delay,
-                    self.config.max_probe_delay,
-                    failed_probes,
-                );
+                let delay = Backoff::new(self.config.probe_delay, self.config.max_probe_delay)
+                    .delay(failed_probes);
                 tokio::select! {
                     () = stopped(&mut shutdown) => return,
                     () = tokio::time::sleep(delay) => {}

@@ -48,7 +48,7 @@ use tokio::task::JoinSet;
 use crate::runtime::ack::{AckTracker, collect};
 use crate::runtime::amqp::{connect_with_backoff, no_args};
 use crate::runtime::availability::{StoreCircuit, check_store};
-use crate::runtime::backoff::backoff;
+use crate::runtime::backoff::RECONNECT;
 use crate::runtime::config::{CleanupConfig, ServiceConfig};
 use crate::runtime::error::chain;
 use crate::runtime::handler::Handler;
@@ -339,11 +339,7 @@ async fn pause_after(
     failures: u32,
     shutdown: &mut watch::Receiver<bool>,
 ) -> bool {
-    let delay = backoff(
-        Duration::from_millis(200),
-        Duration::from_secs(10),
-        failures,
-    );
+    let delay = RECONNECT.delay(failures);
     tracing::warn!(error = %chain(error), ?delay, "{what}");
     tokio::select! {
         () = tokio::time::sleep(delay) => true,

@@ -38,7 +38,7 @@
 
 use std::time::Duration;
 
-use crate::runtime::backoff::backoff;
+use crate::runtime::backoff::Backoff;
 
 /// The longest in-process retry backoff.
 const MAX_RETRY_DELAY: Duration = Duration::from_secs(5);
@@ -88,12 +88,14 @@ pub enum Settle {
     Ack,
     /// Try again in process after `delay`.
     Retry {
-        /// The backoff before the next attempt.
+        /// The backoff before the next attempt (its ceiling: the worker
+        /// sleeps it jittered).
         delay: Duration,
     },
     /// `basic.nack` with requeue after `pause`: the broker delivers it again.
     Requeue {
-        /// How long to wait first (holding the worker's slot).
+        /// How long to wait first (holding the worker's slot; a ceiling,
+        /// slept jittered).
         pause: Duration,
         /// Whether in-process retries ran out (counted as a requeue), as
         /// opposed to handing the delivery back at once.
@@ -139,11 +141,8 @@ impl SettlePolicy {
             Outcome::Failed(ErrorDisposition::StoreUnavailable) => Settle::Release,
             Outcome::Failed(ErrorDisposition::Retry) if attempt < self.attempts() => {
                 Settle::Retry {
-                    delay: backoff(
-                        self.retry_base_delay,
-                        MAX_RETRY_DELAY,
-                        attempt.saturating_sub(1),
-                    ),
+                    delay: Backoff::new(self.retry_base_delay, MAX_RETRY_DELAY)
+                        .nominal(attempt.saturating_sub(1)),
                 }
             }
             Outcome::Failed(ErrorDisposition::Retry) => {
@@ -151,11 +150,11 @@ impl SettlePolicy {
                     Settle::DeadLetter(DeadLetterReason::RetriesExhausted)
                 } else {
                     Settle::Requeue {
-                        pause: backoff(
+                        pause: Backoff::new(
                             self.retry_base_delay.saturating_mul(10),
                             MAX_REQUEUE_PAUSE,
-                            u32::try_from(earlier_deliveries).unwrap_or(u32::MAX),
-                        ),
+                        )
+                        .nominal(u32::try_from(earlier_deliveries).unwrap_or(u32::MAX)),
                         exhausted: true,
                     }
                 }

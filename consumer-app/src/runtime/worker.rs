@@ -53,6 +53,7 @@ use tokio::sync::watch;
 use crate::runtime::ack::{AckTracker, Frame, settle_one};
 use crate::runtime::amqp::Publisher;
 use crate::runtime::availability::StoreCircuit;
+use crate::runtime::backoff::jittered;
 use crate::runtime::config::WorkerConfig;
 use crate::runtime::error::chain;
 use crate::runtime::handler::Handler;
@@ -292,7 +293,7 @@ where
                 tokio::select! {
                     biased;
                     () = stopped(&mut shutdown) => {}
-                    () = tokio::time::sleep(pause) => {}
+                    () = tokio::time::sleep(jittered(pause)) => {}
                 }
                 for i in requeue {
                     self.requeue(&items[i].delivery, &items[i].key).await;
@@ -302,7 +303,7 @@ where
                 let stopping = tokio::select! {
                     biased;
                     () = stopped(&mut shutdown) => true,
-                    () = tokio::time::sleep(retry_delay) => false,
+                    () = tokio::time::sleep(jittered(retry_delay)) => false,
                 };
                 if stopping {
                     tracing::info!(consumer = %self.consumer_label(), deliveries = again.len(),

@@ -279,11 +279,7 @@ where
                         crate::runtime::error::chain(&error)
                     )));
                 }
-                let delay = crate::runtime::backoff::backoff(
-                    std::time::Duration::from_millis(200),
-                    std::time::Duration::from_secs(10),
-                    attempt,
-                );
+                let delay = crate::runtime::backoff::RECONNECT.delay(attempt);
                 tracing::warn!(%url, store = %config.kind, attempt, ?delay,
                     error = %crate::runtime::error::chain(&error), "PostgreSQL unreachable; retrying");
                 tokio::time::sleep(delay).await;

@@ -37,6 +37,13 @@ pub const AGE_OUTBOX: &str = "UPDATE outbox_messages SET \
      published_at = published_at - make_interval(secs => $1), \
      locked_until = locked_until - make_interval(secs => $1)";
 
+/// Moves every attempt-ledger row `$1` seconds into the past, as
+/// [`AGE_OUTBOX`] does for the outbox.
+pub const AGE_ATTEMPTS: &str = "UPDATE inbox_attempts SET \
+     first_failed_at = first_failed_at - make_interval(secs => $1), \
+     last_failed_at = last_failed_at - make_interval(secs => $1), \
+     dead_at = dead_at - make_interval(secs => $1)";
+
 /// Outbox model cases for a Postgres backend's default run: each case runs
 /// a few dozen real statements, so CI keeps it short; run more with
 /// `PROPTEST_CASES`.

@@ -162,3 +162,54 @@ impl inbox_conformance::OutboxHarness for MemoryHarness {
         store.clock.advance(age);
     }
 }
+
+#[async_trait]
+impl inbox_api::AttemptLedger for MemoryUnderTest {
+    async fn record_failure(
+        &self,
+        key: &InboxKey,
+        error: &inbox_api::LastError,
+    ) -> Result<u32, InboxError> {
+        self.store.record_failure(key, error).await
+    }
+
+    async fn mark_dead(
+        &self,
+        key: &InboxKey,
+        reason: &str,
+        error: &inbox_api::LastError,
+    ) -> Result<(), InboxError> {
+        self.store.mark_dead(key, reason, error).await
+    }
+
+    async fn attempts(
+        &self,
+        key: &InboxKey,
+    ) -> Result<Option<inbox_api::AttemptRecord>, InboxError> {
+        self.store.attempts(key).await
+    }
+
+    async fn dead_messages(
+        &self,
+        consumer: Option<&ConsumerName>,
+        limit: std::num::NonZeroU32,
+    ) -> Result<Vec<inbox_api::AttemptRecord>, InboxError> {
+        self.store.dead_messages(consumer, limit).await
+    }
+
+    async fn purge_attempts_batch(
+        &self,
+        cutoff: DateTime<Utc>,
+        limit: std::num::NonZeroU32,
+    ) -> Result<u64, InboxError> {
+        self.store.purge_attempts_batch(cutoff, limit).await
+    }
+}
+
+#[async_trait]
+impl inbox_conformance::LedgerHarness for MemoryHarness {
+    /// The manual clock moves: every row ages together.
+    async fn age_attempts(&self, store: &MemoryUnderTest, age: Duration) {
+        store.clock.advance(age);
+    }
+}

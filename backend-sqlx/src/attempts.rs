@@ -1,0 +1,76 @@
+//! The attempt ledger on the sqlx backend: `inbox-postgres`'s statements,
+//! each sent on the pool, so each runs in its own (autocommit) transaction
+//! and never in the consumer's, whose failure it records after its rollback.
+
+use std::num::NonZeroU32;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use inbox_api::{AttemptLedger, AttemptRecord, ConsumerName, InboxError, InboxKey, LastError};
+use inbox_postgres::{AttemptColumns, attempt_record, sql};
+
+use crate::{SqlxStore, classify};
+
+#[async_trait]
+impl AttemptLedger for SqlxStore {
+    async fn record_failure(&self, key: &InboxKey, error: &LastError) -> Result<u32, InboxError> {
+        let attempts: i32 = sqlx::query_scalar(sql::RECORD_FAILURE)
+            .bind(key.message_id.as_uuid())
+            .bind(key.consumer.as_str())
+            .bind(error.as_str())
+            .fetch_one(&self.pool)
+            .await
+            .map_err(classify)?;
+        Ok(inbox_postgres::attempt_count(attempts))
+    }
+
+    async fn mark_dead(
+        &self,
+        key: &InboxKey,
+        reason: &str,
+        error: &LastError,
+    ) -> Result<(), InboxError> {
+        sqlx::query(sql::MARK_DEAD)
+            .bind(key.message_id.as_uuid())
+            .bind(key.consumer.as_str())
+            .bind(error.as_str())
+            .bind(reason)
+            .execute(&self.pool)
+            .await
+            .map_err(classify)?;
+        Ok(())
+    }
+
+    async fn attempts(&self, key: &InboxKey) -> Result<Option<AttemptRecord>, InboxError> {
+        let row = sqlx::query_as::<_, AttemptColumns>(sql::LOOKUP_ATTEMPTS)
+            .bind(key.message_id.as_uuid())
+            .bind(key.consumer.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(classify)?;
+        row.map(attempt_record).transpose()
+    }
+
+    async fn dead_messages(
+        &self,
+        consumer: Option<&ConsumerName>,
+        limit: NonZeroU32,
+    ) -> Result<Vec<AttemptRecord>, InboxError> {
+        let rows = sqlx::query_as::<_, AttemptColumns>(sql::DEAD_MESSAGES)
+            .bind(consumer.map(ConsumerName::as_str))
+            .bind(i64::from(limit.get()))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(classify)?;
+        rows.into_iter().map(attempt_record).collect()
+    }
+
+    async fn purge_attempts_batch(
+        &self,
+        cutoff: DateTime<Utc>,
+        limit: NonZeroU32,
+    ) -> Result<u64, InboxError> {
+        self.purge_batch(sql::PURGE_ATTEMPTS_BATCH, cutoff, limit, "attempts")
+            .await
+    }
+}
