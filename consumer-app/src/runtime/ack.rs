@@ -35,6 +35,10 @@ pub(crate) enum Frame {
     RequeueFailed,
     /// `basic.reject` without requeue (to the queue's dead-letter exchange).
     Reject,
+    /// `basic.nack` with requeue, for a delivery handed back uncharged
+    /// because the store is away: kept apart from [`Frame::Requeue`], which
+    /// is for the message's own failures.
+    Release,
 }
 
 /// The unsettled delivery tags of one consuming channel (batched mode).
@@ -121,7 +125,7 @@ pub(crate) async fn settle_one(
 ) -> Result<bool, lapin::Error> {
     match how {
         Frame::Ack => delivery.ack(BasicAckOptions { multiple }).await,
-        Frame::Requeue => {
+        Frame::Requeue | Frame::Release => {
             delivery
                 .nack(BasicNackOptions {
                     multiple: false,

@@ -14,7 +14,7 @@ use tokio::sync::watch;
 use serde::Serialize;
 
 use crate::runtime::AppError;
-use crate::runtime::backoff::backoff;
+use crate::runtime::backoff::RECONNECT;
 use crate::runtime::redact::redact_url;
 
 /// Opens one connection, named so that `rabbitmqctl list_connections
@@ -29,7 +29,7 @@ pub async fn connect(url: &str, name: &str) -> Result<Connection, AppError> {
         .map_err(|e| AppError::broker(format!("connect to {}", redact_url(url)), e))
 }
 
-/// Connects, retrying with exponential backoff (0.2 s up to 10 s) until it
+/// Connects, retrying with [`RECONNECT`]'s jittered backoff until it
 /// works, `attempts` run out (`None`: forever) or `shutdown` turns true.
 ///
 /// # Errors
@@ -54,7 +54,7 @@ pub async fn connect_with_backoff(
                 if attempts.is_some_and(|max| attempt >= max) {
                     return Err(error);
                 }
-                let delay = backoff(Duration::from_millis(200), Duration::from_secs(10), attempt);
+                let delay = RECONNECT.delay(attempt);
                 tracing::warn!(url = %redact_url(url), attempt, ?delay,
                     error = %crate::runtime::error::chain(&error), "RabbitMQ unreachable; retrying");
                 tokio::select! {

@@ -51,7 +51,7 @@ use tokio::time::Instant;
 
 use crate::runtime::AppError;
 use crate::runtime::amqp::connect_with_backoff;
-use crate::runtime::backoff::backoff;
+use crate::runtime::backoff::Backoff;
 use crate::runtime::error::chain;
 use crate::runtime::redact::redact_url;
 use crate::runtime::shutdown::stopped;
@@ -423,11 +423,8 @@ impl<S: OutboxStore + 'static> Relay<S> {
         failures: u32,
         shutdown: &mut watch::Receiver<bool>,
     ) -> bool {
-        let delay = backoff(
-            self.config.retry_base_delay,
-            self.config.retry_max_delay,
-            failures.saturating_sub(1),
-        );
+        let delay = Backoff::new(self.config.retry_base_delay, self.config.retry_max_delay)
+            .delay(failures.saturating_sub(1));
         tracing::warn!(error = %chain(error), ?delay, failures, "outbox relay backing off");
         tokio::select! {
             () = tokio::time::sleep(delay) => true,

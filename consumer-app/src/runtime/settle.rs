@@ -4,8 +4,9 @@
 //! Per-message and batched mode ask the same [`SettlePolicy::decide`], so
 //! that "retry, requeue or dead-letter" is written (and tested) once, apart
 //! from the broker and the store: the decision depends only on the attempt's
-//! outcome, which attempt it was, how often the broker delivered the message
-//! before, and what the error says about itself. A small `Copy` value that
+//! outcome, which attempt it was, how often the message failed before (by
+//! the broker's count and the attempt ledger's), and what the error says
+//! about itself. A small `Copy` value that
 //! decides from the outcome, so that a table test can cover it case by case.
 //!
 //! ```text
@@ -14,17 +15,17 @@
 //! failed, Retry, no attempts left, below the cap ─► Requeue (reject: charged) after a pause that grows per failure
 //! failed, Retry, no attempts left, at the cap    ─► DeadLetter(retries_exhausted)
 //! failed, Requeue (not the message's fault)      ─► Requeue at once (nack: not charged)
+//! failed, StoreUnavailable (the store is away)   ─► Release: handed back uncharged, consumption pauses
 //! failed, DeadLetter (fails the same every time) ─► DeadLetter(the error's reason)
 //! ```
 //!
 //! **Nothing loops forever.** In-process retries are bounded
 //! (`retry_attempts`, exponential backoff); a requeue waits longer with each
-//! failed delivery (10 × the retry delay, doubled, at most 30 s: in an
-//! outage this slows the consumer down rather than spinning through the
-//! cap); and once the message has failed `max_deliveries` times it is
-//! dead-lettered as `retries_exhausted`.
+//! failed delivery (10 × the retry delay, doubled, at most 30 s); and once
+//! the message has failed `max_deliveries` times it is dead-lettered as
+//! `retries_exhausted`.
 //!
-//! **Whose count.** A delivery's failures are counted twice, and the cap
+//! **Whose count.** A message's failures are counted twice, and the cap
 //! takes the larger ([`Deliveries::failed`]): the broker's
 //! `x-delivery-count`, and the store's attempt ledger
 //! ([`inbox_api::AttemptLedger`]), which the worker writes when a delivery
@@ -33,12 +34,21 @@
 //! queue's `x-delivery-count` (so the runtime hands a failed message back
 //! with `basic.reject`, which every version counts), and classic queues and
 //! other brokers count nothing. A requeue that is not the message's fault
-//! (an abandoned attempt, a shutdown) is a `nack`, recorded nowhere, and
-//! spends none of the budget.
+//! (an abandoned attempt, a shutdown, an outage) is a `nack`, recorded
+//! nowhere, and spends none of the budget.
+//!
+//! **An outage is not the message's fault.** A failure of the store itself
+//! (unreachable, or its schema unusable: [`crate::runtime::AppError::is_store_unavailable`])
+//! is released: no in-process retry is spent and no requeue pause held, the
+//! delivery goes back with `basic.nack(requeue)` (which RabbitMQ 4.3 and
+//! later do not count as a delivery), and the runtime's store circuit
+//! pauses consumption until the store answers again (see
+//! [`crate::runtime::availability`]). Its length therefore never decides a
+//! message's fate.
 
 use std::time::Duration;
 
-use crate::runtime::backoff::backoff;
+use crate::runtime::backoff::Backoff;
 
 /// The longest in-process retry backoff.
 const MAX_RETRY_DELAY: Duration = Duration::from_secs(5);
@@ -54,6 +64,9 @@ pub enum ErrorDisposition {
     /// Not the message's fault and not worth retrying here (an abandoned
     /// attempt): hand it back to the broker at once.
     Requeue,
+    /// The store failed, not the message (unreachable, schema unusable):
+    /// hand it back uncharged and pause until the store answers.
+    StoreUnavailable,
     /// It will fail the same way every time: dead-letter it.
     DeadLetter,
 }
@@ -108,12 +121,14 @@ pub enum Settle {
     Ack,
     /// Try again in process after `delay`.
     Retry {
-        /// The backoff before the next attempt.
+        /// The backoff before the next attempt (its ceiling: the worker
+        /// sleeps it jittered).
         delay: Duration,
     },
     /// Requeue after `pause`: the broker delivers it again.
     Requeue {
-        /// How long to wait first (holding the worker's slot).
+        /// How long to wait first (holding the worker's slot; a ceiling,
+        /// slept jittered).
         pause: Duration,
         /// Whether in-process retries ran out: the message's own failure,
         /// handed back with `basic.reject` (which every broker version
@@ -123,6 +138,10 @@ pub enum Settle {
     },
     /// Publish to the dead-letter exchange with a reason, then ack.
     DeadLetter(DeadLetterReason),
+    /// `basic.nack` with requeue at once, charged nothing (no retry, no
+    /// requeue counted): the store is away, which is not the message's
+    /// fault.
+    Release,
 }
 
 /// The settings the decision depends on: a small `Copy` value.
@@ -162,13 +181,11 @@ impl SettlePolicy {
                 pause: Duration::ZERO,
                 exhausted: false,
             },
+            Outcome::Failed(ErrorDisposition::StoreUnavailable) => Settle::Release,
             Outcome::Failed(ErrorDisposition::Retry) if attempt < self.attempts() => {
                 Settle::Retry {
-                    delay: backoff(
-                        self.retry_base_delay,
-                        MAX_RETRY_DELAY,
-                        attempt.saturating_sub(1),
-                    ),
+                    delay: Backoff::new(self.retry_base_delay, MAX_RETRY_DELAY)
+                        .nominal(attempt.saturating_sub(1)),
                 }
             }
             Outcome::Failed(ErrorDisposition::Retry) => {
@@ -177,11 +194,11 @@ impl SettlePolicy {
                     Settle::DeadLetter(DeadLetterReason::RetriesExhausted)
                 } else {
                     Settle::Requeue {
-                        pause: backoff(
+                        pause: Backoff::new(
                             self.retry_base_delay.saturating_mul(10),
                             MAX_REQUEUE_PAUSE,
-                            u32::try_from(failed - 1).unwrap_or(u32::MAX),
-                        ),
+                        )
+                        .nominal(u32::try_from(failed - 1).unwrap_or(u32::MAX)),
                         exhausted: true,
                     }
                 }
@@ -200,11 +217,12 @@ mod tests {
         retry_base_delay: Duration::from_millis(100),
     };
 
-    const OUTCOMES: [Outcome; 5] = [
+    const OUTCOMES: [Outcome; 6] = [
         Outcome::Processed,
         Outcome::Duplicate,
         Outcome::Failed(ErrorDisposition::Retry),
         Outcome::Failed(ErrorDisposition::Requeue),
+        Outcome::Failed(ErrorDisposition::StoreUnavailable),
         Outcome::Failed(ErrorDisposition::DeadLetter),
     ];
     /// First, middle, last, and (defensively) past the last attempt.
@@ -213,8 +231,8 @@ mod tests {
     /// the cap, the cap.
     const EARLIER: [u64; 4] = [0, 1, 8, 9];
     /// The ledger's count: nothing recorded, a first failure, the one
-    /// before the cap, the cap, beyond it (a broker that never counts,
-    /// a classic queue).
+    /// before the cap, the cap, beyond it (a broker that never counts, a
+    /// classic queue).
     const LEDGER: [u32; 5] = [0, 1, 9, 10, 11];
 
     /// What the table says, case by case, written out as the rules read:
@@ -232,6 +250,9 @@ mod tests {
                 pause: Duration::ZERO,
                 exhausted: false,
             },
+            // Whatever the attempt and however often delivered before: an
+            // outage neither retries nor dead-letters.
+            (Outcome::Failed(D::StoreUnavailable), _, _) => Settle::Release,
             (Outcome::Failed(D::Retry), 1, _) => Settle::Retry {
                 delay: Duration::from_millis(100),
             },
@@ -279,11 +300,12 @@ mod tests {
                 }
             }
         }
-        assert_eq!(cases, 400);
+        assert_eq!(cases, 480);
     }
 
     /// Exactly the decisions that can requeue a message for its own failure
-    /// or dead-letter it for exhausted retries are charged.
+    /// or dead-letter it for exhausted retries are charged; an outage, an
+    /// abandoned attempt or a permanent error never.
     #[test]
     fn only_a_final_retryable_failure_is_charged() {
         for outcome in OUTCOMES {

@@ -7,6 +7,8 @@ use std::io::{IsTerminal, Write};
 use std::time::Instant;
 
 use inbox_api::MessageId;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 use crate::parcel::events::{ParcelCreatedEvent, ROUTING_KEY, outgoing};
 use crate::parcel::topology::Topology;
@@ -27,7 +29,9 @@ pub struct Plan {
 impl Plan {
     /// `count` distinct events for parcels `{tag}-000001`… and
     /// `round(count × duplicate_rate)` copies of randomly chosen ones at
-    /// random places, reproducibly from `seed`.
+    /// random places, reproducibly from `seed` (rand's `StdRng`: the same
+    /// seed gives the same tracking numbers, destinations and copy
+    /// placement under the locked rand version; the ids are fresh v7 ids).
     ///
     /// # Errors
     /// [`AppError::Config`] for a rate outside `0..=10`.
@@ -37,7 +41,7 @@ impl Plan {
                 "duplicate rate {duplicate_rate} is outside 0..=10"
             )));
         }
-        let mut rng = XorShift(seed.max(1));
+        let mut rng = StdRng::seed_from_u64(seed);
         let destinations = ["Lyon", "Porto", "Gdansk", "Utrecht", "Bologna", "Ghent"];
         let mut ids = Vec::with_capacity(count);
         let mut messages = Vec::with_capacity(count);
@@ -45,8 +49,8 @@ impl Plan {
             let id = MessageId::new_v7();
             let event = ParcelCreatedEvent {
                 parcel_id: format!("{tag}-{:06}", i + 1),
-                tracking_number: format!("TN{:010}", rng.next() % 10_000_000_000),
-                destination: destinations[rng.below(destinations.len())].to_owned(),
+                tracking_number: format!("TN{:010}", rng.random_range(0..10_000_000_000_u64)),
+                destination: destinations[rng.random_range(..destinations.len())].to_owned(),
             };
             messages.push(outgoing(&id, &event)?);
             ids.push(id);
@@ -63,8 +67,8 @@ impl Plan {
             (count as f64 * duplicate_rate).round() as usize
         };
         for _ in 0..copies {
-            let original = messages[rng.below(count)].clone();
-            let at = rng.below(messages.len() + 1);
+            let original = messages[rng.random_range(..count)].clone();
+            let at = rng.random_range(..=messages.len());
             messages.insert(at, original);
         }
         Ok(Self {
@@ -72,25 +76,6 @@ impl Plan {
             ids,
             copies,
         })
-    }
-}
-
-/// A small deterministic PRNG (xorshift64*): enough to spread copies.
-struct XorShift(u64);
-
-impl XorShift {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        if n == 0 {
-            return 0;
-        }
-        usize::try_from(self.next() % n as u64).unwrap_or(0)
     }
 }
 
@@ -198,5 +183,15 @@ mod tests {
         assert_eq!(per_id.len(), 100);
         assert_eq!(per_id.values().map(|n| n - 1).sum::<usize>(), 25);
         assert!(Plan::new(1, -1.0, 1, "P").is_err());
+    }
+
+    #[test]
+    fn the_same_seed_plans_the_same_run() {
+        let bodies = |seed| -> Vec<Vec<u8>> {
+            let plan = Plan::new(50, 0.5, seed, "P").unwrap();
+            plan.messages.into_iter().map(|m| m.body).collect()
+        };
+        assert_eq!(bodies(3), bodies(3));
+        assert_ne!(bodies(3), bodies(4));
     }
 }

@@ -61,6 +61,8 @@ use consumer_app::tools::stores::{StoreConfig, WithStore, with_store};
 use inbox_api::{ConsumerName, InboxKey, InboxStats, InboxStore, MessageId};
 use inbox_backend_sqlx::SqlxStore;
 use lapin::options::BasicGetOptions;
+use rand::rngs::StdRng;
+use rand::{Rng as _, RngCore as _, SeedableRng as _};
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use tokio::process::{Child, Command};
@@ -182,43 +184,35 @@ fn main() -> ExitCode {
 
 // ------------------------------------------------------------------ plan
 
-/// xorshift64*: small, deterministic, good enough to place copies and faults.
-struct Rng(u64);
+/// The run's randomness: rand's `StdRng` seeded from `--seed`, so that a
+/// seed replays the same plan and fault schedule (under the locked rand
+/// version). A thin wrapper keeps the plan's and the schedule's calls short.
+struct Rng(StdRng);
 
 impl Rng {
     fn new(seed: u64) -> Self {
-        // splitmix64 of the seed, so that small seeds spread.
-        let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        Self((z ^ (z >> 31)).max(1))
+        Self(StdRng::seed_from_u64(seed))
     }
 
     fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        self.0.next_u64()
     }
 
+    /// Uniform in `0..n` (0 when `n` is 0).
     fn below(&mut self, n: usize) -> usize {
         if n == 0 {
             return 0;
         }
-        usize::try_from(self.next() % n as u64).unwrap_or(0)
+        self.0.random_range(..n)
     }
 
+    /// Uniform in `[0, 1)`.
     fn unit(&mut self) -> f64 {
-        #[expect(clippy::cast_precision_loss, reason = "53 random bits")]
-        let x = (self.next() >> 11) as f64 / (1_u64 << 53) as f64;
-        x
+        self.0.random()
     }
 
     fn uuid(&mut self) -> uuid::Uuid {
-        let mut bytes = [0_u8; 16];
-        bytes[..8].copy_from_slice(&self.next().to_le_bytes());
-        bytes[8..].copy_from_slice(&self.next().to_le_bytes());
-        uuid::Builder::from_random_bytes(bytes).into_uuid()
+        uuid::Builder::from_random_bytes(self.0.random()).into_uuid()
     }
 }
 
