@@ -16,11 +16,10 @@ use consumer_app::parcel::downstream::{Downstreams, StubCarrier, StubNotifier};
 use consumer_app::parcel::events::EVENT_TYPE;
 use consumer_app::parcel::role::Role;
 use consumer_app::parcel::service::{consumers, with_handlers};
-use consumer_app::parcel::store::{ParcelStore, Stats};
+use consumer_app::parcel::store::{ParcelStore, Stats, StoreKind};
 use consumer_app::parcel::topology::Topology;
 use consumer_app::runtime::amqp::{Outgoing, connect};
 use consumer_app::runtime::message::{BadInputReason, header_text};
-use consumer_app::runtime::replay::{Replayed, replay};
 use consumer_app::runtime::tally::get;
 use consumer_app::runtime::{QueueType, ServiceConfig, ServiceHandle, WorkerConfig};
 use consumer_app::tools::faults::Faults;
@@ -211,6 +210,34 @@ async fn cleanup<S: ParcelStore>(store: &S, names: &Names) {
         .expect("delete topology");
     consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
     store.drop_schema().await.expect("drop schema");
+}
+
+/// The database URL the binary gets in a test.
+fn database_url_for_cli() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+/// Runs `parcel-inbox` with `flags` then `args`, killed after a minute;
+/// returns its stdout, failing with everything it printed unless it
+/// succeeded.
+async fn parcel_inbox(flags: &[String], args: &[&str]) -> String {
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
+        .args(flags)
+        .args(args)
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(Duration::from_secs(60), child)
+        .await
+        .unwrap_or_else(|_| panic!("parcel-inbox {args:?} ran over a minute; killed"))
+        .expect("run parcel-inbox");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "parcel-inbox {args:?} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
 }
 
 /// The message id and headers of the first message in `queue` (a
@@ -643,19 +670,54 @@ async fn poison_on_a_classic_queue_is_capped_by_the_ledger_and_replayed_once<S: 
     );
     assert!(!headers.contains_key("x-delivery-count"), "{headers:?}");
 
+    let poison_id = poison.message_id.to_string();
+    // What the operator sees (a Postgres store: the binary opens its own;
+    // the memory store lives only in this process).
+    let store_flags = [
+        "--store".to_owned(),
+        store.kind().to_string(),
+        "--database-url".to_owned(),
+        database_url_for_cli(),
+        "--schema".to_owned(),
+        names.schema.clone(),
+        "--prefix".to_owned(),
+        names.prefix.clone(),
+    ];
+    let carrier_name = Role::Carrier.consumer_name();
+    if store.kind() != StoreKind::Memory {
+        let listed = parcel_inbox(&store_flags, &["dead", "--consumer", carrier_name]).await;
+        let row = listed
+            .lines()
+            .find(|line| line.contains(&poison_id))
+            .unwrap_or_else(|| panic!("dead does not list {poison_id}:\n{listed}"));
+        for field in [
+            carrier_name,
+            " 5 ",
+            "retries_exhausted",
+            "injected transient failure",
+        ] {
+            assert!(row.contains(field), "{field} missing in {row}");
+        }
+        assert!(listed.contains("1 dead message(s)"), "{listed}");
+    }
+
     // The fix is deployed; the operator replays the dead letter.
     faults.heal(&poison);
-    channel
-        .confirm_select(lapin::options::ConfirmSelectOptions::default())
-        .await
-        .expect("confirm mode");
-    let poison_id = poison.message_id.to_string();
-    let replayed = replay(&channel, &carrier_queue, |id| {
-        id == Some(poison_id.as_str())
-    })
-    .await
-    .expect("replay");
-    assert_eq!(replayed, Replayed { moved: 1, kept: 0 });
+    let replayed = parcel_inbox(
+        &store_flags,
+        &[
+            "replay",
+            "--consumer",
+            carrier_name,
+            "--message-id",
+            &poison_id,
+        ],
+    )
+    .await;
+    assert!(
+        replayed.contains("replayed 1 message(s)") && replayed.contains("0 left"),
+        "{replayed}"
+    );
     eventually(
         "the replayed message processed",
         Duration::from_secs(30),
@@ -690,6 +752,10 @@ async fn poison_on_a_classic_queue_is_capped_by_the_ledger_and_replayed_once<S: 
             .is_empty(),
         "a replayed and processed message is not listed dead"
     );
+    if store.kind() != StoreKind::Memory {
+        let listed = parcel_inbox(&store_flags, &["dead"]).await;
+        assert!(listed.contains("0 dead message(s)"), "{listed}");
+    }
     consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
     cleanup(&store, &names).await;
 }

@@ -25,8 +25,8 @@ use crate::runtime::relay::{Relay, RelayConfig};
 use crate::runtime::tally::get;
 use crate::runtime::telemetry::{install_recorder, serve_metrics};
 use crate::runtime::{
-    AppError, AvailabilityConfig, BatchConfig, CleanupConfig, ServiceConfig, ServiceHandle,
-    WorkerConfig,
+    AppError, AvailabilityConfig, BatchConfig, CleanupConfig, QueueType, ServiceConfig,
+    ServiceHandle, WorkerConfig,
 };
 use crate::tools::stores::{StoreConfig, WithOutbox, WithStore};
 
@@ -69,6 +69,22 @@ pub struct Global {
     /// PostgreSQL connections in the pool.
     #[arg(long, env = "DATABASE_POOL_SIZE", global = true, default_value_t = 16)]
     pub pool_size: u32,
+    /// Queue type to declare, quorum or classic. Classic queues keep no
+    /// delivery count; the store's attempt ledger caps redeliveries there.
+    #[arg(
+        long,
+        env = "PARCEL_QUEUE_TYPE",
+        global = true,
+        default_value = "quorum"
+    )]
+    pub queue_type: QueueType,
+}
+
+impl Global {
+    /// The RabbitMQ names and queue type these flags say.
+    pub fn topology(&self) -> Topology {
+        Topology::new(&self.prefix).with_queue_type(self.queue_type)
+    }
 }
 
 /// The schema `--schema` names unless told otherwise.
@@ -97,7 +113,9 @@ pub struct WorkerArgs {
     /// In-process attempts per delivery before it is requeued.
     #[arg(long, env = "PARCEL_RETRY_ATTEMPTS", default_value_t = 3)]
     pub retry_attempts: u32,
-    /// Deliveries of one message before it is dead-lettered as retries_exhausted.
+    /// Failed deliveries of one message before it is dead-lettered as
+    /// retries_exhausted (the larger of the broker's x-delivery-count and
+    /// the store's attempt ledger).
     #[arg(long, env = "PARCEL_MAX_DELIVERIES", default_value_t = 10)]
     pub max_deliveries: u32,
     /// Largest accepted body, in bytes.
@@ -230,7 +248,7 @@ impl ConsumeArgs {
                     ..AvailabilityConfig::default()
                 },
             },
-            topology: Topology::new(&global.prefix),
+            topology: global.topology(),
             metrics_addr,
             reconcile: ReconcileConfig {
                 interval: Duration::from_secs(self.dispatch_interval_secs.max(1)),
