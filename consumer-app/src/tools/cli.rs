@@ -12,6 +12,7 @@ use std::time::Duration;
 use clap::Args;
 use futures::stream::BoxStream;
 use inbox_api::OutboxStore;
+use inbox_postgres::SessionTimeouts;
 use tokio::sync::watch;
 
 use crate::parcel::dispatch::{
@@ -69,6 +70,27 @@ pub struct Global {
     /// PostgreSQL connections in the pool.
     #[arg(long, env = "DATABASE_POOL_SIZE", global = true, default_value_t = 16)]
     pub pool_size: u32,
+    /// Milliseconds a statement (above all the claim) waits for a lock another
+    /// transaction holds; then the delivery goes back to the broker, uncharged
+    /// (PostgreSQL's lock_timeout; 0: wait for ever).
+    #[arg(long, env = "INBOX_LOCK_TIMEOUT_MS", global = true, default_value_t = default_lock_timeout_ms())]
+    pub lock_timeout_ms: u64,
+    /// Seconds a database session may sit inside a transaction without a
+    /// statement before PostgreSQL ends it, releasing a frozen holder's claims;
+    /// above --handle-timeout-secs (idle_in_transaction_session_timeout; 0: never).
+    #[arg(long, env = "INBOX_IDLE_IN_TRANSACTION_TIMEOUT_SECS", global = true, default_value_t = default_idle_in_transaction_secs())]
+    pub idle_in_transaction_timeout_secs: u64,
+}
+
+/// [`SessionTimeouts`]' default lock timeout, in the flag's unit.
+fn default_lock_timeout_ms() -> u64 {
+    u64::try_from(SessionTimeouts::DEFAULT_LOCK_TIMEOUT.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// [`SessionTimeouts`]' default idle-in-transaction timeout, in the flag's
+/// unit.
+fn default_idle_in_transaction_secs() -> u64 {
+    SessionTimeouts::DEFAULT_IDLE_IN_TRANSACTION.as_secs()
 }
 
 /// The schema `--schema` names unless told otherwise.
@@ -213,6 +235,16 @@ impl ConsumeArgs {
             )
         };
         let metrics_addr = parse_metrics_addr(&self.metrics_addr)?;
+        let idle = global.idle_in_transaction_timeout_secs;
+        if idle != 0 && idle <= self.worker.handle_timeout_secs {
+            // PostgreSQL would end live transactions that are merely slow,
+            // before the consumer's own timeout could hand them back.
+            return Err(AppError::Config(format!(
+                "--idle-in-transaction-timeout-secs ({idle}) must exceed \
+                 --handle-timeout-secs ({}), or be 0",
+                self.worker.handle_timeout_secs
+            )));
+        }
         Ok(Consume {
             schema: global.schema.clone(),
             config: ServiceConfig {
@@ -250,6 +282,13 @@ impl Global {
             database_url: self.database_url.clone(),
             schema: self.schema.clone(),
             pool_size: self.pool_size,
+            timeouts: SessionTimeouts {
+                lock_timeout: Some(Duration::from_millis(self.lock_timeout_ms)),
+                idle_in_transaction: Some(Duration::from_secs(
+                    self.idle_in_transaction_timeout_secs,
+                )),
+                ..SessionTimeouts::default()
+            },
         }
     }
 }
