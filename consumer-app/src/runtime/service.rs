@@ -47,7 +47,7 @@ use crate::runtime::error::chain;
 use crate::runtime::handler::Handler;
 use crate::runtime::shutdown::stopped;
 use crate::runtime::tally::{ConsumerTally, Tally};
-use crate::runtime::telemetry::MetricNames;
+use crate::runtime::telemetry::{MetricNames, Running};
 use crate::runtime::topology::Topology;
 use crate::runtime::worker::Worker;
 use crate::runtime::{AppError, ServiceStore};
@@ -121,6 +121,8 @@ impl<S: ServiceStore> Service<S> {
         }
         let (shutdown, shutdown_rx) = watch::channel(false);
         let (sessions_tx, sessions) = watch::channel(0_u64);
+        let (broker_tx, broker) = watch::channel(false);
+        let (alive, running) = Running::new();
         let config = self.config;
         let store = self.store;
         let supervisor = Supervisor {
@@ -129,6 +131,7 @@ impl<S: ServiceStore> Service<S> {
             topology: self.topology,
             consumers: self.consumers,
             sessions: sessions_tx,
+            broker: broker_tx,
         };
         let mut background = Vec::new();
         if let Some(cleanup) = config.cleanup.clone() {
@@ -143,6 +146,7 @@ impl<S: ServiceStore> Service<S> {
         }
         let stop_background = shutdown.clone();
         let task = tokio::spawn(async move {
+            let _alive = alive;
             let result = supervisor.run(shutdown_rx).await;
             // However the consumers ended, the background tasks end with them.
             stop_background.send_replace(true);
@@ -155,6 +159,8 @@ impl<S: ServiceStore> Service<S> {
         Ok(ServiceHandle {
             shutdown,
             sessions,
+            broker,
+            running,
             task,
             tally,
         })
@@ -244,6 +250,8 @@ where
 pub struct ServiceHandle {
     shutdown: watch::Sender<bool>,
     sessions: watch::Receiver<u64>,
+    broker: watch::Receiver<bool>,
+    running: Running,
     task: tokio::task::JoinHandle<Result<(), AppError>>,
     /// What the message path did, per consumer.
     pub tally: Arc<Tally>,
@@ -276,6 +284,18 @@ impl ServiceHandle {
             })?
             .map_err(|_| AppError::Unavailable("service stopped".into()))?;
         Ok(())
+    }
+
+    /// True while the consumers consume on an open connection (false
+    /// while connecting, reconnecting, or stopped): for readiness.
+    pub fn broker_connected(&self) -> watch::Receiver<bool> {
+        self.broker.clone()
+    }
+
+    /// Whether the service's task still runs (for liveness): false once it
+    /// ended, however it ended.
+    pub fn running(&self) -> Running {
+        self.running.clone()
     }
 
     /// How many connections the service has consumed on so far.
@@ -319,6 +339,8 @@ struct Supervisor<S> {
     topology: Topology,
     consumers: Vec<Box<dyn Consume<S>>>,
     sessions: watch::Sender<u64>,
+    /// True while a session consumes (see [`ServiceHandle::broker_connected`]).
+    broker: watch::Sender<bool>,
 }
 
 impl<S: ServiceStore> Supervisor<S> {
@@ -360,6 +382,7 @@ impl<S: ServiceStore> Supervisor<S> {
                 Err(error) => return Err(error),
             };
             let result = self.session(&connection, shutdown.clone()).await;
+            self.broker.send_replace(false);
             let _ = connection.close(200, "service closing".into()).await;
             match result {
                 Ok(()) => {
@@ -399,6 +422,7 @@ impl<S: ServiceStore> Supervisor<S> {
             loops.spawn(consume(shutdown.clone()));
         }
         self.sessions.send_modify(|n| *n += 1);
+        self.broker.send_replace(true);
         tracing::info!(exchange = %self.topology.exchange(), "consuming");
 
         while let Some(ended) = loops.join_next().await {
