@@ -228,6 +228,9 @@ pub(crate) fn sqlstate_from_message(message: &str) -> Option<&'static str> {
         ("sorry, too many clients already", "53300"),
         ("cannot execute ", "25006"), // "cannot execute INSERT in a read-only transaction"
         ("current transaction is aborted", "25P02"),
+        // "permission denied for table t", "… for schema s": the role may
+        // not use the schema, which pauses the service like a missing one.
+        ("permission denied for ", "42501"),
     ];
     for (pattern, code) in EXACT_OR_PREFIX {
         if message.starts_with(pattern) {
@@ -479,6 +482,10 @@ mod tests {
             sqlstate_from_message("relation \"deadlock detected\" does not exist"),
             Some("42P01")
         );
-        assert_eq!(sqlstate_from_message("permission denied for table t"), None);
+        assert_eq!(
+            sqlstate_from_message("permission denied for table t"),
+            Some("42501")
+        );
+        assert_eq!(sqlstate_from_message("permission denied to create t"), None);
     }
 }

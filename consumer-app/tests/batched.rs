@@ -131,6 +131,7 @@ async fn batched_exactly_once<S: ParcelStore>(store: S, names: Names) {
             connection_name: names.connection.clone(),
             cleanup: None,
             gauge_interval: None,
+            availability: Default::default(),
         },
         &topology,
         faults.wrap(notification_consumer),

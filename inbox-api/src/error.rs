@@ -99,9 +99,12 @@ pub enum InboxError {
         source: BoxError,
     },
 
-    /// The inbox table or schema is missing or not what this code expects.
-    /// Permanent until someone migrates: redelivering cannot fix it.
-    #[error("inbox schema is missing or incompatible")]
+    /// The inbox table or schema is missing, not what this code expects, or
+    /// not the role's to use (no privilege). Permanent until someone
+    /// migrates or grants: redelivering cannot fix it. It is the
+    /// deployment's fault, not the message's: a consuming service pauses on
+    /// it rather than dead-lettering.
+    #[error("inbox schema is missing, incompatible or not accessible")]
     Schema {
         /// The driver's error.
         #[source]

@@ -16,6 +16,8 @@
 //! | `inbox_attempts_purged_rows_total` | counter | none | [`crate::AttemptLedgerExt::purge_attempts_before`], once per batch |
 //! | `inbox_dead_lettered_total` | counter | `consumer`, `reason` | the consuming application |
 //! | `inbox_rows` | gauge | none | the consuming application (periodic count) |
+//! | `inbox_store_available` | gauge | none | the consuming application: 1 while it consumes, 0 while a store outage pauses it |
+//! | `inbox_store_outages_total` | counter | none | the consuming application, when a store outage pauses it |
 //! | `outbox_purged_rows_total` | counter | none | [`crate::OutboxStoreExt::purge_published_before`], once per batch |
 //! | `outbox_pending_messages` | gauge | none | [`crate::OutboxStoreExt::record_pending`] |
 //! | `outbox_published_total` | counter | none | the relay, per message the broker confirmed |
@@ -41,6 +43,11 @@ pub const ATTEMPTS_PURGED_ROWS: &str = "inbox_attempts_purged_rows_total";
 pub const DEAD_LETTERED: &str = "inbox_dead_lettered_total";
 /// Rows in the inbox table (a gauge the application refreshes).
 pub const ROWS: &str = "inbox_rows";
+/// 1 while the store answers and the application consumes, 0 while an
+/// outage (unreachable, schema unusable) pauses consumption.
+pub const STORE_AVAILABLE: &str = "inbox_store_available";
+/// Store outages that paused consumption.
+pub const STORE_OUTAGES: &str = "inbox_store_outages_total";
 
 /// Published outbox rows deleted by cleanup.
 pub const OUTBOX_PURGED_ROWS: &str = "outbox_purged_rows_total";
@@ -86,6 +93,11 @@ pub fn describe() {
         "Deliveries rejected into a dead-letter queue, per consumer and reason"
     );
     describe_gauge!(ROWS, "Rows in the inbox table");
+    describe_gauge!(
+        STORE_AVAILABLE,
+        "1 while the store answers and messages are consumed, 0 while an outage pauses consumption"
+    );
+    describe_counter!(STORE_OUTAGES, "Store outages that paused consumption");
     describe_counter!(
         OUTBOX_PURGED_ROWS,
         "Published outbox rows deleted by cleanup"
@@ -134,12 +146,14 @@ mod tests {
                 OUTBOX_PURGED_ROWS,
                 OUTBOX_PUBLISHED,
                 OUTBOX_PUBLISH_FAILURES,
+                STORE_OUTAGES,
             ] {
                 metrics::counter!(name).increment(1);
             }
             metrics::histogram!(HANDLE_DURATION).record(0.1);
             metrics::histogram!(OUTBOX_PUBLISH_DURATION).record(0.1);
             metrics::gauge!(ROWS).set(1.0);
+            metrics::gauge!(STORE_AVAILABLE).set(1.0);
             metrics::gauge!(OUTBOX_PENDING).set(1.0);
         });
         let described: Vec<(String, Option<metrics::Unit>, String)> = snapshotter
@@ -151,7 +165,7 @@ mod tests {
                 (key.key().name().to_owned(), unit, help)
             })
             .collect();
-        assert_eq!(described.len(), 14, "{described:?}");
+        assert_eq!(described.len(), 16, "{described:?}");
         for (name, unit, help) in &described {
             assert!(help.len() > 10, "{name} has no help text: {help:?}");
             let expected = [HANDLE_DURATION, OUTBOX_PUBLISH_DURATION]

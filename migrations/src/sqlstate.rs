@@ -12,7 +12,7 @@
 //! | 40001, 40P01, 55P03, other class 40 | serialization failure, deadlock, lock not available, other rollbacks | `Conflict` (retry) |
 //! | class 08, 57P01–57P03, 57P05, 25P03, 40003 | connection lost, terminated, server shutting down or starting, idle timeouts, commit outcome unknown | `Connection` (retry) |
 //! | 57014, 25006, class 53, class 58 | statement timeout or cancel, read-only (failover), out of resources, system error | `Store { retryable: true }` |
-//! | 42P01, 3F000, 42703, 42883, 42704 | undefined table / schema / column / function / object | `Schema` (dead-letter) |
+//! | 42P01, 3F000, 42703, 42883, 42704, 42501 | undefined table / schema / column / function / object, insufficient privilege | `Schema` (permanent for the message; a consuming service pauses until someone migrates or grants) |
 //! | class 22, class 23, anything else | data errors, constraint violations, syntax, the unforeseen | `Store { retryable: false }` |
 
 use inbox_api::{BoxError, InboxError};
@@ -27,7 +27,9 @@ pub enum ErrorClass {
     Connection,
     /// No pooled connection became free in time. Retryable.
     PoolTimeout,
-    /// The schema is missing or not what the code expects. Permanent.
+    /// The schema is missing, not what the code expects, or not the
+    /// role's to use. Permanent for the message (redelivery cannot fix
+    /// it); a store-wide condition, which a consuming service waits out.
     Schema,
     /// Any other failure, retryable or not.
     Store {
@@ -69,8 +71,9 @@ impl ErrorClass {
             "57014" | "25006" => Self::Store { retryable: true },
             // undefined_table, invalid_schema_name, undefined_column,
             // undefined_function, undefined_object: nobody migrated this
-            // schema.
-            "42P01" | "3F000" | "42703" | "42883" | "42704" => Self::Schema,
+            // schema. insufficient_privilege: the role may not use it. Both
+            // are the deployment's fault, never one message's.
+            "42P01" | "3F000" | "42703" | "42883" | "42704" | "42501" => Self::Schema,
             // insufficient_resources (disk full, out of memory, too many
             // connections) and system errors (I/O): they pass.
             c if c.starts_with("53") || c.starts_with("58") => Self::Store { retryable: true },
@@ -128,7 +131,7 @@ mod tests {
 
     #[test]
     fn missing_schema() {
-        for code in ["42P01", "3F000", "42703", "42883", "42704"] {
+        for code in ["42P01", "3F000", "42703", "42883", "42704", "42501"] {
             assert_eq!(class(code), ErrorClass::Schema, "{code}");
         }
     }
@@ -145,7 +148,7 @@ mod tests {
     #[test]
     fn permanent_store_failures() {
         for code in [
-            "22001", "22P02", "23505", "23502", "23503", "42601", "42501", "XX000", "25P02", "",
+            "22001", "22P02", "23505", "23502", "23503", "42601", "XX000", "25P02", "",
         ] {
             assert_eq!(
                 class(code),

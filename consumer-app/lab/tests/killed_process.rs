@@ -126,6 +126,7 @@ async fn killed_process_redelivers_exactly_once<S: ParcelStore>(store: S, kind: 
             connection_name: format!("parcel-lab test kill {id}"),
             cleanup: None,
             gauge_interval: None,
+            availability: Default::default(),
         },
         &topology,
         consumer_app::parcel::downstream::Downstreams {

@@ -32,6 +32,10 @@ pub(crate) enum Frame {
     Requeue,
     /// `basic.reject` without requeue (to the queue's dead-letter exchange).
     Reject,
+    /// `basic.nack` with requeue, for a delivery handed back uncharged
+    /// because the store is away: kept apart from [`Frame::Requeue`], which
+    /// is for the message's own failures.
+    Release,
 }
 
 /// The unsettled delivery tags of one consuming channel (batched mode).
@@ -118,7 +122,7 @@ pub(crate) async fn settle_one(
 ) -> Result<bool, lapin::Error> {
     match how {
         Frame::Ack => delivery.ack(BasicAckOptions { multiple }).await,
-        Frame::Requeue => {
+        Frame::Requeue | Frame::Release => {
             delivery
                 .nack(BasicNackOptions {
                     multiple: false,

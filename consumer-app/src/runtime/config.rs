@@ -97,6 +97,32 @@ impl Default for CleanupConfig {
     }
 }
 
+/// Settings of the store circuit ([`crate::runtime::availability`]): when
+/// a store outage pauses consumption, and how often the paused service
+/// probes the store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AvailabilityConfig {
+    /// Store-unavailable failures in a row (no success between them) that
+    /// open the circuit. One lost connection (a killed backend) is
+    /// released and redelivered without pausing anything.
+    pub threshold: u32,
+    /// The wait before the first probe of an open circuit; doubled per
+    /// failed probe.
+    pub probe_delay: Duration,
+    /// The longest wait between probes.
+    pub max_probe_delay: Duration,
+}
+
+impl Default for AvailabilityConfig {
+    fn default() -> Self {
+        Self {
+            threshold: 3,
+            probe_delay: Duration::from_millis(200),
+            max_probe_delay: Duration::from_secs(10),
+        }
+    }
+}
+
 /// Settings of a running service.
 #[derive(Clone)]
 pub struct ServiceConfig {
@@ -111,6 +137,8 @@ pub struct ServiceConfig {
     pub cleanup: Option<CleanupConfig>,
     /// How often the `inbox_rows` gauge is refreshed; `None`: never.
     pub gauge_interval: Option<Duration>,
+    /// When a store outage pauses consumption, and how the store is probed.
+    pub availability: AvailabilityConfig,
 }
 
 impl ServiceConfig {
@@ -124,6 +152,7 @@ impl ServiceConfig {
             connection_name: connection_name.into(),
             cleanup: Some(CleanupConfig::default()),
             gauge_interval: None,
+            availability: AvailabilityConfig::default(),
         }
     }
 }
@@ -139,6 +168,7 @@ impl std::fmt::Debug for ServiceConfig {
             .field("connection_name", &self.connection_name)
             .field("cleanup", &self.cleanup)
             .field("gauge_interval", &self.gauge_interval)
+            .field("availability", &self.availability)
             .finish()
     }
 }

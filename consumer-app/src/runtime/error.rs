@@ -114,13 +114,32 @@ impl AppError {
     }
 
     /// What the settle policy does with a delivery that failed with this
-    /// error: retry it, hand it back to the broker at once, or dead-letter
-    /// it.
+    /// error: retry it, hand it back to the broker at once, pause for the
+    /// store, or dead-letter it.
     pub fn disposition(&self) -> ErrorDisposition {
         match self {
             Self::InjectedCrash(_) => ErrorDisposition::Requeue,
+            error if error.is_store_unavailable() => ErrorDisposition::StoreUnavailable,
             error if error.is_retryable() => ErrorDisposition::Retry,
             _ => ErrorDisposition::DeadLetter,
+        }
+    }
+
+    /// Whether the store, not the message, failed: it cannot be reached
+    /// (connection refused or lost, the server shutting down or starting,
+    /// no pooled connection in time) or the whole schema is unusable
+    /// (missing, not migrated, or not this role's to use). Every message
+    /// would fail the same way right now, so the runtime pauses consumption
+    /// and hands the delivery back uncharged instead of spending its retries
+    /// or dead-lettering it; a failure of one message (a conflict, a
+    /// constraint, a handler's own error) is not one of these.
+    ///
+    /// Which SQLSTATE falls in which class is `inbox-postgres`' table; this
+    /// is the one place that reads the classes as "the store is away".
+    pub fn is_store_unavailable(&self) -> bool {
+        match self {
+            Self::Inbox(error) => store_unavailable(error),
+            _ => false,
         }
     }
 
@@ -139,6 +158,18 @@ impl AppError {
             Self::Unavailable(_) => "unavailable",
             Self::CheckFailed(_) => "check_failed",
         }
+    }
+}
+
+/// [`AppError::is_store_unavailable`] for the inbox's error (a failed batch
+/// by the cause it shares).
+fn store_unavailable(error: &InboxError) -> bool {
+    match error {
+        InboxError::Connection { .. }
+        | InboxError::PoolTimeout { .. }
+        | InboxError::Schema { .. } => true,
+        InboxError::BatchAborted { source } => store_unavailable(source),
+        _ => false,
     }
 }
 
@@ -172,6 +203,47 @@ mod tests {
     #[derive(Debug, thiserror::Error)]
     #[error("error communicating with database: {0}")]
     struct Echoing(#[source] std::io::Error);
+
+    fn io() -> inbox_api::BoxError {
+        Box::new(std::io::Error::other("boom"))
+    }
+
+    #[test]
+    fn store_wide_failures_pause_and_a_message_s_own_do_not() {
+        let store_wide = [
+            InboxError::Connection { source: io() },
+            InboxError::PoolTimeout { source: None },
+            InboxError::Schema { source: io() },
+            InboxError::BatchAborted {
+                source: std::sync::Arc::new(InboxError::Connection { source: io() }),
+            },
+        ];
+        for error in store_wide {
+            let error = AppError::from(error);
+            assert!(error.is_store_unavailable(), "{error:?}");
+            assert_eq!(error.disposition(), ErrorDisposition::StoreUnavailable);
+        }
+        let own = [
+            AppError::from(InboxError::Conflict { source: io() }),
+            AppError::from(InboxError::Store {
+                retryable: false,
+                source: io(),
+            }),
+            AppError::from(InboxError::retryable_handler(io())),
+            AppError::from(InboxError::BatchAborted {
+                source: std::sync::Arc::new(InboxError::Conflict { source: io() }),
+            }),
+            AppError::Timeout(Duration::from_secs(1)),
+            AppError::Downstream {
+                retryable: true,
+                message: "503".into(),
+            },
+        ];
+        for error in own {
+            assert!(!error.is_store_unavailable(), "{error:?}");
+            assert_ne!(error.disposition(), ErrorDisposition::StoreUnavailable);
+        }
+    }
 
     #[test]
     fn chain_names_each_cause_once() {

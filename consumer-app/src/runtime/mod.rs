@@ -6,7 +6,8 @@
 //! broker ─► queue_loop (prefetch, concurrency, batching, shutdown, reconnect)
 //!             └► worker: decode ─► Inbox::handle / handle_batch(key = (message_id, handler.name()))
 //!                  └► SettlePolicy::decide ─► ack | retry | requeue | dead-letter (reason headers)
-//! beside it: cleanup of old inbox rows, the inbox_rows gauge, counters (Tally), metrics
+//! beside it: cleanup of old inbox rows, the inbox_rows gauge, counters (Tally), metrics,
+//!   the store circuit (a store outage pauses consumption; nothing is charged to the messages)
 //! and apart: the outbox relay (take_pending ─► publish with confirms ─► mark_published)
 //! ```
 //!
@@ -20,12 +21,15 @@
 //! - [`handler`]: the trait a consumer implements.
 //! - [`service`]: [`Service`], the builder that runs handlers on queues.
 //! - [`settle`]: the one decision of what happens after an attempt.
+//! - [`availability`]: the store circuit, which pauses consumption during a
+//!   store outage, and the start-up check of the store.
 //! - [`relay`]: [`Relay`], the outbox's publisher (confirms, stable ids).
 //! - [`config`], [`topology`], [`message`]: settings, queue names, decoding.
 //! - [`amqp`], [`backoff`], [`telemetry`], [`tally`], [`redact`],
 //!   [`error`]: plumbing.
 
 pub mod amqp;
+pub mod availability;
 pub mod backoff;
 pub mod config;
 pub mod error;
@@ -45,7 +49,7 @@ mod worker;
 
 use inbox_api::{BatchTransaction, InboxStats, InboxStore};
 
-pub use config::{BatchConfig, CleanupConfig, ServiceConfig, WorkerConfig};
+pub use config::{AvailabilityConfig, BatchConfig, CleanupConfig, ServiceConfig, WorkerConfig};
 pub use error::AppError;
 pub use handler::Handler;
 pub use relay::{Relay, RelayConfig, RelayHandle};

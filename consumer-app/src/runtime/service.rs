@@ -5,9 +5,15 @@
 //! prefetch) and one confirm-mode channel for dead-letter publishes. When
 //! the connection or a channel dies, every in-flight delivery of it is
 //! redelivered by the broker (the inbox makes that safe), and the service
-//! reconnects with backoff. PostgreSQL going away shows up as retryable
-//! store errors: the message path retries and requeues, and the pool
-//! reconnects by itself.
+//! reconnects with backoff.
+//!
+//! The store is checked before anything is consumed ([`check_store`]): a
+//! schema that is missing, not migrated or not this role's to use refuses
+//! the start with that error (run the migrations); a store that cannot be
+//! reached yet is waited for. PostgreSQL going away mid-run, or the schema
+//! with it, opens the store circuit ([`crate::runtime::availability`]):
+//! the consumers pause, the deliveries they hold go back uncharged, and
+//! consumption resumes when a probe of the store succeeds.
 //!
 //! Shutdown (SIGINT/SIGTERM in the binary, or [`ServiceHandle::shutdown`]):
 //! cancel the consumers so nothing new arrives, let in-flight deliveries
@@ -31,7 +37,7 @@ use chrono::Utc;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use inbox_api::metrics as names;
-use inbox_api::{BatchTransaction, Inbox, InboxStats, InboxStore, InboxStoreExt};
+use inbox_api::{Inbox, InboxStats, InboxStore, InboxStoreExt};
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
 };
@@ -41,6 +47,7 @@ use tokio::task::JoinSet;
 
 use crate::runtime::ack::{AckTracker, collect};
 use crate::runtime::amqp::{connect_with_backoff, no_args};
+use crate::runtime::availability::{StoreCircuit, check_store};
 use crate::runtime::backoff::RECONNECT;
 use crate::runtime::config::{CleanupConfig, ServiceConfig};
 use crate::runtime::error::chain;
@@ -125,6 +132,8 @@ impl<S: ServiceStore> Service<S> {
         let (alive, running) = Running::new();
         let config = self.config;
         let store = self.store;
+        let circuit = Arc::new(StoreCircuit::new(config.availability));
+        let availability = circuit.subscribe();
         let supervisor = Supervisor {
             inbox: Arc::new(Inbox::new(store.clone())),
             config: config.clone(),
@@ -132,8 +141,14 @@ impl<S: ServiceStore> Service<S> {
             consumers: self.consumers,
             sessions: sessions_tx,
             broker: broker_tx,
+            circuit: Arc::clone(&circuit),
         };
         let mut background = Vec::new();
+        let batched = config.worker.batch.is_some();
+        let (probe_store, probe_stop) = (store.clone(), shutdown_rx.clone());
+        background.push(tokio::spawn(async move {
+            circuit.probe_loop(probe_store, batched, probe_stop).await;
+        }));
         if let Some(cleanup) = config.cleanup.clone() {
             background.push(tokio::spawn(cleanup_loop(
                 store.clone(),
@@ -161,6 +176,7 @@ impl<S: ServiceStore> Service<S> {
             sessions,
             broker,
             running,
+            availability,
             task,
             tally,
         })
@@ -186,6 +202,7 @@ trait Consume<S: ServiceStore>: Send + Sync {
         connection: &'a Connection,
         inbox: &'a Arc<Inbox<S>>,
         config: &'a ServiceConfig,
+        circuit: &'a Arc<StoreCircuit>,
     ) -> BoxFuture<'a, Result<QueueLoop, AppError>>;
 }
 
@@ -215,6 +232,7 @@ where
         connection: &'a Connection,
         inbox: &'a Arc<Inbox<S>>,
         config: &'a ServiceConfig,
+        circuit: &'a Arc<StoreCircuit>,
     ) -> BoxFuture<'a, Result<QueueLoop, AppError>> {
         Box::pin(async move {
             let channel = connection
@@ -238,6 +256,7 @@ where
                 tally: Arc::clone(&self.tally),
                 dead_letter_channel,
                 acks: config.worker.batch.map(|_| Arc::new(AckTracker::default())),
+                circuit: Arc::clone(circuit),
             };
             let run: QueueLoop =
                 Box::new(move |shutdown| Box::pin(queue_loop(channel, worker, shutdown)));
@@ -252,6 +271,7 @@ pub struct ServiceHandle {
     sessions: watch::Receiver<u64>,
     broker: watch::Receiver<bool>,
     running: Running,
+    availability: watch::Receiver<bool>,
     task: tokio::task::JoinHandle<Result<(), AppError>>,
     /// What the message path did, per consumer.
     pub tally: Arc<Tally>,
@@ -298,6 +318,20 @@ impl ServiceHandle {
         self.running.clone()
     }
 
+    /// Whether the store answers and the service consumes: `false` while a
+    /// store outage pauses it (see [`crate::runtime::availability`]). Cheap:
+    /// a readiness endpoint may call it per request.
+    pub fn store_available(&self) -> bool {
+        *self.availability.borrow()
+    }
+
+    /// The store's availability as a watch: `true` while the service
+    /// consumes, `false` while a store outage pauses it; a receiver sees
+    /// every change (`changed`, `wait_for`).
+    pub fn store_availability(&self) -> watch::Receiver<bool> {
+        self.availability.clone()
+    }
+
     /// How many connections the service has consumed on so far.
     pub fn sessions(&self) -> u64 {
         *self.sessions.borrow()
@@ -341,30 +375,37 @@ struct Supervisor<S> {
     sessions: watch::Sender<u64>,
     /// True while a session consumes (see [`ServiceHandle::broker_connected`]).
     broker: watch::Sender<bool>,
+    circuit: Arc<StoreCircuit>,
 }
 
 impl<S: ServiceStore> Supervisor<S> {
     async fn run(self, mut shutdown: watch::Receiver<bool>) -> Result<(), AppError> {
         let mut failures = 0;
-        if self.config.worker.batch.is_some() {
-            // A store without savepoints is refused for good; a store that
-            // cannot be reached right now (a restart, a killed backend) is
-            // asked again, as the consumers would retry their transactions.
-            loop {
-                match probe(self.inbox.store()).await {
-                    Ok(()) => break,
-                    Err(error) if error.is_retryable() => {
-                        failures += 1;
-                        let what = "batched-mode probe of the store failed; retrying";
-                        if !pause_after(&error, what, failures, &mut shutdown).await {
-                            return Ok(());
-                        }
+        // Before anything is consumed: a schema that is missing, not
+        // migrated or not this role's (or, in batched mode, a store without
+        // savepoints) would fail every message, so the start is refused
+        // with the cause; a store that cannot be reached right now (still
+        // starting, restarting) is asked again.
+        let batched = self.config.worker.batch.is_some();
+        loop {
+            match check_store(self.inbox.store(), batched).await {
+                Ok(()) => break,
+                Err(error) if error.is_retryable() => {
+                    failures += 1;
+                    let what = "the store cannot be reached yet; waiting for it before consuming";
+                    if !pause_after(&error, what, failures, &mut shutdown).await {
+                        return Ok(());
                     }
-                    Err(error) => return Err(error),
+                }
+                Err(error) => {
+                    tracing::error!(error = %chain(&error),
+                        "the store is not ready for the inbox; not consuming (migrate its schema first)");
+                    return Err(error);
                 }
             }
-            failures = 0;
         }
+        failures = 0;
+        self.circuit.report();
         loop {
             if *shutdown.borrow() {
                 return Ok(());
@@ -416,7 +457,11 @@ impl<S: ServiceStore> Supervisor<S> {
         let mut loops = JoinSet::new();
         let mut started = Vec::with_capacity(self.consumers.len());
         for consumer in &self.consumers {
-            started.push(consumer.open(connection, &self.inbox, &self.config).await?);
+            started.push(
+                consumer
+                    .open(connection, &self.inbox, &self.config, &self.circuit)
+                    .await?,
+            );
         }
         for consume in started {
             loops.spawn(consume(shutdown.clone()));
@@ -443,7 +488,8 @@ impl<S: ServiceStore> Supervisor<S> {
     }
 }
 
-/// Consumes one queue until shutdown or a broker failure.
+/// Consumes one queue until shutdown or a broker failure, pausing while the
+/// store circuit is open.
 async fn queue_loop<S, H>(
     channel: Channel,
     worker: Worker<S, H>,
@@ -458,20 +504,8 @@ where
         .basic_qos(worker.config.prefetch, BasicQosOptions::default())
         .await
         .map_err(|e| AppError::broker("set prefetch", e))?;
-    let tag = format!(
-        "{}-{}",
-        worker.handler.name(),
-        uuid::Uuid::new_v4().simple()
-    );
-    let mut consumer = channel
-        .basic_consume(
-            queue.as_str().into(),
-            tag.as_str().into(),
-            BasicConsumeOptions::default(),
-            no_args(),
-        )
-        .await
-        .map_err(|e| AppError::broker(format!("consume {queue}"), e))?;
+    let mut available = worker.circuit.subscribe();
+    let mut current = subscribe(&channel, &worker).await?;
     let permits = Arc::new(Semaphore::new(worker.config.concurrency.max(1)));
     if let Some(batch) = worker.config.batch {
         let wanted = batch.size.saturating_mul(worker.config.concurrency.max(1));
@@ -490,25 +524,64 @@ where
                 tracing::error!(%queue, error = %error, "delivery task failed");
             }
         }
-        let permit = tokio::select! {
+        let step = tokio::select! {
             biased;
-            () = stopped(&mut shutdown) => break None,
+            () = stopped(&mut shutdown) => Step::Stop,
+            Ok(_) = available.wait_for(|up| !*up) => Step::Pause,
             permit = Arc::clone(&permits).acquire_owned() => match permit {
-                Ok(permit) => permit,
-                Err(_) => break None,
+                Ok(permit) => Step::Permit(permit),
+                Err(_) => Step::Stop,
             },
         };
-        let next = tokio::select! {
+        let permit = match step {
+            Step::Permit(permit) => permit,
+            Step::Pause => match pause(
+                &channel,
+                &worker,
+                &mut current,
+                &mut available,
+                &mut shutdown,
+            )
+            .await
+            {
+                Ok(true) => continue,
+                Ok(false) => break None,
+                Err(error) => break Some(error),
+            },
+            Step::Stop | Step::Next(_) => break None,
+        };
+        let step = tokio::select! {
             biased;
-            () = stopped(&mut shutdown) => break None,
-            next = consumer.next() => next,
+            () = stopped(&mut shutdown) => Step::Stop,
+            Ok(_) = available.wait_for(|up| !*up) => Step::Pause,
+            next = current.consumer.next() => Step::Next(next),
+        };
+        let next = match step {
+            Step::Next(next) => next,
+            Step::Pause => {
+                drop(permit);
+                match pause(
+                    &channel,
+                    &worker,
+                    &mut current,
+                    &mut available,
+                    &mut shutdown,
+                )
+                .await
+                {
+                    Ok(true) => continue,
+                    Ok(false) => break None,
+                    Err(error) => break Some(error),
+                }
+            }
+            Step::Stop | Step::Permit(_) => break None,
         };
         match next {
             Some(Ok(delivery)) => match (worker.config.batch, &worker.acks) {
                 (Some(batch), Some(tracker)) => {
                     let (deliveries, failed) = collect(
                         delivery,
-                        &mut consumer,
+                        &mut current.consumer,
                         batch,
                         tracker,
                         &mut shutdown,
@@ -553,9 +626,10 @@ where
     }
 
     // Graceful: nothing new, finish what runs, then close.
-    if let Err(error) = channel
-        .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
-        .await
+    if current.active
+        && let Err(error) = channel
+            .basic_cancel(current.tag.as_str().into(), BasicCancelOptions::default())
+            .await
     {
         tracing::warn!(%queue, error = %error, "cancelling the consumer failed");
     }
@@ -569,7 +643,7 @@ where
             tracing::error!(%queue, error = %error, "delivery task failed");
         }
     }
-    drop(consumer);
+    drop(current);
     let _ = channel.close(200, "shutdown".into()).await;
     let _ = worker
         .dead_letter_channel
@@ -578,6 +652,113 @@ where
     tracing::info!(%queue, "consumer stopped");
     Ok(())
 }
+
+/// What the consuming loop does next.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "a local value moved once per delivery; boxing would allocate per message"
+)]
+enum Step {
+    Stop,
+    Pause,
+    Permit(tokio::sync::OwnedSemaphorePermit),
+    Next(Option<Result<lapin::message::Delivery, lapin::Error>>),
+}
+
+/// A queue's subscription (`basic.consume`): its deliveries and its tag.
+struct Subscription {
+    consumer: lapin::Consumer,
+    tag: String,
+    /// `false` once cancelled for a pause that shutdown ended.
+    active: bool,
+}
+
+async fn subscribe<S, H>(channel: &Channel, worker: &Worker<S, H>) -> Result<Subscription, AppError>
+where
+    S: ServiceStore,
+    H: Handler<S::Transaction>,
+{
+    let queue = &worker.queue;
+    let tag = format!(
+        "{}-{}",
+        worker.handler.name(),
+        uuid::Uuid::new_v4().simple()
+    );
+    let consumer = channel
+        .basic_consume(
+            queue.as_str().into(),
+            tag.as_str().into(),
+            BasicConsumeOptions::default(),
+            no_args(),
+        )
+        .await
+        .map_err(|e| AppError::broker(format!("consume {queue}"), e))?;
+    Ok(Subscription {
+        consumer,
+        tag,
+        active: true,
+    })
+}
+
+/// Pauses one queue while the store circuit is open: cancels the
+/// subscription so that the broker sends nothing more, hands back what it
+/// had already sent (uncharged: the store is away, not the message at
+/// fault), waits until the store answers again and subscribes anew.
+/// Deliveries in flight finish on their own (released when the store
+/// fails them). `Ok(false)` when shutdown came first.
+async fn pause<S, H>(
+    channel: &Channel,
+    worker: &Worker<S, H>,
+    current: &mut Subscription,
+    available: &mut watch::Receiver<bool>,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Result<bool, AppError>
+where
+    S: ServiceStore,
+    H: Handler<S::Transaction>,
+{
+    let queue = &worker.queue;
+    channel
+        .basic_cancel(current.tag.as_str().into(), BasicCancelOptions::default())
+        .await
+        .map_err(|e| AppError::broker(format!("cancel the consumer of {queue}"), e))?;
+    current.active = false;
+    // The cancel-ok ends the stream after the deliveries that came before
+    // it; bounded, in case it never comes.
+    let mut handed_back = 0_u32;
+    loop {
+        match tokio::time::timeout(PAUSE_DRAIN_LIMIT, current.consumer.next()).await {
+            Ok(Some(Ok(delivery))) => {
+                if let Some(tracker) = &worker.acks {
+                    tracker.received(&delivery).await;
+                }
+                worker.hand_back(&delivery).await;
+                handed_back += 1;
+            }
+            Ok(Some(Err(error))) => {
+                return Err(AppError::broker(format!("consuming {queue}"), error));
+            }
+            Ok(None) => break,
+            Err(_) => {
+                tracing::warn!(%queue, limit = ?PAUSE_DRAIN_LIMIT,
+                    "the cancelled consumer's stream did not end; going on");
+                break;
+            }
+        }
+    }
+    tracing::debug!(%queue, handed_back, "consumer paused");
+    tokio::select! {
+        biased;
+        () = stopped(shutdown) => return Ok(false),
+        resumed = available.wait_for(|up| *up) => if resumed.is_err() { return Ok(false) },
+    }
+    *current = subscribe(channel, worker).await?;
+    tracing::debug!(%queue, "consumer resumed");
+    Ok(true)
+}
+
+/// How long a paused consumer waits for its cancelled stream to end.
+const PAUSE_DRAIN_LIMIT: Duration = Duration::from_secs(10);
 
 /// Deletes processed inbox rows older than the retention, once.
 ///
@@ -624,30 +805,5 @@ async fn gauge_loop<S: InboxStats>(store: S, every: Duration, mut shutdown: watc
             () = tokio::time::sleep(every) => {}
             () = stopped(&mut shutdown) => return,
         }
-    }
-}
-
-/// Checks that `store` supports batched mode (savepoints), so that a store
-/// without it is refused at start rather than dead-lettering every batch.
-///
-/// # Errors
-/// [`AppError::Config`] when the store has no savepoints; the store's own
-/// error when it cannot be reached.
-pub async fn probe<S>(store: &S) -> Result<(), AppError>
-where
-    S: InboxStore<Transaction: BatchTransaction>,
-{
-    let mut tx = store.begin().await?;
-    let savepoint = tx.savepoint().await;
-    if let Err(error) = inbox_api::InboxTransaction::rollback(tx).await {
-        tracing::debug!(error = %error, "rollback after the batched-mode probe failed");
-    }
-    match savepoint {
-        Ok(()) => Ok(()),
-        Err(error) if error.is_retryable() => Err(error.into()),
-        Err(error) => Err(AppError::Config(format!(
-            "batched mode (--batch-size) needs savepoints, which this store refused: {}",
-            chain(&error)
-        ))),
     }
 }

@@ -14,6 +14,7 @@
 //! failed, Retry, no attempts left, below the cap ─► Requeue after a pause that grows per delivery
 //! failed, Retry, no attempts left, at the cap    ─► DeadLetter(retries_exhausted)
 //! failed, Requeue (not the message's fault)      ─► Requeue at once
+//! failed, StoreUnavailable (the store is away)   ─► Release: handed back uncharged, consumption pauses
 //! failed, DeadLetter (fails the same every time) ─► DeadLetter(the error's reason)
 //! ```
 //!
@@ -25,6 +26,15 @@
 //! message is dead-lettered as `retries_exhausted`. A requeue for a reason
 //! that is not the message's (an abandoned attempt) spends none of that
 //! budget's pauses.
+//!
+//! **An outage is not the message's fault.** A failure of the store itself
+//! (unreachable, or its schema unusable: [`crate::runtime::AppError::is_store_unavailable`])
+//! is released: no in-process retry is spent and no requeue pause held, the
+//! delivery goes back with `basic.nack(requeue)` (which RabbitMQ 4.3 and
+//! later do not count as a delivery), and the runtime's store circuit
+//! pauses consumption until the store answers again (see
+//! [`crate::runtime::availability`]). Its length therefore never decides a
+//! message's fate.
 
 use std::time::Duration;
 
@@ -44,6 +54,9 @@ pub enum ErrorDisposition {
     /// Not the message's fault and not worth retrying here (an abandoned
     /// attempt): hand it back to the broker at once.
     Requeue,
+    /// The store failed, not the message (unreachable, schema unusable):
+    /// hand it back uncharged and pause until the store answers.
+    StoreUnavailable,
     /// It will fail the same way every time: dead-letter it.
     DeadLetter,
 }
@@ -90,6 +103,10 @@ pub enum Settle {
     },
     /// Publish to the dead-letter exchange with a reason, then ack.
     DeadLetter(DeadLetterReason),
+    /// `basic.nack` with requeue at once, charged nothing (no retry, no
+    /// requeue counted): the store is away, which is not the message's
+    /// fault.
+    Release,
 }
 
 /// The settings the decision depends on: a small `Copy` value.
@@ -121,6 +138,7 @@ impl SettlePolicy {
                 pause: Duration::ZERO,
                 exhausted: false,
             },
+            Outcome::Failed(ErrorDisposition::StoreUnavailable) => Settle::Release,
             Outcome::Failed(ErrorDisposition::Retry) if attempt < self.attempts() => {
                 Settle::Retry {
                     delay: Backoff::new(self.retry_base_delay, MAX_RETRY_DELAY)
@@ -155,11 +173,12 @@ mod tests {
         retry_base_delay: Duration::from_millis(100),
     };
 
-    const OUTCOMES: [Outcome; 5] = [
+    const OUTCOMES: [Outcome; 6] = [
         Outcome::Processed,
         Outcome::Duplicate,
         Outcome::Failed(ErrorDisposition::Retry),
         Outcome::Failed(ErrorDisposition::Requeue),
+        Outcome::Failed(ErrorDisposition::StoreUnavailable),
         Outcome::Failed(ErrorDisposition::DeadLetter),
     ];
     /// First, middle, last, and (defensively) past the last attempt.
@@ -179,6 +198,9 @@ mod tests {
                 pause: Duration::ZERO,
                 exhausted: false,
             },
+            // Whatever the attempt and however often delivered before: an
+            // outage neither retries nor dead-letters.
+            (Outcome::Failed(D::StoreUnavailable), _, _) => Settle::Release,
             (Outcome::Failed(D::Retry), 1, _) => Settle::Retry {
                 delay: Duration::from_millis(100),
             },
@@ -219,7 +241,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(cases, 80);
+        assert_eq!(cases, 96);
     }
 
     #[test]

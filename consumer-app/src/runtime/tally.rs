@@ -19,6 +19,10 @@ pub struct ConsumerTally {
     /// Attempts that failed with a retryable error and were retried in
     /// process.
     pub retried: AtomicU64,
+    /// Deliveries handed back uncharged because the store, not the message,
+    /// failed (an outage, an unusable schema), or because consumption
+    /// paused while the broker had already sent them.
+    pub released: AtomicU64,
     /// Redelivered deliveries (the broker's `redelivered` flag) that
     /// committed: work that a crash or a lost connection made run again.
     pub redelivered_processed: AtomicU64,

@@ -11,6 +11,8 @@
 //!                         (shutdown during the backoff: nack + requeue instead)
 //!          Requeue    ─► nack + requeue (after a pause if the retries ran out,
 //!                         cut short by shutdown)
+//!          Release    ─► nack + requeue at once, uncharged (the store is away; the
+//!                         store circuit counts it and pauses consumption)
 //!          DeadLetter ─► publish with reason headers, then ack
 //! ```
 //!
@@ -50,6 +52,7 @@ use tokio::sync::watch;
 
 use crate::runtime::ack::{AckTracker, Frame, settle_one};
 use crate::runtime::amqp::Publisher;
+use crate::runtime::availability::StoreCircuit;
 use crate::runtime::backoff::jittered;
 use crate::runtime::config::WorkerConfig;
 use crate::runtime::error::chain;
@@ -75,6 +78,8 @@ pub(crate) struct Worker<S, H> {
     /// Batched mode: the consuming channel's unsettled tags, through which
     /// every settle goes; `None` per message.
     pub(crate) acks: Option<Arc<AckTracker>>,
+    /// The service's store circuit, told of every attempt's outcome.
+    pub(crate) circuit: Arc<StoreCircuit>,
 }
 
 impl<S, H> Clone for Worker<S, H> {
@@ -88,6 +93,7 @@ impl<S, H> Clone for Worker<S, H> {
             tally: Arc::clone(&self.tally),
             dead_letter_channel: self.dead_letter_channel.clone(),
             acks: self.acks.clone(),
+            circuit: Arc::clone(&self.circuit),
         }
     }
 }
@@ -180,6 +186,7 @@ where
             if batched && results.iter().any(|(_, result)| result.is_ok()) {
                 bump(&self.tally.batches);
             }
+            self.tell_circuit(&results);
             let mut acks = Vec::new();
             let mut again = Vec::new();
             let mut retry_delay = Duration::ZERO;
@@ -187,15 +194,16 @@ where
             let mut requeue = Vec::new();
             let mut pause = Duration::ZERO;
             let mut dead = Vec::new();
+            let mut released = Vec::new();
             for (i, result) in results {
                 let item = &mut items[i];
                 let outcome = match &result {
                     Ok(Handled::Processed(_)) => Outcome::Processed,
                     Ok(Handled::Duplicate) => Outcome::Duplicate,
-                    Err(error) => Outcome::Failed(error.disposition()),
+                    Err(error) => Outcome::Failed(self.disposition(error)),
                 };
-                if let Err(error) = &result
-                    && error.disposition() == ErrorDisposition::Retry
+                if let Outcome::Failed(ErrorDisposition::Retry) = outcome
+                    && let Err(error) = &result
                 {
                     tracing::warn!(message_id = %item.message_id, consumer = %item.key.consumer,
                         attempt, error = %chain(error), "retryable failure");
@@ -238,6 +246,12 @@ where
                         pause = pause.max(wait);
                         requeue.push(i);
                     }
+                    (Settle::Release, result) => {
+                        tracing::debug!(message_id = %item.message_id, consumer = %item.key.consumer,
+                            error = %result.err().map(|e| chain(&e)).unwrap_or_default(),
+                            "store unavailable: handing the delivery back uncharged");
+                        released.push(i);
+                    }
                     (Settle::DeadLetter(why), result) => {
                         let (reason, detail) = match (why, result) {
                             (DeadLetterReason::Permanent, Err(error)) => {
@@ -260,6 +274,9 @@ where
             self.ack_all(&acked).await;
             for i in handed_back {
                 self.requeue(&items[i].delivery, &items[i].key).await;
+            }
+            for i in released {
+                self.hand_back(&items[i].delivery).await;
             }
             for (i, reason, detail) in dead {
                 let item = &items[i];
@@ -301,6 +318,31 @@ where
                 }
             }
             open = again;
+        }
+    }
+
+    /// What the policy does with `error`: its own disposition, except that
+    /// a retryable failure while the store circuit is open (a handle
+    /// timeout during an outage, say) is the outage's, not the message's.
+    fn disposition(&self, error: &AppError) -> ErrorDisposition {
+        match error.disposition() {
+            ErrorDisposition::Retry if self.circuit.is_open() => ErrorDisposition::StoreUnavailable,
+            disposition => disposition,
+        }
+    }
+
+    /// Tells the store circuit how an attempt went: one success or one
+    /// store failure per attempt (a batch's shared failure counts once).
+    fn tell_circuit(&self, results: &Results<H::Intent>) {
+        if results.iter().any(|(_, result)| result.is_ok()) {
+            self.circuit.success();
+        } else if let Some(error) = results.iter().find_map(|(_, result)| {
+            result
+                .as_ref()
+                .err()
+                .filter(|error| error.is_store_unavailable())
+        }) {
+            self.circuit.failure(error);
         }
     }
 
@@ -387,6 +429,18 @@ where
                     }
                 }
             }
+        }
+    }
+
+    /// Hands a delivery back to the broker uncharged (`basic.nack` with
+    /// requeue, which RabbitMQ 4.3 and later do not count as a delivery):
+    /// the store is away, or consumption paused before it started, neither
+    /// of them the message's fault.
+    pub(crate) async fn hand_back(&self, delivery: &Delivery) {
+        bump(&self.tally.released);
+        if let Err(error) = self.settle(delivery, Frame::Release).await {
+            tracing::debug!(tag = delivery.delivery_tag, error = %error,
+                "nack failed; the broker redelivers when the channel closes");
         }
     }
 

@@ -25,7 +25,8 @@ use crate::runtime::relay::{Relay, RelayConfig};
 use crate::runtime::tally::get;
 use crate::runtime::telemetry::{self, Health, install_recorder};
 use crate::runtime::{
-    AppError, BatchConfig, CleanupConfig, ServiceConfig, ServiceHandle, WorkerConfig,
+    AppError, AvailabilityConfig, BatchConfig, CleanupConfig, ServiceConfig, ServiceHandle,
+    WorkerConfig,
 };
 use crate::tools::stores::{StoreConfig, WithOutbox, WithStore};
 
@@ -59,7 +60,7 @@ pub struct Global {
         long,
         env = "INBOX_SCHEMA",
         global = true,
-        default_value = "parcel_inbox"
+        default_value = DEFAULT_SCHEMA
     )]
     pub schema: String,
     /// Prefix of every exchange and queue name (tests use their own).
@@ -69,6 +70,9 @@ pub struct Global {
     #[arg(long, env = "DATABASE_POOL_SIZE", global = true, default_value_t = 16)]
     pub pool_size: u32,
 }
+
+/// The schema `--schema` names unless told otherwise.
+pub const DEFAULT_SCHEMA: &str = "parcel_inbox";
 
 /// The first store compiled in.
 pub fn default_store() -> StoreKind {
@@ -187,6 +191,11 @@ pub struct ConsumeArgs {
     /// Age an undispatched intent must reach before the reconciler re-sends it.
     #[arg(long, env = "PARCEL_DISPATCH_MIN_AGE_SECS", default_value_t = 5)]
     pub dispatch_min_age_secs: u64,
+    /// Store failures in a row (unreachable, schema unusable) after which
+    /// consumption pauses until the store answers; those deliveries go back
+    /// uncharged.
+    #[arg(long, env = "PARCEL_STORE_OUTAGE_THRESHOLD", default_value_t = 3)]
+    pub store_outage_threshold: u32,
 }
 
 impl ConsumeArgs {
@@ -206,6 +215,7 @@ impl ConsumeArgs {
         };
         let metrics_addr = parse_metrics_addr(&self.metrics_addr)?;
         Ok(Consume {
+            schema: global.schema.clone(),
             config: ServiceConfig {
                 amqp_url: global.amqp_url.clone(),
                 worker: self.worker.config(),
@@ -216,6 +226,10 @@ impl ConsumeArgs {
                 ),
                 cleanup,
                 gauge_interval: Some(Duration::from_secs(self.gauge_interval_secs.max(1))),
+                availability: AvailabilityConfig {
+                    threshold: self.store_outage_threshold.max(1),
+                    ..AvailabilityConfig::default()
+                },
             },
             topology: Topology::new(&global.prefix),
             metrics_addr,
@@ -245,6 +259,8 @@ impl Global {
 /// SIGINT/SIGTERM. `spawner` starts the service: [`Plain`] in the binary;
 /// a test tool passes one that decorates the consumers.
 pub struct Consume<P = Plain> {
+    /// The store's schema, named in the fix when it is not migrated.
+    pub schema: String,
     /// The service's settings.
     pub config: ServiceConfig,
     /// The queue names.
@@ -302,6 +318,7 @@ impl<P: Spawner> Consume<P> {
     /// # Errors
     /// The metrics endpoint's, or the service's.
     pub async fn serve<S: ParcelStore>(self, store: S) -> Result<(), AppError> {
+        let schema = self.schema.clone();
         let (stop_metrics, metrics_stopped) = watch::channel(false);
         // Bound and recording before anything runs: a port in use fails at
         // once, and no early count is lost.
@@ -329,7 +346,9 @@ impl<P: Spawner> Consume<P> {
             downstreams.clone(),
         )?;
         if let Some((listener, metrics)) = endpoint {
-            // Ready = consuming on an open connection and the store answers.
+            // Ready = consuming on an open connection, no store outage
+            // pausing the consumers, and the store answers a probe now
+            // (an idle service's circuit has seen no error to open on).
             let health = Health::new()
                 .live_while(service.running())
                 .ready_while(
@@ -337,7 +356,12 @@ impl<P: Spawner> Consume<P> {
                     service.broker_connected(),
                     "not consuming (connecting or reconnecting)",
                 )
-                .ready_when("store", telemetry::store_reachable(store.clone()));
+                .ready_while(
+                    "store",
+                    service.store_availability(),
+                    "outage: consumption paused until the store answers",
+                )
+                .ready_when("store probe", telemetry::store_reachable(store.clone()));
             let router = telemetry::router(metrics, health);
             telemetry::serve(listener, router, metrics_stopped);
         }
@@ -363,8 +387,27 @@ impl<P: Spawner> Consume<P> {
         stop_reconciler.send_replace(true);
         let _ = reconciler.await;
         stop_metrics.send_replace(true);
-        result
+        result.map_err(|error| with_migrate_hint(error, &schema))
     }
+}
+
+/// A start refused because the store's schema is missing, not migrated or
+/// not the role's to use, told with its fix: the operator reads what to run,
+/// not only which relation was missing.
+fn with_migrate_hint(error: AppError, schema: &str) -> AppError {
+    if !error.is_store_unavailable() || error.is_retryable() {
+        return error;
+    }
+    let flag = if schema == DEFAULT_SCHEMA {
+        String::new()
+    } else {
+        format!(" --schema {schema}")
+    };
+    AppError::Config(format!(
+        "the schema {schema:?} is not ready for the inbox ({}): run `parcel-inbox migrate{flag}` \
+         (with a role that may use its tables), then start again",
+        crate::runtime::error::chain(&error)
+    ))
 }
 
 /// The flags of `relay`.

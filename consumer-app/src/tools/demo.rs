@@ -149,6 +149,7 @@ impl Demo {
                 connection_name: format!("parcel-inbox demo {}", self.run_id),
                 cleanup: None,
                 gauge_interval: Some(Duration::from_secs(5)),
+                ..ServiceConfig::new(&cfg.amqp_url, "")
             },
             topology,
             faults.wrap(notification),

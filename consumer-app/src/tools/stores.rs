@@ -56,6 +56,14 @@ pub trait WithStore {
 #[cfg(feature = "sqlx")]
 const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// How long a transaction waits for a pooled connection (the diesel
+/// store's default too). Well below the 30 s handle timeout, so that a
+/// store outage shows up as a pool timeout (the store circuit pauses
+/// consumption) rather than as the message's own timeout; sqlx's default
+/// is 30 s.
+#[cfg(feature = "sqlx")]
+const ACQUIRE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Connects the configured store, retrying with backoff while the database
 /// is unreachable (`attempts` times; `None`: forever), and runs `task` on it.
 ///
@@ -221,6 +229,7 @@ async fn open_sqlx(
         }
         let pool = sqlx::postgres::PgPoolOptions::new()
             .max_connections(config.pool_size.max(1))
+            .acquire_timeout(ACQUIRE_TIMEOUT)
             .connect_with(options)
             .await
             .map_err(classify)?;

@@ -141,6 +141,7 @@ pub(crate) async fn cell(
                     connection_name: format!("inbox bench {prefix}"),
                     cleanup: None,
                     gauge_interval: None,
+                    availability: Default::default(),
                 },
                 &topology,
                 Downstreams {

@@ -1,0 +1,741 @@
+//! Outages of the service's two dependencies, against real servers: the
+//! store going away (a PostgreSQL restart, a dropped schema) pauses the
+//! consumers instead of charging the messages, and a broker restart is
+//! ridden out by reconnecting. Nothing is lost, nothing valid is
+//! dead-lettered, every effect happens once.
+//!
+//! The outages that stop a server stop a *private* one, started for the
+//! test in a temporary directory on a free port (PostgreSQL through
+//! `initdb`/`pg_ctl`, RabbitMQ as its own node), so the shared servers the
+//! other tests use are never touched; a guard stops the private server and
+//! removes its directory however the test ends. A missing binary or a
+//! server that does not come up fails the test: nothing is skipped.
+
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use consumer_app::parcel::downstream::{Downstreams, StubCarrier, StubNotifier};
+use consumer_app::parcel::role::Role;
+use consumer_app::parcel::service::spawn;
+use consumer_app::parcel::store::{ParcelStore, Stats};
+use consumer_app::parcel::topology::Topology;
+use consumer_app::runtime::amqp::{close_bounded, connect};
+use consumer_app::runtime::tally::{Tally, get};
+use consumer_app::runtime::{AvailabilityConfig, ServiceConfig, ServiceHandle, WorkerConfig};
+use consumer_app::tools::publish::{Plan, publish};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+
+const SHARED_AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+fn shared_database() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+/// The process's metrics recorder, installed by the first test that asks.
+fn snapshotter() -> &'static Snapshotter {
+    static SNAPSHOTTER: OnceLock<Snapshotter> = OnceLock::new();
+    SNAPSHOTTER.get_or_init(|| {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        recorder.install().expect("no other metrics recorder");
+        snapshotter
+    })
+}
+
+/// The `inbox_store_available` gauge (process-wide: the tests that read it
+/// hold [`GAUGE`] so that no other service sets it meanwhile).
+fn store_gauge() -> Option<f64> {
+    snapshotter()
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .find_map(|(key, _, _, value)| match value {
+            DebugValue::Gauge(v) if key.key().name() == inbox_api::metrics::STORE_AVAILABLE => {
+                Some(v.into_inner())
+            }
+            _ => None,
+        })
+}
+
+/// Held by the tests that read the process-wide gauge.
+static GAUGE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn id() -> String {
+    uuid::Uuid::new_v4().simple().to_string()[..10].to_owned()
+}
+
+/// Runs `program args` to its end and fails the test, with its output,
+/// unless it succeeds.
+fn run(program: &str, args: &[&str]) -> Output {
+    let output = Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {program}: {e}"));
+    assert!(
+        output.status.success(),
+        "{program} {args:?} failed:\n{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+/// A TCP port nobody listens on right now.
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    listener.local_addr().expect("its address").port()
+}
+
+fn is_root() -> bool {
+    let output = run("id", &["-u"]);
+    String::from_utf8_lossy(&output.stdout).trim() == "0"
+}
+
+/// Waits until `127.0.0.1:port` accepts connections, or fails the test.
+async fn listening(port: u16, what: &str, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "{what} not listening on {port} after {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+// ------------------------------------------------------- private PostgreSQL
+
+/// A PostgreSQL cluster of the test's own: `initdb` into a temporary
+/// directory, started on a free port, stopped and removed on drop (also when
+/// the test panics). Run as user `postgres` when the tests run as root
+/// (PostgreSQL refuses to run as root).
+struct PrivatePostgres {
+    dir: PathBuf,
+    port: u16,
+    as_postgres: bool,
+}
+
+impl PrivatePostgres {
+    fn start() -> Self {
+        let dir = std::env::temp_dir().join(format!("inbox-outage-pg-{}", id()));
+        let cluster = Self {
+            dir,
+            port: free_port(),
+            as_postgres: is_root(),
+        };
+        let data = cluster.data();
+        cluster.pg(
+            "initdb",
+            &["-D", &data, "-A", "trust", "-U", "postgres", "--no-sync"],
+        );
+        cluster.resume();
+        cluster
+    }
+
+    fn data(&self) -> String {
+        self.dir.display().to_string()
+    }
+
+    /// Runs a PostgreSQL binary (`PG_BIN` or the PATH) as the cluster's user.
+    fn pg(&self, binary: &str, args: &[&str]) -> Output {
+        let binary = match std::env::var("PG_BIN") {
+            Ok(dir) => format!("{dir}/{binary}"),
+            Err(_) => binary.to_owned(),
+        };
+        if self.as_postgres {
+            let mut all = vec!["-u", "postgres", "--", binary.as_str()];
+            all.extend_from_slice(args);
+            run("runuser", &all)
+        } else {
+            run(&binary, args)
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Starts the server (again) and waits until it accepts connections.
+    fn resume(&self) {
+        let options = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
+            self.port,
+            self.data()
+        );
+        let log = format!("{}/server.log", self.data());
+        self.pg(
+            "pg_ctl",
+            &[
+                "-D",
+                &self.data(),
+                "-o",
+                &options,
+                "-l",
+                &log,
+                "-w",
+                "start",
+            ],
+        );
+    }
+
+    /// Stops the server as an operator's restart would (`-m fast`: open
+    /// sessions are terminated, 57P01).
+    fn halt(&self) {
+        self.pg("pg_ctl", &["-D", &self.data(), "-m", "fast", "-w", "stop"]);
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        // Best effort, never a second panic: stopped already is fine.
+        let mut args = vec!["-D".to_owned(), self.data()];
+        args.extend(["-m", "immediate", "stop"].map(str::to_owned));
+        let mut command = if self.as_postgres {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--", "pg_ctl"]);
+            c
+        } else {
+            Command::new("pg_ctl")
+        };
+        let _ = command.args(&args).output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+// --------------------------------------------------------- private RabbitMQ
+
+/// A RabbitMQ node of the test's own (its name, ports, data, logs and
+/// config in a temporary directory), so that `rabbitmqctl stop_app`
+/// disturbs no other test; halted and removed on drop. The shared node's
+/// config file names port 5672, hence a config file of its own.
+struct PrivateRabbit {
+    dir: PathBuf,
+    node: String,
+    port: u16,
+}
+
+impl PrivateRabbit {
+    async fn start() -> Self {
+        let id = id();
+        let dir = std::env::temp_dir().join(format!("inbox-outage-rmq-{id}"));
+        std::fs::create_dir_all(&dir).expect("node directory");
+        let rabbit = Self {
+            node: format!("inbox-test-{id}@localhost"),
+            port: free_port(),
+            dir,
+        };
+        let file = |name: &str| rabbit.dir.join(name).display().to_string();
+        std::fs::write(
+            file("rabbitmq.conf"),
+            format!("listeners.tcp.local = 127.0.0.1:{}\n", rabbit.port),
+        )
+        .expect("config file");
+        std::fs::write(file("enabled_plugins"), "[].\n").expect("plugins file");
+        if is_root() {
+            // The server drops to the rabbitmq user, which must own its files.
+            run(
+                "chown",
+                &["-R", "rabbitmq:rabbitmq", &rabbit.dir.display().to_string()],
+            );
+        }
+        let status = Command::new("rabbitmq-server")
+            .arg("-detached")
+            .env("RABBITMQ_NODENAME", &rabbit.node)
+            .env("RABBITMQ_NODE_PORT", rabbit.port.to_string())
+            .env("RABBITMQ_DIST_PORT", free_port().to_string())
+            .env("RABBITMQ_CONFIG_FILE", file("rabbitmq.conf"))
+            .env("RABBITMQ_ENABLED_PLUGINS_FILE", file("enabled_plugins"))
+            .env("RABBITMQ_MNESIA_BASE", file("mnesia"))
+            .env("RABBITMQ_LOG_BASE", file("log"))
+            .env("RABBITMQ_PID_FILE", file("pid"))
+            .env("ERL_CRASH_DUMP", file("erl_crash.dump"))
+            .stdin(Stdio::null())
+            .status()
+            .expect("run rabbitmq-server");
+        assert!(status.success(), "rabbitmq-server -detached: {status}");
+        rabbit.up().await;
+        rabbit
+    }
+
+    fn url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+
+    /// Waits until the node takes AMQP connections (a booting node listens
+    /// a moment before it answers).
+    async fn up(&self) {
+        listening(self.port, "the private RabbitMQ", Duration::from_secs(120)).await;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while let Err(error) = connect(&self.url(), "parcel-inbox test probe").await {
+            assert!(Instant::now() < deadline, "private RabbitMQ: {error}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    fn ctl(&self, command: &str) {
+        run("rabbitmqctl", &["-n", &self.node, command]);
+    }
+}
+
+impl Drop for PrivateRabbit {
+    fn drop(&mut self) {
+        let _ = Command::new("rabbitmqctl")
+            .args(["-n", &self.node, "stop"])
+            .output();
+        // A node that did not stop when asked is killed by its pid.
+        if let Ok(pid) = std::fs::read_to_string(self.dir.join("pid")) {
+            let _ = Command::new("kill").args(["-9", pid.trim()]).output();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+// --------------------------------------------------------- the service
+
+/// The delivery budget of these tests, short so that an outage outlasts it
+/// in seconds: three deliveries of three quick attempts each.
+fn worker_config() -> WorkerConfig {
+    WorkerConfig {
+        prefetch: 8,
+        concurrency: 4,
+        handle_timeout: Duration::from_secs(10),
+        retry_attempts: 3,
+        retry_base_delay: Duration::from_millis(5),
+        max_deliveries: 3,
+        max_body_bytes: 1024,
+        batch: None,
+    }
+}
+
+struct Scenario {
+    prefix: String,
+    schema: String,
+    connection: String,
+    amqp: String,
+}
+
+impl Scenario {
+    fn new(test: &str, amqp: &str) -> Self {
+        let id = id();
+        Self {
+            prefix: format!("test-{test}-{id}."),
+            schema: format!("outage_{id}"),
+            connection: format!("parcel-inbox test {test} {id}"),
+            amqp: amqp.to_owned(),
+        }
+    }
+
+    fn topology(&self) -> Topology {
+        Topology::new(&self.prefix)
+    }
+
+    fn start<S: ParcelStore>(&self, store: &S) -> ServiceHandle {
+        snapshotter();
+        let config = ServiceConfig {
+            worker: worker_config(),
+            cleanup: None,
+            gauge_interval: None,
+            // Probe at least every second, so the tests resume promptly.
+            availability: AvailabilityConfig {
+                threshold: 3,
+                probe_delay: Duration::from_millis(100),
+                max_probe_delay: Duration::from_secs(1),
+            },
+            ..ServiceConfig::new(&self.amqp, &self.connection)
+        };
+        let downstreams = Downstreams {
+            carrier: Arc::new(StubCarrier::default()),
+            notifier: Arc::new(StubNotifier::default()),
+        };
+        spawn(store.clone(), config, &self.topology(), downstreams).expect("service starts")
+    }
+
+    async fn publish(&self, count: usize, seed: u64) {
+        let plan = Plan::new(count, 0.0, seed, &format!("P{}-{seed}", self.schema)).expect("plan");
+        publish(&self.amqp, &self.topology(), &plan.messages, false)
+            .await
+            .expect("publish");
+    }
+
+    /// Messages ready in each consumer's queue and dead-letter queue.
+    async fn depths(&self) -> Vec<(String, u32)> {
+        let connection = connect(&self.amqp, "parcel-inbox test depths")
+            .await
+            .expect("connect");
+        let channel = connection.create_channel().await.expect("channel");
+        let topology = self.topology();
+        let mut depths = Vec::new();
+        for role in Role::ALL {
+            for queue in [topology.queue(role), topology.dead_letter_queue(role)] {
+                let n = topology
+                    .ready_messages(&channel, &queue)
+                    .await
+                    .expect("depth");
+                depths.push((queue, n));
+            }
+        }
+        close_bounded(&connection, "bye").await;
+        depths
+    }
+
+    async fn dead_letter_queues_are_empty(&self) {
+        for (queue, n) in self.depths().await {
+            if queue.ends_with(".dlq") {
+                assert_eq!(n, 0, "{queue} holds {n} dead letters");
+            }
+        }
+    }
+
+    async fn remove_topology(&self) {
+        let connection = connect(&self.amqp, "parcel-inbox test cleanup")
+            .await
+            .expect("connect");
+        let channel = connection.create_channel().await.expect("channel");
+        self.topology()
+            .delete(&channel)
+            .await
+            .expect("delete topology");
+        close_bounded(&connection, "bye").await;
+    }
+}
+
+/// Waits until every consumer processed `n` messages, or fails with the
+/// counters.
+async fn processed(tally: &Tally, n: u64, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    loop {
+        let done = Role::ALL
+            .iter()
+            .all(|r| get(&tally.consumer(r.consumer_name()).processed) >= n);
+        if done {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not every consumer processed {n} within {limit:?}: {tally:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits until the service's store availability is `up`, or fails.
+async fn store_is(service: &ServiceHandle, up: bool, limit: Duration) {
+    let mut availability = service.store_availability();
+    tokio::time::timeout(limit, availability.wait_for(|a| *a == up))
+        .await
+        .unwrap_or_else(|_| panic!("store availability not {up} within {limit:?}"))
+        .expect("service running");
+}
+
+fn nothing_dead_lettered(tally: &Tally) {
+    for role in Role::ALL {
+        let t = tally.consumer(role.consumer_name());
+        assert_eq!(
+            t.dead_lettered_total(),
+            0,
+            "{role:?} dead-lettered {:?}",
+            t.dead_lettered()
+        );
+    }
+}
+
+fn once_each(stats: &Stats, n: u64) {
+    for (table, counts) in [
+        ("notifications", stats.notifications),
+        ("carrier_assignments", stats.carrier_assignments),
+    ] {
+        assert_eq!(counts.rows, n, "{table}\n{stats}");
+        assert_eq!(counts.double_effects(), 0, "{table}\n{stats}");
+    }
+}
+
+// ------------------------------------------------------------ scenarios
+
+/// THE outage: PostgreSQL stopped during a quiet period for longer than a
+/// message's whole delivery budget (3 deliveries × 3 attempts, each attempt
+/// failing within the pool's 1 s acquire timeout), messages published
+/// meanwhile, then started again. Without a pause every one of them would
+/// walk through its budget into the dead-letter queue; with it, each is
+/// processed once after the restart and nothing is dead-lettered.
+async fn postgres_outage_longer_than_the_budget<S: ParcelStore>(
+    connect_store: impl AsyncFn(&str, &str) -> S,
+) {
+    const WARM: u64 = 4;
+    const DURING: u64 = 8;
+    let _gauge = GAUGE.lock().await;
+    let pg = PrivatePostgres::start();
+    let scenario = Scenario::new("pg-outage", SHARED_AMQP);
+    let store = connect_store(&pg.url(), &scenario.schema).await;
+    store.migrate_all().await.expect("migrate");
+    let service = scenario.start(&store);
+    service
+        .wait_consuming(1, Duration::from_secs(30))
+        .await
+        .expect("consuming");
+    scenario.publish(WARM as usize, 1).await;
+    processed(&service.tally, WARM, Duration::from_secs(30)).await;
+    assert_eq!(store_gauge(), Some(1.0));
+
+    pg.halt();
+    let down = Instant::now();
+    scenario.publish(DURING as usize, 2).await;
+    store_is(&service, false, Duration::from_secs(15)).await;
+    assert_eq!(store_gauge(), Some(0.0));
+    // Longer than the budget: 3 deliveries × (3 attempts of ≤ 1 s, then a
+    // requeue pause of 50 ms, 100 ms, …) is about 10 s.
+    let outage = Duration::from_secs(20);
+    tokio::time::sleep(outage.saturating_sub(down.elapsed())).await;
+    nothing_dead_lettered(&service.tally);
+    assert!(!service.store_available(), "paused for the whole outage");
+    pg.resume();
+
+    store_is(&service, true, Duration::from_secs(15)).await;
+    assert_eq!(store_gauge(), Some(1.0));
+    processed(&service.tally, WARM + DURING, Duration::from_secs(60)).await;
+    let tally = Arc::clone(&service.tally);
+    service.shutdown();
+    service.join().await.expect("clean shutdown");
+    nothing_dead_lettered(&tally);
+    for role in Role::ALL {
+        assert_eq!(
+            get(&tally.consumer(role.consumer_name()).processed),
+            WARM + DURING,
+            "{role:?}"
+        );
+    }
+    scenario.dead_letter_queues_are_empty().await;
+    once_each(&store.stats().await.expect("stats"), WARM + DURING);
+    scenario.remove_topology().await;
+}
+
+/// The schema dropped under the running service (a botched deploy, a
+/// restore into the wrong place): consumption pauses, nothing is
+/// dead-lettered; once the schema is migrated again, everything published
+/// meanwhile is processed once.
+async fn schema_dropped_mid_run_pauses_until_migrated<S: ParcelStore>(
+    connect_store: impl AsyncFn(&str, &str) -> S,
+) {
+    const BEFORE: u64 = 3;
+    const AFTER: u64 = 6;
+    let _gauge = GAUGE.lock().await;
+    let scenario = Scenario::new("schema-drop", SHARED_AMQP);
+    let store = connect_store(&shared_database(), &scenario.schema).await;
+    store.migrate_all().await.expect("migrate");
+    let service = scenario.start(&store);
+    service
+        .wait_consuming(1, Duration::from_secs(30))
+        .await
+        .expect("consuming");
+    scenario.publish(BEFORE as usize, 1).await;
+    processed(&service.tally, BEFORE, Duration::from_secs(30)).await;
+
+    store.drop_schema().await.expect("drop the schema");
+    scenario.publish(AFTER as usize, 2).await;
+    store_is(&service, false, Duration::from_secs(20)).await;
+    assert_eq!(store_gauge(), Some(0.0));
+    // Paused, not spinning through the messages: give it time to do harm.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    nothing_dead_lettered(&service.tally);
+    assert!(!service.store_available());
+
+    store.migrate_all().await.expect("migrate again");
+    store_is(&service, true, Duration::from_secs(20)).await;
+    assert_eq!(store_gauge(), Some(1.0));
+    processed(&service.tally, BEFORE + AFTER, Duration::from_secs(60)).await;
+    let tally = Arc::clone(&service.tally);
+    service.shutdown();
+    service.join().await.expect("clean shutdown");
+    nothing_dead_lettered(&tally);
+    let released: u64 = Role::ALL
+        .iter()
+        .map(|r| get(&tally.consumer(r.consumer_name()).released))
+        .sum();
+    assert!(released > 0, "deliveries were handed back: {tally:?}");
+    scenario.dead_letter_queues_are_empty().await;
+    // The effects before the drop went with the schema.
+    once_each(&store.stats().await.expect("stats"), AFTER);
+    store.drop_schema().await.expect("drop schema");
+    scenario.remove_topology().await;
+}
+
+/// `consume` on a schema nobody migrated refuses to start, naming the
+/// command that fixes it, and leaves the waiting messages alone.
+async fn unmigrated_schema_refuses_to_start(store: &str) {
+    let scenario = Scenario::new(&format!("unmigrated-{store}"), SHARED_AMQP);
+    scenario.publish(3, 1).await;
+    let schema = format!("--schema={}", scenario.schema);
+    let prefix = format!("--prefix={}", scenario.prefix);
+    let (code, text) = parcel_inbox_within(
+        &[
+            &format!("--store={store}"),
+            &format!("--database-url={}", shared_database()),
+            &format!("--amqp-url={SHARED_AMQP}"),
+            &schema,
+            &prefix,
+            "consume",
+            "--metrics-addr=off",
+        ],
+        Duration::from_secs(60),
+    );
+    assert_eq!(code, Some(1), "consume must refuse to start:\n{text}");
+    let fix = format!("parcel-inbox migrate --schema {}", scenario.schema);
+    assert!(text.contains(&fix), "the error names `{fix}`:\n{text}");
+    for (queue, n) in scenario.depths().await {
+        let expected = if queue.ends_with(".dlq") { 0 } else { 3 };
+        assert_eq!(n, expected, "{queue}\n{text}");
+    }
+    scenario.remove_topology().await;
+}
+
+/// RabbitMQ stopped under the running service (`rabbitmqctl stop_app`, as
+/// an upgrade does) with messages waiting and in flight, then started
+/// again: the service reconnects by itself, and every message is processed
+/// once, none dead-lettered. The store is unaffected, so the store circuit
+/// stays closed. One backend: the broker's outage touches no store code.
+async fn broker_outage_reconnects_and_loses_nothing<S: ParcelStore>(
+    connect_store: impl AsyncFn(&str, &str) -> S,
+) {
+    const BEFORE: u64 = 4;
+    const AROUND: u64 = 40;
+    let rabbit = PrivateRabbit::start().await;
+    let scenario = Scenario::new("broker-outage", &rabbit.url());
+    let store = connect_store(&shared_database(), &scenario.schema).await;
+    store.migrate_all().await.expect("migrate");
+    let service = scenario.start(&store);
+    service
+        .wait_consuming(1, Duration::from_secs(30))
+        .await
+        .expect("consuming");
+    scenario.publish(BEFORE as usize, 1).await;
+    processed(&service.tally, BEFORE, Duration::from_secs(30)).await;
+
+    // Some of these are processed, some in flight, some still queued when
+    // the broker goes.
+    scenario.publish(AROUND as usize, 2).await;
+    rabbit.ctl("stop_app");
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    rabbit.ctl("start_app");
+    rabbit.up().await;
+    service
+        .wait_consuming(2, Duration::from_secs(60))
+        .await
+        .expect("the service reconnected");
+
+    processed(&service.tally, BEFORE + AROUND, Duration::from_secs(60)).await;
+    let tally = Arc::clone(&service.tally);
+    assert!(
+        service.store_available(),
+        "a broker outage is not the store's"
+    );
+    service.shutdown();
+    service.join().await.expect("clean shutdown");
+    nothing_dead_lettered(&tally);
+    for (queue, n) in scenario.depths().await {
+        assert_eq!(n, 0, "{queue} still holds {n}");
+    }
+    once_each(&store.stats().await.expect("stats"), BEFORE + AROUND);
+    store.drop_schema().await.expect("drop schema");
+}
+
+/// Runs parcel-inbox, killing it after `limit`: its exit code (`None` when
+/// killed) and everything it printed.
+fn parcel_inbox_within(args: &[&str], limit: Duration) -> (Option<i32>, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run parcel-inbox");
+    let started = Instant::now();
+    while child.try_wait().expect("poll parcel-inbox").is_none() && started.elapsed() < limit {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let killed = child.try_wait().expect("poll parcel-inbox").is_none();
+    if killed {
+        child.kill().expect("kill parcel-inbox");
+    }
+    let output = child.wait_with_output().expect("parcel-inbox's output");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    (if killed { None } else { output.status.code() }, text)
+}
+
+// ------------------------------------------------------------ the backends
+
+macro_rules! outage_tests {
+    ($connect:path, $kind:literal) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn postgres_outage_longer_than_the_budget() {
+            super::postgres_outage_longer_than_the_budget($connect).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn schema_dropped_mid_run_pauses_until_migrated() {
+            super::schema_dropped_mid_run_pauses_until_migrated($connect).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn unmigrated_schema_refuses_to_start() {
+            super::unmigrated_schema_refuses_to_start($kind).await;
+        }
+    };
+}
+
+#[cfg(feature = "sqlx")]
+mod sqlx_store {
+    use std::time::Duration;
+
+    use inbox_backend_sqlx::SqlxStore;
+
+    /// A store whose pool gives up on a connection after 1 s, so that an
+    /// attempt during an outage fails quickly.
+    async fn connect(url: &str, schema: &str) -> SqlxStore {
+        let options = SqlxStore::connect_options(url, schema).expect("options");
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(8)
+            .acquire_timeout(Duration::from_secs(1))
+            .connect_with(options)
+            .await
+            .expect("connect to PostgreSQL");
+        SqlxStore::new(pool, schema).expect("store")
+    }
+
+    outage_tests!(connect, "sqlx");
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn broker_outage_reconnects_and_loses_nothing() {
+        super::broker_outage_reconnects_and_loses_nothing(connect).await;
+    }
+}
+
+#[cfg(feature = "diesel")]
+mod diesel_store {
+    use std::time::Duration;
+
+    use inbox_backend_diesel::DieselStore;
+
+    /// As the sqlx one: 1 s to get or open a connection.
+    async fn connect(url: &str, schema: &str) -> DieselStore {
+        DieselStore::builder(url, schema)
+            .expect("builder")
+            .pool_size(8)
+            .wait_timeout(Duration::from_secs(1))
+            .connect_timeout(Duration::from_secs(1))
+            .connect()
+            .await
+            .expect("connect to PostgreSQL")
+    }
+
+    outage_tests!(connect, "diesel");
+}
