@@ -24,7 +24,7 @@ use crate::parcel::store::{ParcelStore, StoreKind};
 use crate::parcel::topology::Topology;
 use crate::runtime::relay::{Relay, RelayConfig};
 use crate::runtime::tally::get;
-use crate::runtime::telemetry::{install_recorder, serve_metrics};
+use crate::runtime::telemetry::{self, Health, install_recorder};
 use crate::runtime::{
     AppError, AvailabilityConfig, BatchConfig, CleanupConfig, ServiceConfig, ServiceHandle,
     WorkerConfig,
@@ -198,7 +198,8 @@ pub struct ConsumeArgs {
     /// Seconds between background cleanups (0: off).
     #[arg(long, env = "INBOX_CLEANUP_INTERVAL_SECS", default_value_t = 3600)]
     pub cleanup_interval_secs: u64,
-    /// Where to serve Prometheus /metrics ("off" to disable).
+    /// Where to serve /metrics (Prometheus), /live and /ready ("off" to
+    /// disable).
     #[arg(long, env = "METRICS_ADDR", default_value = "127.0.0.1:9464")]
     pub metrics_addr: String,
     /// Seconds between refreshes of the inbox_rows gauge.
@@ -358,10 +359,15 @@ impl<P: Spawner> Consume<P> {
     pub async fn serve<S: ParcelStore>(self, store: S) -> Result<(), AppError> {
         let schema = self.schema.clone();
         let (stop_metrics, metrics_stopped) = watch::channel(false);
-        if let Some(addr) = self.metrics_addr {
-            let handle = install_recorder(METRIC_NAMES)?;
-            serve_metrics(addr, handle, metrics_stopped).await?;
-        }
+        // Bound and recording before anything runs: a port in use fails at
+        // once, and no early count is lost.
+        let endpoint = match self.metrics_addr {
+            Some(addr) => Some((
+                telemetry::bind(addr).await?,
+                install_recorder(METRIC_NAMES)?,
+            )),
+            None => None,
+        };
         // The stubs keep their ledger in the database (shared by every
         // instance, surviving kill -9); a successful call marks the intent
         // dispatched, and the reconciler re-sends the ones that never were.
@@ -378,6 +384,26 @@ impl<P: Spawner> Consume<P> {
             &self.topology,
             downstreams.clone(),
         )?;
+        if let Some((listener, metrics)) = endpoint {
+            // Ready = consuming on an open connection, no store outage
+            // pausing the consumers, and the store answers a probe now
+            // (an idle service's circuit has seen no error to open on).
+            let health = Health::new()
+                .live_while(service.running())
+                .ready_while(
+                    "broker",
+                    service.broker_connected(),
+                    "not consuming (connecting or reconnecting)",
+                )
+                .ready_while(
+                    "store",
+                    service.store_availability(),
+                    "outage: consumption paused until the store answers",
+                )
+                .ready_when("store probe", telemetry::store_reachable(store.clone()));
+            let router = telemetry::router(metrics, health);
+            telemetry::serve(listener, router, metrics_stopped);
+        }
         let shutdown = service.shutdown_sender();
         let reconciler = tokio::spawn(reconcile_loop(
             store,
@@ -439,7 +465,8 @@ pub struct RelayArgs {
     /// Seconds to wait for a batch's confirms before counting them failed.
     #[arg(long, env = "OUTBOX_CONFIRM_TIMEOUT_SECS", default_value_t = 10)]
     pub confirm_timeout_secs: u64,
-    /// Where to serve Prometheus /metrics ("off" to disable).
+    /// Where to serve /metrics (Prometheus), /live and /ready ("off" to
+    /// disable).
     #[arg(long, env = "RELAY_METRICS_ADDR", default_value = "127.0.0.1:9465")]
     pub metrics_addr: String,
 }
@@ -486,15 +513,25 @@ impl WithOutbox for RelayCommand {
         wakeups: Option<BoxStream<'static, ()>>,
     ) -> Result<(), AppError> {
         let (stop_metrics, metrics_stopped) = watch::channel(false);
-        if let Some(addr) = self.metrics_addr {
-            let handle = install_recorder(METRIC_NAMES)?;
-            serve_metrics(addr, handle, metrics_stopped).await?;
-        }
+        // Bound and recording before anything runs: a port in use fails at
+        // once, and no early count is lost.
+        let endpoint = match self.metrics_addr {
+            Some(addr) => Some((
+                telemetry::bind(addr).await?,
+                install_recorder(METRIC_NAMES)?,
+            )),
+            None => None,
+        };
         let mut relay = Relay::new(store, self.config)?;
         if let Some(wakeups) = wakeups {
             relay = relay.wake_on(wakeups);
         }
         let relay = relay.spawn();
+        if let Some((listener, metrics)) = endpoint {
+            let health = Health::new().live_while(relay.running());
+            let router = telemetry::router(metrics, health);
+            telemetry::serve(listener, router, metrics_stopped);
+        }
         let shutdown = relay.shutdown_sender();
         tokio::spawn(async move {
             wait_for_signal().await;
