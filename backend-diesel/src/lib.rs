@@ -108,6 +108,8 @@ pub use diesel_async::AsyncPgConnection;
 pub use error::{classify, classify_connection, classify_pool};
 /// The schema-name rules, shared with the sqlx backend.
 pub use inbox_postgres::SchemaName;
+/// The time bounds of every inbox session, shared with the sqlx backend.
+pub use inbox_postgres::SessionTimeouts;
 pub use listen::OutboxListener;
 pub use store::{DieselPool, DieselStore, DieselStoreBuilder, PooledConnection};
 pub use transaction::DieselTransaction;

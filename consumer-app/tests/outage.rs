@@ -95,6 +95,21 @@ fn is_root() -> bool {
     String::from_utf8_lossy(&output.stdout).trim() == "0"
 }
 
+/// Waits until `127.0.0.1:port` accepts connections, or fails the test.
+async fn listening(port: u16, what: &str, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "{what} not listening on {port} after {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 // ------------------------------------------------------- private PostgreSQL
 
 /// A PostgreSQL cluster of the test's own: `initdb` into a temporary
@@ -190,6 +205,94 @@ impl Drop for PrivatePostgres {
             Command::new("pg_ctl")
         };
         let _ = command.args(&args).output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+// --------------------------------------------------------- private RabbitMQ
+
+/// A RabbitMQ node of the test's own (its name, ports, data, logs and
+/// config in a temporary directory), so that `rabbitmqctl stop_app`
+/// disturbs no other test; halted and removed on drop. The shared node's
+/// config file names port 5672, hence a config file of its own.
+struct PrivateRabbit {
+    dir: PathBuf,
+    node: String,
+    port: u16,
+}
+
+impl PrivateRabbit {
+    async fn start() -> Self {
+        let id = id();
+        let dir = std::env::temp_dir().join(format!("inbox-outage-rmq-{id}"));
+        std::fs::create_dir_all(&dir).expect("node directory");
+        let rabbit = Self {
+            node: format!("inbox-test-{id}@localhost"),
+            port: free_port(),
+            dir,
+        };
+        let file = |name: &str| rabbit.dir.join(name).display().to_string();
+        std::fs::write(
+            file("rabbitmq.conf"),
+            format!("listeners.tcp.local = 127.0.0.1:{}\n", rabbit.port),
+        )
+        .expect("config file");
+        std::fs::write(file("enabled_plugins"), "[].\n").expect("plugins file");
+        if is_root() {
+            // The server drops to the rabbitmq user, which must own its files.
+            run(
+                "chown",
+                &["-R", "rabbitmq:rabbitmq", &rabbit.dir.display().to_string()],
+            );
+        }
+        let status = Command::new("rabbitmq-server")
+            .arg("-detached")
+            .env("RABBITMQ_NODENAME", &rabbit.node)
+            .env("RABBITMQ_NODE_PORT", rabbit.port.to_string())
+            .env("RABBITMQ_DIST_PORT", free_port().to_string())
+            .env("RABBITMQ_CONFIG_FILE", file("rabbitmq.conf"))
+            .env("RABBITMQ_ENABLED_PLUGINS_FILE", file("enabled_plugins"))
+            .env("RABBITMQ_MNESIA_BASE", file("mnesia"))
+            .env("RABBITMQ_LOG_BASE", file("log"))
+            .env("RABBITMQ_PID_FILE", file("pid"))
+            .env("ERL_CRASH_DUMP", file("erl_crash.dump"))
+            .stdin(Stdio::null())
+            .status()
+            .expect("run rabbitmq-server");
+        assert!(status.success(), "rabbitmq-server -detached: {status}");
+        rabbit.up().await;
+        rabbit
+    }
+
+    fn url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+
+    /// Waits until the node takes AMQP connections (a booting node listens
+    /// a moment before it answers).
+    async fn up(&self) {
+        listening(self.port, "the private RabbitMQ", Duration::from_secs(120)).await;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while let Err(error) = connect(&self.url(), "parcel-inbox test probe").await {
+            assert!(Instant::now() < deadline, "private RabbitMQ: {error}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    fn ctl(&self, command: &str) {
+        run("rabbitmqctl", &["-n", &self.node, command]);
+    }
+}
+
+impl Drop for PrivateRabbit {
+    fn drop(&mut self) {
+        let _ = Command::new("rabbitmqctl")
+            .args(["-n", &self.node, "stop"])
+            .output();
+        // A node that did not stop when asked is killed by its pid.
+        if let Ok(pid) = std::fs::read_to_string(self.dir.join("pid")) {
+            let _ = Command::new("kill").args(["-9", pid.trim()]).output();
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
@@ -491,6 +594,56 @@ async fn unmigrated_schema_refuses_to_start(store: &str) {
     scenario.remove_topology().await;
 }
 
+/// RabbitMQ stopped under the running service (`rabbitmqctl stop_app`, as
+/// an upgrade does) with messages waiting and in flight, then started
+/// again: the service reconnects by itself, and every message is processed
+/// once, none dead-lettered. The store is unaffected, so the store circuit
+/// stays closed. One backend: the broker's outage touches no store code.
+async fn broker_outage_reconnects_and_loses_nothing<S: ParcelStore>(
+    connect_store: impl AsyncFn(&str, &str) -> S,
+) {
+    const BEFORE: u64 = 4;
+    const AROUND: u64 = 40;
+    let rabbit = PrivateRabbit::start().await;
+    let scenario = Scenario::new("broker-outage", &rabbit.url());
+    let store = connect_store(&shared_database(), &scenario.schema).await;
+    store.migrate_all().await.expect("migrate");
+    let service = scenario.start(&store);
+    service
+        .wait_consuming(1, Duration::from_secs(30))
+        .await
+        .expect("consuming");
+    scenario.publish(BEFORE as usize, 1).await;
+    processed(&service.tally, BEFORE, Duration::from_secs(30)).await;
+
+    // Some of these are processed, some in flight, some still queued when
+    // the broker goes.
+    scenario.publish(AROUND as usize, 2).await;
+    rabbit.ctl("stop_app");
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    rabbit.ctl("start_app");
+    rabbit.up().await;
+    service
+        .wait_consuming(2, Duration::from_secs(60))
+        .await
+        .expect("the service reconnected");
+
+    processed(&service.tally, BEFORE + AROUND, Duration::from_secs(60)).await;
+    let tally = Arc::clone(&service.tally);
+    assert!(
+        service.store_available(),
+        "a broker outage is not the store's"
+    );
+    service.shutdown();
+    service.join().await.expect("clean shutdown");
+    nothing_dead_lettered(&tally);
+    for (queue, n) in scenario.depths().await {
+        assert_eq!(n, 0, "{queue} still holds {n}");
+    }
+    once_each(&store.stats().await.expect("stats"), BEFORE + AROUND);
+    store.drop_schema().await.expect("drop schema");
+}
+
 /// Runs parcel-inbox, killing it after `limit`: its exit code (`None` when
 /// killed) and everything it printed.
 fn parcel_inbox_within(args: &[&str], limit: Duration) -> (Option<i32>, String) {
@@ -559,6 +712,11 @@ mod sqlx_store {
     }
 
     outage_tests!(connect, "sqlx");
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn broker_outage_reconnects_and_loses_nothing() {
+        super::broker_outage_reconnects_and_loses_nothing(connect).await;
+    }
 }
 
 #[cfg(feature = "diesel")]

@@ -94,8 +94,9 @@ pub(crate) struct StoreCircuit {
     /// Store-unavailable failures since the last success.
     consecutive: AtomicU32,
     /// Whether a delivery succeeded since the circuit last closed: if it
-    /// opens again before one did, probing goes on from its last backoff
-    /// instead of hammering a store that only half came back.
+    /// opens again before one did, probing goes on from its last backoff,
+    /// one step longer, instead of hammering a store that only half came
+    /// back.
     succeeded: AtomicBool,
     available: watch::Sender<bool>,
     /// When the current outage began.
@@ -203,6 +204,13 @@ impl StoreCircuit {
             }
             if self.succeeded.load(Ordering::Relaxed) {
                 failed_probes = 0;
+            } else {
+                // Reopened before a single delivery succeeded: the store
+                // answers the probe but still fails the messages (a table
+                // only the handlers use is missing, say). Count the resume
+                // as a failed probe, so that such flapping slows down to
+                // one try per `max_probe_delay` instead of spinning.
+                failed_probes = failed_probes.saturating_add(1);
             }
             loop {
                 let delay = Backoff::new(self.config.probe_delay, self.config.max_probe_delay)

@@ -54,7 +54,7 @@ use crate::runtime::error::chain;
 use crate::runtime::handler::Handler;
 use crate::runtime::shutdown::stopped;
 use crate::runtime::tally::{ConsumerTally, Tally};
-use crate::runtime::telemetry::MetricNames;
+use crate::runtime::telemetry::{MetricNames, Running};
 use crate::runtime::topology::Topology;
 use crate::runtime::worker::Worker;
 use crate::runtime::{AppError, ServiceStore};
@@ -128,6 +128,8 @@ impl<S: ServiceStore> Service<S> {
         }
         let (shutdown, shutdown_rx) = watch::channel(false);
         let (sessions_tx, sessions) = watch::channel(0_u64);
+        let (broker_tx, broker) = watch::channel(false);
+        let (alive, running) = Running::new();
         let config = self.config;
         let store = self.store;
         let circuit = Arc::new(StoreCircuit::new(config.availability));
@@ -138,6 +140,7 @@ impl<S: ServiceStore> Service<S> {
             topology: self.topology,
             consumers: self.consumers,
             sessions: sessions_tx,
+            broker: broker_tx,
             circuit: Arc::clone(&circuit),
         };
         let mut background = Vec::new();
@@ -158,6 +161,7 @@ impl<S: ServiceStore> Service<S> {
         }
         let stop_background = shutdown.clone();
         let task = tokio::spawn(async move {
+            let _alive = alive;
             let result = supervisor.run(shutdown_rx).await;
             // However the consumers ended, the background tasks end with them.
             stop_background.send_replace(true);
@@ -170,6 +174,8 @@ impl<S: ServiceStore> Service<S> {
         Ok(ServiceHandle {
             shutdown,
             sessions,
+            broker,
+            running,
             availability,
             task,
             tally,
@@ -263,6 +269,8 @@ where
 pub struct ServiceHandle {
     shutdown: watch::Sender<bool>,
     sessions: watch::Receiver<u64>,
+    broker: watch::Receiver<bool>,
+    running: Running,
     availability: watch::Receiver<bool>,
     task: tokio::task::JoinHandle<Result<(), AppError>>,
     /// What the message path did, per consumer.
@@ -296,6 +304,18 @@ impl ServiceHandle {
             })?
             .map_err(|_| AppError::Unavailable("service stopped".into()))?;
         Ok(())
+    }
+
+    /// True while the consumers consume on an open connection (false
+    /// while connecting, reconnecting, or stopped): for readiness.
+    pub fn broker_connected(&self) -> watch::Receiver<bool> {
+        self.broker.clone()
+    }
+
+    /// Whether the service's task still runs (for liveness): false once it
+    /// ended, however it ended.
+    pub fn running(&self) -> Running {
+        self.running.clone()
     }
 
     /// Whether the store answers and the service consumes: `false` while a
@@ -353,6 +373,8 @@ struct Supervisor<S> {
     topology: Topology,
     consumers: Vec<Box<dyn Consume<S>>>,
     sessions: watch::Sender<u64>,
+    /// True while a session consumes (see [`ServiceHandle::broker_connected`]).
+    broker: watch::Sender<bool>,
     circuit: Arc<StoreCircuit>,
 }
 
@@ -401,6 +423,7 @@ impl<S: ServiceStore> Supervisor<S> {
                 Err(error) => return Err(error),
             };
             let result = self.session(&connection, shutdown.clone()).await;
+            self.broker.send_replace(false);
             let _ = connection.close(200, "service closing".into()).await;
             match result {
                 Ok(()) => {
@@ -444,6 +467,7 @@ impl<S: ServiceStore> Supervisor<S> {
             loops.spawn(consume(shutdown.clone()));
         }
         self.sessions.send_modify(|n| *n += 1);
+        self.broker.send_replace(true);
         tracing::info!(exchange = %self.topology.exchange(), "consuming");
 
         while let Some(ended) = loops.join_next().await {

@@ -12,6 +12,7 @@ use std::time::Duration;
 use clap::Args;
 use futures::stream::BoxStream;
 use inbox_api::OutboxStore;
+use inbox_postgres::SessionTimeouts;
 use tokio::sync::watch;
 
 use crate::parcel::dispatch::{
@@ -23,7 +24,7 @@ use crate::parcel::store::{ParcelStore, StoreKind};
 use crate::parcel::topology::Topology;
 use crate::runtime::relay::{Relay, RelayConfig};
 use crate::runtime::tally::get;
-use crate::runtime::telemetry::{install_recorder, serve_metrics};
+use crate::runtime::telemetry::{self, Health, install_recorder};
 use crate::runtime::{
     AppError, AvailabilityConfig, BatchConfig, CleanupConfig, QueueType, ServiceConfig,
     ServiceHandle, WorkerConfig,
@@ -69,6 +70,16 @@ pub struct Global {
     /// PostgreSQL connections in the pool.
     #[arg(long, env = "DATABASE_POOL_SIZE", global = true, default_value_t = 16)]
     pub pool_size: u32,
+    /// Milliseconds a statement (above all the claim) waits for a lock another
+    /// transaction holds; then the delivery goes back to the broker, uncharged
+    /// (PostgreSQL's lock_timeout; 0: wait for ever).
+    #[arg(long, env = "INBOX_LOCK_TIMEOUT_MS", global = true, default_value_t = default_lock_timeout_ms())]
+    pub lock_timeout_ms: u64,
+    /// Seconds a database session may sit inside a transaction without a
+    /// statement before PostgreSQL ends it, releasing a frozen holder's claims;
+    /// above --handle-timeout-secs (idle_in_transaction_session_timeout; 0: never).
+    #[arg(long, env = "INBOX_IDLE_IN_TRANSACTION_TIMEOUT_SECS", global = true, default_value_t = default_idle_in_transaction_secs())]
+    pub idle_in_transaction_timeout_secs: u64,
     /// Queue type to declare, quorum or classic. Classic queues keep no
     /// delivery count; the store's attempt ledger caps redeliveries there.
     #[arg(
@@ -85,6 +96,17 @@ impl Global {
     pub fn topology(&self) -> Topology {
         Topology::new(&self.prefix).with_queue_type(self.queue_type)
     }
+}
+
+/// [`SessionTimeouts`]' default lock timeout, in the flag's unit.
+fn default_lock_timeout_ms() -> u64 {
+    u64::try_from(SessionTimeouts::DEFAULT_LOCK_TIMEOUT.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// [`SessionTimeouts`]' default idle-in-transaction timeout, in the flag's
+/// unit.
+fn default_idle_in_transaction_secs() -> u64 {
+    SessionTimeouts::DEFAULT_IDLE_IN_TRANSACTION.as_secs()
 }
 
 /// The schema `--schema` names unless told otherwise.
@@ -194,7 +216,8 @@ pub struct ConsumeArgs {
     /// Seconds between background cleanups (0: off).
     #[arg(long, env = "INBOX_CLEANUP_INTERVAL_SECS", default_value_t = 3600)]
     pub cleanup_interval_secs: u64,
-    /// Where to serve Prometheus /metrics ("off" to disable).
+    /// Where to serve /metrics (Prometheus), /live and /ready ("off" to
+    /// disable).
     #[arg(long, env = "METRICS_ADDR", default_value = "127.0.0.1:9464")]
     pub metrics_addr: String,
     /// Seconds between refreshes of the inbox_rows gauge.
@@ -231,6 +254,16 @@ impl ConsumeArgs {
             )
         };
         let metrics_addr = parse_metrics_addr(&self.metrics_addr)?;
+        let idle = global.idle_in_transaction_timeout_secs;
+        if idle != 0 && idle <= self.worker.handle_timeout_secs {
+            // PostgreSQL would end live transactions that are merely slow,
+            // before the consumer's own timeout could hand them back.
+            return Err(AppError::Config(format!(
+                "--idle-in-transaction-timeout-secs ({idle}) must exceed \
+                 --handle-timeout-secs ({}), or be 0",
+                self.worker.handle_timeout_secs
+            )));
+        }
         Ok(Consume {
             schema: global.schema.clone(),
             config: ServiceConfig {
@@ -268,6 +301,13 @@ impl Global {
             database_url: self.database_url.clone(),
             schema: self.schema.clone(),
             pool_size: self.pool_size,
+            timeouts: SessionTimeouts {
+                lock_timeout: Some(Duration::from_millis(self.lock_timeout_ms)),
+                idle_in_transaction: Some(Duration::from_secs(
+                    self.idle_in_transaction_timeout_secs,
+                )),
+                ..SessionTimeouts::default()
+            },
         }
     }
 }
@@ -337,10 +377,15 @@ impl<P: Spawner> Consume<P> {
     pub async fn serve<S: ParcelStore>(self, store: S) -> Result<(), AppError> {
         let schema = self.schema.clone();
         let (stop_metrics, metrics_stopped) = watch::channel(false);
-        if let Some(addr) = self.metrics_addr {
-            let handle = install_recorder(METRIC_NAMES)?;
-            serve_metrics(addr, handle, metrics_stopped).await?;
-        }
+        // Bound and recording before anything runs: a port in use fails at
+        // once, and no early count is lost.
+        let endpoint = match self.metrics_addr {
+            Some(addr) => Some((
+                telemetry::bind(addr).await?,
+                install_recorder(METRIC_NAMES)?,
+            )),
+            None => None,
+        };
         // The stubs keep their ledger in the database (shared by every
         // instance, surviving kill -9); a successful call marks the intent
         // dispatched, and the reconciler re-sends the ones that never were.
@@ -357,6 +402,26 @@ impl<P: Spawner> Consume<P> {
             &self.topology,
             downstreams.clone(),
         )?;
+        if let Some((listener, metrics)) = endpoint {
+            // Ready = consuming on an open connection, no store outage
+            // pausing the consumers, and the store answers a probe now
+            // (an idle service's circuit has seen no error to open on).
+            let health = Health::new()
+                .live_while(service.running())
+                .ready_while(
+                    "broker",
+                    service.broker_connected(),
+                    "not consuming (connecting or reconnecting)",
+                )
+                .ready_while(
+                    "store",
+                    service.store_availability(),
+                    "outage: consumption paused until the store answers",
+                )
+                .ready_when("store probe", telemetry::store_reachable(store.clone()));
+            let router = telemetry::router(metrics, health);
+            telemetry::serve(listener, router, metrics_stopped);
+        }
         let shutdown = service.shutdown_sender();
         let reconciler = tokio::spawn(reconcile_loop(
             store,
@@ -418,7 +483,8 @@ pub struct RelayArgs {
     /// Seconds to wait for a batch's confirms before counting them failed.
     #[arg(long, env = "OUTBOX_CONFIRM_TIMEOUT_SECS", default_value_t = 10)]
     pub confirm_timeout_secs: u64,
-    /// Where to serve Prometheus /metrics ("off" to disable).
+    /// Where to serve /metrics (Prometheus), /live and /ready ("off" to
+    /// disable).
     #[arg(long, env = "RELAY_METRICS_ADDR", default_value = "127.0.0.1:9465")]
     pub metrics_addr: String,
 }
@@ -465,15 +531,25 @@ impl WithOutbox for RelayCommand {
         wakeups: Option<BoxStream<'static, ()>>,
     ) -> Result<(), AppError> {
         let (stop_metrics, metrics_stopped) = watch::channel(false);
-        if let Some(addr) = self.metrics_addr {
-            let handle = install_recorder(METRIC_NAMES)?;
-            serve_metrics(addr, handle, metrics_stopped).await?;
-        }
+        // Bound and recording before anything runs: a port in use fails at
+        // once, and no early count is lost.
+        let endpoint = match self.metrics_addr {
+            Some(addr) => Some((
+                telemetry::bind(addr).await?,
+                install_recorder(METRIC_NAMES)?,
+            )),
+            None => None,
+        };
         let mut relay = Relay::new(store, self.config)?;
         if let Some(wakeups) = wakeups {
             relay = relay.wake_on(wakeups);
         }
         let relay = relay.spawn();
+        if let Some((listener, metrics)) = endpoint {
+            let health = Health::new().live_while(relay.running());
+            let router = telemetry::router(metrics, health);
+            telemetry::serve(listener, router, metrics_stopped);
+        }
         let shutdown = relay.shutdown_sender();
         tokio::spawn(async move {
             wait_for_signal().await;
