@@ -64,6 +64,7 @@ fn the_subcommands_and_consume_flags_are_all_there() {
         "--schema",
         "--prefix",
         "--pool-size",
+        "--log-format",
     ] {
         assert!(text.contains(flag), "{flag} missing:\n{text}");
     }

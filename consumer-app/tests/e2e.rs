@@ -105,7 +105,7 @@ async fn start<S: ParcelStore>(store: &S, names: &Names, faults: Faults) -> Runn
 
 async fn start_with<S: ParcelStore>(store: &S, names: &Names, faults: Arc<Faults>) -> Running {
     if std::env::var_os("RUST_LOG").is_some() {
-        consumer_app::runtime::telemetry::init_logging();
+        consumer_app::runtime::telemetry::init_logging(Default::default());
     }
     let carrier = Arc::new(StubCarrier::default());
     let notifier = Arc::new(StubNotifier::default());
