@@ -15,7 +15,7 @@ use axum::routing::post;
 use consumer_app::parcel::events::EVENT_TYPE;
 use consumer_app::parcel::store::ParcelStore;
 use consumer_app::parcel::topology::Topology;
-use consumer_app::runtime::amqp::{Outgoing, close_bounded, connect};
+use consumer_app::runtime::amqp::Outgoing;
 use consumer_app::runtime::telemetry::{self, Health, Running};
 use consumer_app::tools::publish::publish;
 use http_body_util::{BodyExt, Empty};
@@ -193,7 +193,7 @@ struct Process {
 }
 
 impl Process {
-    fn spawn(args: &[&str]) -> Self {
+    fn spawn(args: &[String]) -> Self {
         let base = std::env::temp_dir().join(format!("parcel-inbox-telemetry-{}", unique()));
         let (log, out) = (base.with_extension("log"), base.with_extension("out"));
         let file = |path: &PathBuf| Stdio::from(std::fs::File::create(path).expect("output file"));
@@ -279,39 +279,70 @@ async fn wait_for(
     }
 }
 
+/// A schema and queue prefix of one test's own, migrated; [`Fixture::
+/// teardown`] deletes both.
+struct Fixture {
+    schema: String,
+    prefix: String,
+    store: SqlxStore,
+}
+
+impl Fixture {
+    async fn new(name: &str) -> Self {
+        let id = unique();
+        let schema = format!("app_test_{id}");
+        let store = SqlxStore::connect(&database_url(), &schema)
+            .await
+            .expect("PostgreSQL reachable (bash .ci/services.sh)");
+        store.migrate_all().await.expect("migrate");
+        Self {
+            schema,
+            prefix: format!("test-{name}-{id}."),
+            store,
+        }
+    }
+
+    fn topology(&self) -> Topology {
+        Topology::new(&self.prefix)
+    }
+
+    /// `parcel-inbox`'s global flags for this fixture and `amqp_url`.
+    fn args(&self, amqp_url: &str) -> Vec<String> {
+        [
+            "--store",
+            "sqlx",
+            "--database-url",
+            &database_url(),
+            "--amqp-url",
+            amqp_url,
+            "--schema",
+            &self.schema,
+            "--prefix",
+            &self.prefix,
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    }
+
+    async fn teardown(self) {
+        self.topology()
+            .remove(AMQP_URL)
+            .await
+            .expect("delete topology");
+        self.store.drop_schema().await.expect("drop schema");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_consume_binary_is_ready_only_while_it_consumes() {
-    let id = unique();
-    let schema = format!("app_test_{id}");
-    let prefix = format!("test-ready-{id}.");
-    let store = SqlxStore::connect(&database_url(), &schema)
-        .await
-        .expect("PostgreSQL reachable (bash .ci/services.sh)");
-    store.migrate_all().await.expect("migrate");
-    let database_url = database_url();
-    let common = [
-        "--store",
-        "sqlx",
-        "--database-url",
-        &database_url,
-        "--schema",
-        &schema,
-        "--prefix",
-        &prefix,
-    ];
-
+    let fixture = Fixture::new("ready").await;
     // Against the real broker: live, then ready once consuming.
     let consume = |amqp_url: &str| {
         let addr = free_addr();
         let addr_text = addr.to_string();
-        let tail = [
-            "--amqp-url",
-            amqp_url,
-            "consume",
-            "--metrics-addr",
-            &addr_text,
-        ];
-        (Process::spawn(&[&common[..], &tail].concat()), addr)
+        let mut args = fixture.args(amqp_url);
+        args.extend(["consume", "--metrics-addr", &addr_text].map(str::to_owned));
+        (Process::spawn(&args), addr)
     };
     let (process, addr) = consume(AMQP_URL);
     let ready = wait_for(&process, addr, "/ready", 200, Duration::from_secs(30)).await;
@@ -337,46 +368,16 @@ async fn the_consume_binary_is_ready_only_while_it_consumes() {
     );
     assert_eq!(process.terminate(Duration::from_secs(30)).await, Some(0));
 
-    let connection = connect(AMQP_URL, "telemetry test cleanup")
-        .await
-        .expect("connect");
-    let channel = connection.create_channel().await.expect("channel");
-    Topology::new(&prefix)
-        .delete(&channel)
-        .await
-        .expect("delete topology");
-    close_bounded(&connection, "bye").await;
-    store.drop_schema().await.expect("drop schema");
+    fixture.teardown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_logs_parse_line_by_line_and_carry_the_message_id() {
-    let id = unique();
-    let schema = format!("app_test_{id}");
-    let prefix = format!("test-json-{id}.");
-    let topology = Topology::new(&prefix);
-    let store = SqlxStore::connect(&database_url(), &schema)
-        .await
-        .expect("PostgreSQL reachable (bash .ci/services.sh)");
-    store.migrate_all().await.expect("migrate");
-    let database_url = database_url();
-    let process = Process::spawn(&[
-        "--log-format",
-        "json",
-        "--store",
-        "sqlx",
-        "--database-url",
-        &database_url,
-        "--amqp-url",
-        AMQP_URL,
-        "--schema",
-        &schema,
-        "--prefix",
-        &prefix,
-        "consume",
-        "--metrics-addr",
-        "off",
-    ]);
+    let fixture = Fixture::new("json").await;
+    let mut args = vec!["--log-format".to_owned(), "json".to_owned()];
+    args.extend(fixture.args(AMQP_URL));
+    args.extend(["consume", "--metrics-addr", "off"].map(str::to_owned));
+    let process = Process::spawn(&args);
     // Bad input, dead-lettered by both consumers with a log line each.
     let message_id = MessageId::new_v7().to_string();
     let bad = Outgoing {
@@ -384,7 +385,7 @@ async fn json_logs_parse_line_by_line_and_carry_the_message_id() {
         kind: Some(EVENT_TYPE.to_owned()),
         body: b"{not json".to_vec(),
     };
-    publish(AMQP_URL, &topology, &[bad], false)
+    publish(AMQP_URL, &fixture.topology(), &[bad], false)
         .await
         .expect("publish");
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -419,11 +420,5 @@ async fn json_logs_parse_line_by_line_and_carry_the_message_id() {
         assert!(event["consumer"].is_string(), "{event}");
     }
 
-    let connection = connect(AMQP_URL, "telemetry test cleanup")
-        .await
-        .expect("connect");
-    let channel = connection.create_channel().await.expect("channel");
-    topology.delete(&channel).await.expect("delete topology");
-    close_bounded(&connection, "bye").await;
-    store.drop_schema().await.expect("drop schema");
+    fixture.teardown().await;
 }
