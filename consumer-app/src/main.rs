@@ -107,7 +107,7 @@ const ONE_SHOT: Option<u32> = Some(1);
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    run_main(run(cli))
+    run_main(cli.global.log_format, run(cli))
 }
 
 async fn run(cli: Cli) -> Result<(), AppError> {

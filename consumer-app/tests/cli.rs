@@ -86,6 +86,7 @@ fn the_subcommands_and_consume_flags_are_all_there() {
         "--prefix",
         "--pool-size",
         "--queue-type",
+        "--log-format",
     ] {
         assert!(text.contains(flag), "{flag} missing:\n{text}");
     }

@@ -115,7 +115,7 @@ async fn start_on<S: ParcelStore>(
     topology: &Topology,
 ) -> Running {
     if std::env::var_os("RUST_LOG").is_some() {
-        consumer_app::runtime::telemetry::init_logging();
+        consumer_app::runtime::telemetry::init_logging(Default::default());
     }
     let carrier = Arc::new(StubCarrier::default());
     let notifier = Arc::new(StubNotifier::default());

@@ -1,7 +1,8 @@
-//! `/metrics`, `/live` and `/ready` over a real listening server: the
-//! router on its own (composable, each condition reported), the store check
-//! against the real PostgreSQL and a closed port, and the `consume` binary
-//! against the real services and an unreachable broker. Needs PostgreSQL
+//! What operators read: `/metrics`, `/live` and `/ready` over a real
+//! listening server (the router on its own, composable, each condition
+//! reported; the store check against the real PostgreSQL and a closed port;
+//! the `consume` binary against the real services and an unreachable
+//! broker), and the binary's `--log-format json` lines. Needs PostgreSQL
 //! and RabbitMQ (`bash .ci/services.sh`).
 
 use std::net::SocketAddr;
@@ -11,13 +12,16 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::routing::post;
+use consumer_app::parcel::events::EVENT_TYPE;
 use consumer_app::parcel::store::ParcelStore;
 use consumer_app::parcel::topology::Topology;
-use consumer_app::runtime::amqp::{close_bounded, connect};
+use consumer_app::runtime::amqp::Outgoing;
 use consumer_app::runtime::telemetry::{self, Health, Running};
+use consumer_app::tools::publish::publish;
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
+use inbox_api::MessageId;
 use inbox_backend_sqlx::SqlxStore;
 use metrics_exporter_prometheus::PrometheusBuilder;
 use tokio::sync::watch;
@@ -180,30 +184,39 @@ async fn the_store_check_tells_a_reachable_store_from_a_refusing_one() {
     assert!(refused.starts_with("unreachable: "), "{refused}");
 }
 
-/// A spawned `parcel-inbox` whose output goes to a file (a pipe nobody
-/// reads would block it), killed when dropped.
+/// A spawned `parcel-inbox` whose stderr (the logs) and stdout go to files
+/// (a pipe nobody reads would block it), killed when dropped.
 struct Process {
     child: tokio::process::Child,
     log: PathBuf,
+    out: PathBuf,
 }
 
 impl Process {
-    fn spawn(args: &[&str]) -> Self {
-        let log = std::env::temp_dir().join(format!("parcel-inbox-telemetry-{}.log", unique()));
-        let file = std::fs::File::create(&log).expect("log file");
+    fn spawn(args: &[String]) -> Self {
+        let base = std::env::temp_dir().join(format!("parcel-inbox-telemetry-{}", unique()));
+        let (log, out) = (base.with_extension("log"), base.with_extension("out"));
+        let file = |path: &PathBuf| Stdio::from(std::fs::File::create(path).expect("output file"));
         let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
             .args(args)
             .env("RUST_LOG", "info")
-            .stdout(Stdio::from(file.try_clone().expect("log file")))
-            .stderr(Stdio::from(file))
+            .stdout(file(&out))
+            .stderr(file(&log))
             .kill_on_drop(true)
             .spawn()
             .expect("start parcel-inbox");
-        Self { child, log }
+        Self { child, log, out }
     }
 
-    fn output(&self) -> String {
+    /// What it logged so far (stderr).
+    fn logs(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Both streams, for a failure's message.
+    fn output(&self) -> String {
+        let out = std::fs::read_to_string(&self.out).unwrap_or_default();
+        format!("{}\n--- stdout ---\n{out}", self.logs())
     }
 
     /// SIGTERM, then its exit code within `limit` (killed and failed
@@ -231,6 +244,7 @@ impl Process {
 impl Drop for Process {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.log);
+        let _ = std::fs::remove_file(&self.out);
     }
 }
 
@@ -265,39 +279,70 @@ async fn wait_for(
     }
 }
 
+/// A schema and queue prefix of one test's own, migrated; [`Fixture::
+/// teardown`] deletes both.
+struct Fixture {
+    schema: String,
+    prefix: String,
+    store: SqlxStore,
+}
+
+impl Fixture {
+    async fn new(name: &str) -> Self {
+        let id = unique();
+        let schema = format!("app_test_{id}");
+        let store = SqlxStore::connect(&database_url(), &schema)
+            .await
+            .expect("PostgreSQL reachable (bash .ci/services.sh)");
+        store.migrate_all().await.expect("migrate");
+        Self {
+            schema,
+            prefix: format!("test-{name}-{id}."),
+            store,
+        }
+    }
+
+    fn topology(&self) -> Topology {
+        Topology::new(&self.prefix)
+    }
+
+    /// `parcel-inbox`'s global flags for this fixture and `amqp_url`.
+    fn args(&self, amqp_url: &str) -> Vec<String> {
+        [
+            "--store",
+            "sqlx",
+            "--database-url",
+            &database_url(),
+            "--amqp-url",
+            amqp_url,
+            "--schema",
+            &self.schema,
+            "--prefix",
+            &self.prefix,
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    }
+
+    async fn teardown(self) {
+        self.topology()
+            .remove(AMQP_URL)
+            .await
+            .expect("delete topology");
+        self.store.drop_schema().await.expect("drop schema");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_consume_binary_is_ready_only_while_it_consumes() {
-    let id = unique();
-    let schema = format!("app_test_{id}");
-    let prefix = format!("test-ready-{id}.");
-    let store = SqlxStore::connect(&database_url(), &schema)
-        .await
-        .expect("PostgreSQL reachable (bash .ci/services.sh)");
-    store.migrate_all().await.expect("migrate");
-    let database_url = database_url();
-    let common = [
-        "--store",
-        "sqlx",
-        "--database-url",
-        &database_url,
-        "--schema",
-        &schema,
-        "--prefix",
-        &prefix,
-    ];
-
+    let fixture = Fixture::new("ready").await;
     // Against the real broker: live, then ready once consuming.
     let consume = |amqp_url: &str| {
         let addr = free_addr();
         let addr_text = addr.to_string();
-        let tail = [
-            "--amqp-url",
-            amqp_url,
-            "consume",
-            "--metrics-addr",
-            &addr_text,
-        ];
-        (Process::spawn(&[&common[..], &tail].concat()), addr)
+        let mut args = fixture.args(amqp_url);
+        args.extend(["consume", "--metrics-addr", &addr_text].map(str::to_owned));
+        (Process::spawn(&args), addr)
     };
     let (process, addr) = consume(AMQP_URL);
     let ready = wait_for(&process, addr, "/ready", 200, Duration::from_secs(30)).await;
@@ -323,14 +368,57 @@ async fn the_consume_binary_is_ready_only_while_it_consumes() {
     );
     assert_eq!(process.terminate(Duration::from_secs(30)).await, Some(0));
 
-    let connection = connect(AMQP_URL, "telemetry test cleanup")
+    fixture.teardown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_logs_parse_line_by_line_and_carry_the_message_id() {
+    let fixture = Fixture::new("json").await;
+    let mut args = vec!["--log-format".to_owned(), "json".to_owned()];
+    args.extend(fixture.args(AMQP_URL));
+    args.extend(["consume", "--metrics-addr", "off"].map(str::to_owned));
+    let process = Process::spawn(&args);
+    // Bad input, dead-lettered by both consumers with a log line each.
+    let message_id = MessageId::new_v7().to_string();
+    let bad = Outgoing {
+        message_id: Some(message_id.clone()),
+        kind: Some(EVENT_TYPE.to_owned()),
+        body: b"{not json".to_vec(),
+    };
+    publish(AMQP_URL, &fixture.topology(), &[bad], false)
         .await
-        .expect("connect");
-    let channel = connection.create_channel().await.expect("channel");
-    Topology::new(&prefix)
-        .delete(&channel)
-        .await
-        .expect("delete topology");
-    close_bounded(&connection, "bye").await;
-    store.drop_schema().await.expect("drop schema");
+        .expect("publish");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while process.logs().matches(&message_id).count() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "no log line names {message_id} within 30 s:\n{}",
+            process.output()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let logs = process.logs();
+    assert_eq!(process.terminate(Duration::from_secs(30)).await, Some(0));
+
+    let mut lines = 0;
+    let mut naming = Vec::new();
+    for line in logs.lines().filter(|l| !l.is_empty()) {
+        let event: serde_json::Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}\n{logs}"));
+        for field in ["timestamp", "level", "message"] {
+            assert!(event.get(field).is_some(), "no {field}: {line}");
+        }
+        if event["message_id"] == message_id.as_str() {
+            naming.push(event);
+        }
+        lines += 1;
+    }
+    assert!(lines > naming.len(), "startup lines too:\n{logs}");
+    assert_eq!(naming.len(), 2, "one line per consumer:\n{logs}");
+    for event in &naming {
+        assert_eq!(event["reason"], "invalid_json", "{event}");
+        assert!(event["consumer"].is_string(), "{event}");
+    }
+
+    fixture.teardown().await;
 }

@@ -89,6 +89,15 @@ impl Topology {
         self.runtime().delete(channel).await
     }
 
+    /// Deletes it on a connection of its own, bounded in time (see
+    /// [`runtime::Topology::remove`]): the teardown of tests and the demo.
+    ///
+    /// # Errors
+    /// Broker errors, or giving up after the teardown limit.
+    pub async fn remove(&self, amqp_url: &str) -> Result<(), AppError> {
+        self.runtime().remove(amqp_url).await
+    }
+
     /// Ready (unacknowledged ones excluded) messages in a queue, by a passive
     /// declare.
     ///

@@ -24,6 +24,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, ExchangeKind};
 
 use crate::runtime::AppError;
+use crate::runtime::amqp::{TEARDOWN_LIMIT, close_bounded, connect};
 use crate::runtime::message::long_string;
 
 /// The broker's own cap on deliveries of one message (`x-delivery-limit`),
@@ -217,6 +218,41 @@ impl Topology {
             .await
             .map_err(|e| AppError::broker(format!("delete exchange {}", self.exchange), e))?;
         Ok(())
+    }
+
+    /// [`Topology::delete`] on a connection of its own, closed afterwards
+    /// whatever happened; gives up (with a log line) after
+    /// [`TEARDOWN_LIMIT`] per step, so a teardown never hangs.
+    ///
+    /// # Errors
+    /// Broker errors, or [`AppError::Unavailable`] when it gave up.
+    pub async fn remove(&self, amqp_url: &str) -> Result<(), AppError> {
+        let connection =
+            tokio::time::timeout(TEARDOWN_LIMIT, connect(amqp_url, "topology removal"))
+                .await
+                .map_err(|_| {
+                    AppError::Unavailable(format!(
+                        "no broker connection within {TEARDOWN_LIMIT:?} to delete the topology"
+                    ))
+                })??;
+        let delete = async {
+            let channel = connection
+                .create_channel()
+                .await
+                .map_err(|e| AppError::broker("open channel", e))?;
+            self.delete(&channel).await
+        };
+        let result = match tokio::time::timeout(TEARDOWN_LIMIT, delete).await {
+            Ok(result) => result,
+            Err(_) => {
+                tracing::warn!(exchange = %self.exchange, "topology delete not done in {TEARDOWN_LIMIT:?}; giving up");
+                Err(AppError::Unavailable(format!(
+                    "topology delete not done in {TEARDOWN_LIMIT:?}"
+                )))
+            }
+        };
+        close_bounded(&connection, "topology removed").await;
+        result
     }
 
     /// Ready (unacknowledged ones excluded) messages in a queue, by a passive

@@ -24,7 +24,7 @@ use crate::parcel::store::{ParcelStore, StoreKind};
 use crate::parcel::topology::Topology;
 use crate::runtime::relay::{Relay, RelayConfig};
 use crate::runtime::tally::get;
-use crate::runtime::telemetry::{self, Health, install_recorder};
+use crate::runtime::telemetry::{self, Health, LogFormat, install_recorder};
 use crate::runtime::{
     AppError, AvailabilityConfig, BatchConfig, CleanupConfig, QueueType, ServiceConfig,
     ServiceHandle, WorkerConfig,
@@ -70,6 +70,10 @@ pub struct Global {
     /// PostgreSQL connections in the pool.
     #[arg(long, env = "DATABASE_POOL_SIZE", global = true, default_value_t = 16)]
     pub pool_size: u32,
+    /// Log lines as text (coloured only on a terminal) or as JSON objects
+    /// (one per line, for log collectors).
+    #[arg(long, env = "LOG_FORMAT", global = true, value_enum, default_value_t)]
+    pub log_format: LogFormat,
     /// Milliseconds a statement (above all the claim) waits for a lock another
     /// transaction holds; then the delivery goes back to the broker, uncharged
     /// (PostgreSQL's lock_timeout; 0: wait for ever).
@@ -615,8 +619,11 @@ pub async fn wait_for_signal() {
 /// up, and turns its result into the exit status: on error, the whole
 /// cause chain on stderr and a failure status. Every binary of the service
 /// and of its lab starts and ends this way.
-pub fn run_main(body: impl Future<Output = Result<(), AppError>>) -> ExitCode {
-    crate::runtime::telemetry::init_logging();
+pub fn run_main(
+    log_format: LogFormat,
+    body: impl Future<Output = Result<(), AppError>>,
+) -> ExitCode {
+    crate::runtime::telemetry::init_logging(log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -161,7 +161,7 @@ struct Cli {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    telemetry::init_logging();
+    telemetry::init_logging(telemetry::LogFormat::Text);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
