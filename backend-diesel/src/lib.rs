@@ -16,6 +16,11 @@
 //!   `search_path` ([`SchemaName`]).
 //! - A transaction dropped without commit closes its connection instead of
 //!   returning it to the pool (see [`DieselTransaction`] for why).
+//! - Every connection sets [`SessionTimeouts`] when it opens
+//!   ([`DieselStoreBuilder::session_timeouts`]): a claim of a key a frozen
+//!   holder keeps gives up after `lock_timeout`
+//!   ([`inbox_api::InboxError::LockTimeout`]), and the server ends a
+//!   session idle inside a transaction, releasing its claims.
 //! - Batched mode ([`inbox_api::Inbox::handle_batch`]): one `INSERT … SELECT
 //!   unnest(…)` claims the batch in key order, each message's work runs in a
 //!   savepoint of its own, a failed message's claim is deleted again.

@@ -65,6 +65,12 @@
 //! - **Attempt ledger**: [`SqlxStore`] implements
 //!   [`inbox_api::AttemptLedger`], each failure one upsert on the pool, in
 //!   its own transaction, outside the consumer's (which has rolled back).
+//! - **Time bounds**: every connection of [`SqlxStore::connect_options`]
+//!   sets [`SessionTimeouts`] at startup: a claim of a key a frozen holder
+//!   keeps gives up after `lock_timeout` ([`InboxError::LockTimeout`]), the
+//!   server ends a session idle inside a transaction, and a transaction
+//!   dropped mid-statement closes its connection so the server stops the
+//!   statement (see [`SqlxTransaction`]).
 //! - **Errors**: [`classify`] reads the SQLSTATE (or sqlx's error kind) and
 //!   maps it through `inbox-postgres`'s table onto retryable and permanent
 //!   [`InboxError`]s.

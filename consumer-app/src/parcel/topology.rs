@@ -19,6 +19,7 @@ use crate::runtime::{self, AppError};
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
     prefix: String,
+    queue_type: runtime::QueueType,
 }
 
 impl Topology {
@@ -26,7 +27,17 @@ impl Topology {
     pub fn new(prefix: impl Into<String>) -> Self {
         Self {
             prefix: prefix.into(),
+            queue_type: runtime::QueueType::default(),
         }
+    }
+
+    /// Declares the queues as `queue_type` (quorum by default; classic
+    /// queues keep no delivery count, so the attempt ledger alone caps
+    /// redeliveries there).
+    #[must_use]
+    pub fn with_queue_type(mut self, queue_type: runtime::QueueType) -> Self {
+        self.queue_type = queue_type;
+        self
     }
 
     /// The prefix.
@@ -56,11 +67,10 @@ impl Topology {
 
     /// The runtime's topology: the exchange and both queues.
     pub fn runtime(&self) -> runtime::Topology {
-        Role::ALL
-            .iter()
-            .fold(runtime::Topology::new(self.exchange()), |topology, role| {
-                topology.bind(self.queue(*role), ROUTING_KEY)
-            })
+        Role::ALL.iter().fold(
+            runtime::Topology::new(self.exchange()).with_queue_type(self.queue_type),
+            |topology, role| topology.bind(self.queue(*role), ROUTING_KEY),
+        )
     }
 
     /// Declares the exchanges, queues and bindings (idempotent).

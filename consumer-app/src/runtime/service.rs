@@ -37,7 +37,7 @@ use chrono::Utc;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use inbox_api::metrics as names;
-use inbox_api::{Inbox, InboxStats, InboxStore, InboxStoreExt};
+use inbox_api::{AttemptLedger, AttemptLedgerExt, Inbox, InboxStats, InboxStore, InboxStoreExt};
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
 };
@@ -760,11 +760,14 @@ where
 /// How long a paused consumer waits for its cancelled stream to end.
 const PAUSE_DRAIN_LIMIT: Duration = Duration::from_secs(10);
 
-/// Deletes processed inbox rows older than the retention, once.
+/// Deletes processed inbox rows older than the retention, once, and the
+/// attempt-ledger rows whose last failure is older than it (a count that
+/// old no longer matters: the message was processed, or is dead and listed
+/// for as long as the retention). Returns the inbox rows deleted.
 ///
 /// # Errors
 /// The store's.
-pub async fn cleanup_once<S: InboxStore>(
+pub async fn cleanup_once<S: InboxStore + AttemptLedger>(
     store: &S,
     cleanup: &CleanupConfig,
 ) -> Result<u64, AppError> {
@@ -774,11 +777,14 @@ pub async fn cleanup_once<S: InboxStore>(
     let deleted = store
         .purge_processed_before(cutoff, cleanup.batch_size)
         .await?;
-    tracing::info!(deleted, %cutoff, "inbox cleanup");
+    let attempts = store
+        .purge_attempts_before(cutoff, cleanup.batch_size)
+        .await?;
+    tracing::info!(deleted, attempts, %cutoff, "inbox cleanup");
     Ok(deleted)
 }
 
-async fn cleanup_loop<S: InboxStore>(
+async fn cleanup_loop<S: InboxStore + AttemptLedger>(
     store: S,
     cleanup: CleanupConfig,
     mut shutdown: watch::Receiver<bool>,

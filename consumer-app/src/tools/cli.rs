@@ -26,8 +26,8 @@ use crate::runtime::relay::{Relay, RelayConfig};
 use crate::runtime::tally::get;
 use crate::runtime::telemetry::{self, Health, LogFormat, install_recorder};
 use crate::runtime::{
-    AppError, AvailabilityConfig, BatchConfig, CleanupConfig, ServiceConfig, ServiceHandle,
-    WorkerConfig,
+    AppError, AvailabilityConfig, BatchConfig, CleanupConfig, QueueType, ServiceConfig,
+    ServiceHandle, WorkerConfig,
 };
 use crate::tools::stores::{StoreConfig, WithOutbox, WithStore};
 
@@ -84,6 +84,22 @@ pub struct Global {
     /// above --handle-timeout-secs (idle_in_transaction_session_timeout; 0: never).
     #[arg(long, env = "INBOX_IDLE_IN_TRANSACTION_TIMEOUT_SECS", global = true, default_value_t = default_idle_in_transaction_secs())]
     pub idle_in_transaction_timeout_secs: u64,
+    /// Queue type to declare, quorum or classic. Classic queues keep no
+    /// delivery count; the store's attempt ledger caps redeliveries there.
+    #[arg(
+        long,
+        env = "PARCEL_QUEUE_TYPE",
+        global = true,
+        default_value = "quorum"
+    )]
+    pub queue_type: QueueType,
+}
+
+impl Global {
+    /// The RabbitMQ names and queue type these flags say.
+    pub fn topology(&self) -> Topology {
+        Topology::new(&self.prefix).with_queue_type(self.queue_type)
+    }
 }
 
 /// [`SessionTimeouts`]' default lock timeout, in the flag's unit.
@@ -123,7 +139,9 @@ pub struct WorkerArgs {
     /// In-process attempts per delivery before it is requeued.
     #[arg(long, env = "PARCEL_RETRY_ATTEMPTS", default_value_t = 3)]
     pub retry_attempts: u32,
-    /// Deliveries of one message before it is dead-lettered as retries_exhausted.
+    /// Failed deliveries of one message before it is dead-lettered as
+    /// retries_exhausted (the larger of the broker's x-delivery-count and
+    /// the store's attempt ledger).
     #[arg(long, env = "PARCEL_MAX_DELIVERIES", default_value_t = 10)]
     pub max_deliveries: u32,
     /// Largest accepted body, in bytes.
@@ -267,7 +285,7 @@ impl ConsumeArgs {
                     ..AvailabilityConfig::default()
                 },
             },
-            topology: Topology::new(&global.prefix),
+            topology: global.topology(),
             metrics_addr,
             reconcile: ReconcileConfig {
                 interval: Duration::from_secs(self.dispatch_interval_secs.max(1)),
