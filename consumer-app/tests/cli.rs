@@ -87,6 +87,8 @@ fn the_subcommands_and_consume_flags_are_all_there() {
         "--pool-size",
         "--queue-type",
         "--log-format",
+        "--lock-timeout-ms",
+        "--idle-in-transaction-timeout-secs",
     ] {
         assert!(text.contains(flag), "{flag} missing:\n{text}");
     }
@@ -120,6 +122,26 @@ fn the_relay_flags_are_there_and_a_lease_shorter_than_the_confirms_is_refused() 
     assert!(text.contains("lease"), "{text}");
     let (code, text) = parcel_inbox(&["relay", "--batch-size", "0"]);
     assert_eq!(code, Some(2), "{text}");
+}
+
+#[test]
+fn an_idle_in_transaction_timeout_not_above_the_handle_timeout_is_refused() {
+    // PostgreSQL would end transactions that are merely slow. Refused before
+    // connecting anywhere: no service is needed.
+    let (code, text) = parcel_inbox(&[
+        "--database-url",
+        "postgres://nobody@127.0.0.1:1/none",
+        "consume",
+        "--handle-timeout-secs",
+        "30",
+        "--idle-in-transaction-timeout-secs",
+        "30",
+    ]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("--idle-in-transaction-timeout-secs (30) must exceed"),
+        "{text}"
+    );
 }
 
 /// Runs parcel-inbox with `args`, killing it after `limit`; returns its exit

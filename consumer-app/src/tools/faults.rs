@@ -16,7 +16,11 @@ use std::time::Duration;
 use inbox_api::{ConsumerName, InboxError, InboxKey, MessageId};
 use tokio::sync::watch;
 
-use crate::runtime::{AppError, Handler};
+use crate::parcel::downstream::Downstreams;
+use crate::parcel::service::{consumers, with_handlers};
+use crate::parcel::store::ParcelStore;
+use crate::parcel::topology::Topology;
+use crate::runtime::{AppError, Handler, ServiceConfig, ServiceHandle};
 
 /// The faults to inject, shared by the handlers it wraps.
 #[derive(Debug)]
@@ -58,6 +62,29 @@ impl Faults {
             inner: handler,
             faults: std::sync::Arc::clone(self),
         }
+    }
+
+    /// Starts the Parcel service on `store` with both consumers wrapped in
+    /// these faults (what the lab's consume binary and the tests run).
+    ///
+    /// # Errors
+    /// As [`crate::runtime::Service::spawn`].
+    pub fn spawn<S: ParcelStore>(
+        self: &std::sync::Arc<Self>,
+        store: S,
+        config: ServiceConfig,
+        topology: &Topology,
+        downstreams: Downstreams,
+    ) -> Result<ServiceHandle, AppError> {
+        let (notification, carrier) = consumers(downstreams)?;
+        with_handlers(
+            store,
+            config,
+            topology,
+            self.wrap(notification),
+            self.wrap(carrier),
+        )
+        .spawn()
     }
 
     /// The first attempt of `key` dies after its business writes, before

@@ -14,7 +14,6 @@ use std::time::Duration;
 
 use clap::Parser;
 use consumer_app::parcel::downstream::Downstreams;
-use consumer_app::parcel::service::{consumers, with_handlers};
 use consumer_app::parcel::store::ParcelStore;
 use consumer_app::parcel::topology::Topology;
 use consumer_app::runtime::{AppError, ServiceConfig, ServiceHandle};
@@ -54,15 +53,7 @@ impl Spawner for WithFaults {
         topology: &Topology,
         downstreams: Downstreams,
     ) -> Result<ServiceHandle, AppError> {
-        let (notification, carrier) = consumers(downstreams)?;
-        with_handlers(
-            store,
-            config,
-            topology,
-            self.0.wrap(notification),
-            self.0.wrap(carrier),
-        )
-        .spawn()
+        self.0.spawn(store, config, topology, downstreams)
     }
 }
 
