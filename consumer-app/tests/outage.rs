@@ -357,6 +357,22 @@ impl Scenario {
         spawn(store.clone(), config, &self.topology(), downstreams).expect("service starts")
     }
 
+    /// Migrates `store`, starts the service on it and waits until it has
+    /// processed `warm` messages: a service known to work before the
+    /// outage.
+    async fn running<S: ParcelStore>(&self, store: &S, warm: u64) -> ServiceHandle {
+        store.migrate_all().await.expect("migrate");
+        let service = self.start(store);
+        service
+            .wait_consuming(1, Duration::from_secs(30))
+            .await
+            .expect("consuming");
+        self.publish(usize::try_from(warm).expect("a count"), 1)
+            .await;
+        processed(&service.tally, warm, Duration::from_secs(30)).await;
+        service
+    }
+
     async fn publish(&self, count: usize, seed: u64) {
         let plan = Plan::new(count, 0.0, seed, &format!("P{}-{seed}", self.schema)).expect("plan");
         publish(&self.amqp, &self.topology(), &plan.messages, false)
@@ -473,14 +489,7 @@ async fn postgres_outage_longer_than_the_budget<S: ParcelStore>(
     let pg = PrivatePostgres::start();
     let scenario = Scenario::new("pg-outage", SHARED_AMQP);
     let store = connect_store(&pg.url(), &scenario.schema).await;
-    store.migrate_all().await.expect("migrate");
-    let service = scenario.start(&store);
-    service
-        .wait_consuming(1, Duration::from_secs(30))
-        .await
-        .expect("consuming");
-    scenario.publish(WARM as usize, 1).await;
-    processed(&service.tally, WARM, Duration::from_secs(30)).await;
+    let service = scenario.running(&store, WARM).await;
     assert_eq!(store_gauge(), Some(1.0));
 
     pg.halt();
@@ -527,14 +536,7 @@ async fn schema_dropped_mid_run_pauses_until_migrated<S: ParcelStore>(
     let _gauge = GAUGE.lock().await;
     let scenario = Scenario::new("schema-drop", SHARED_AMQP);
     let store = connect_store(&shared_database(), &scenario.schema).await;
-    store.migrate_all().await.expect("migrate");
-    let service = scenario.start(&store);
-    service
-        .wait_consuming(1, Duration::from_secs(30))
-        .await
-        .expect("consuming");
-    scenario.publish(BEFORE as usize, 1).await;
-    processed(&service.tally, BEFORE, Duration::from_secs(30)).await;
+    let service = scenario.running(&store, BEFORE).await;
 
     store.drop_schema().await.expect("drop the schema");
     scenario.publish(AFTER as usize, 2).await;
@@ -607,14 +609,7 @@ async fn broker_outage_reconnects_and_loses_nothing<S: ParcelStore>(
     let rabbit = PrivateRabbit::start().await;
     let scenario = Scenario::new("broker-outage", &rabbit.url());
     let store = connect_store(&shared_database(), &scenario.schema).await;
-    store.migrate_all().await.expect("migrate");
-    let service = scenario.start(&store);
-    service
-        .wait_consuming(1, Duration::from_secs(30))
-        .await
-        .expect("consuming");
-    scenario.publish(BEFORE as usize, 1).await;
-    processed(&service.tally, BEFORE, Duration::from_secs(30)).await;
+    let service = scenario.running(&store, BEFORE).await;
 
     // Some of these are processed, some in flight, some still queued when
     // the broker goes.

@@ -509,8 +509,19 @@ where
                 Err(_) => Step::Stop,
             },
         };
-        let permit = match step {
-            Step::Permit(permit) => permit,
+        // With a worker's slot, the next delivery; the pause and shutdown
+        // are watched while waiting for either.
+        let step = match step {
+            Step::Permit(permit) => tokio::select! {
+                biased;
+                () = stopped(&mut shutdown) => Step::Stop,
+                Ok(_) = available.wait_for(|up| !*up) => Step::Pause,
+                next = current.consumer.next() => Step::Next(next, permit),
+            },
+            other => other,
+        };
+        let (next, permit) = match step {
+            Step::Next(next, permit) => (next, permit),
             Step::Pause => match pause(
                 &channel,
                 &worker,
@@ -524,32 +535,6 @@ where
                 Ok(false) => break None,
                 Err(error) => break Some(error),
             },
-            Step::Stop | Step::Next(_) => break None,
-        };
-        let step = tokio::select! {
-            biased;
-            () = stopped(&mut shutdown) => Step::Stop,
-            Ok(_) = available.wait_for(|up| !*up) => Step::Pause,
-            next = current.consumer.next() => Step::Next(next),
-        };
-        let next = match step {
-            Step::Next(next) => next,
-            Step::Pause => {
-                drop(permit);
-                match pause(
-                    &channel,
-                    &worker,
-                    &mut current,
-                    &mut available,
-                    &mut shutdown,
-                )
-                .await
-                {
-                    Ok(true) => continue,
-                    Ok(false) => break None,
-                    Err(error) => break Some(error),
-                }
-            }
             Step::Stop | Step::Permit(_) => break None,
         };
         match next {
@@ -638,7 +623,10 @@ enum Step {
     Stop,
     Pause,
     Permit(tokio::sync::OwnedSemaphorePermit),
-    Next(Option<Result<lapin::message::Delivery, lapin::Error>>),
+    Next(
+        Option<Result<lapin::message::Delivery, lapin::Error>>,
+        tokio::sync::OwnedSemaphorePermit,
+    ),
 }
 
 /// A queue's subscription (`basic.consume`): its deliveries and its tag.
