@@ -323,6 +323,17 @@ mod tests {
                 "could not serialize access due to concurrent update",
             ),
             db(Unknown, "deadlock detected"),
+        ] {
+            let c = classify(e);
+            assert!(matches!(c, InboxError::Conflict { .. }), "{c:?}");
+            assert!(c.is_retryable());
+        }
+    }
+
+    #[test]
+    fn lock_timeouts_are_held_by_another() {
+        use DatabaseErrorKind::*;
+        for e in [
             db(
                 Unknown,
                 "could not obtain lock on row in relation \"inbox_messages\"",
@@ -330,8 +341,8 @@ mod tests {
             db(Unknown, "canceling statement due to lock timeout"),
         ] {
             let c = classify(e);
-            assert!(matches!(c, InboxError::Conflict { .. }), "{c:?}");
-            assert!(c.is_retryable());
+            assert!(matches!(c, InboxError::LockTimeout { .. }), "{c:?}");
+            assert!(c.is_retryable() && c.held_by_another());
         }
     }
 

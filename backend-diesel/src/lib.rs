@@ -16,6 +16,11 @@
 //!   `search_path` ([`SchemaName`]).
 //! - A transaction dropped without commit closes its connection instead of
 //!   returning it to the pool (see [`DieselTransaction`] for why).
+//! - Every connection sets [`SessionTimeouts`] when it opens
+//!   ([`DieselStoreBuilder::session_timeouts`]): a claim of a key a frozen
+//!   holder keeps gives up after `lock_timeout`
+//!   ([`inbox_api::InboxError::LockTimeout`]), and the server ends a
+//!   session idle inside a transaction, releasing its claims.
 //! - Batched mode ([`inbox_api::Inbox::handle_batch`]): one `INSERT … SELECT
 //!   unnest(…)` claims the batch in key order, each message's work runs in a
 //!   savepoint of its own, a failed message's claim is deleted again.
@@ -108,6 +113,8 @@ pub use diesel_async::AsyncPgConnection;
 pub use error::{classify, classify_connection, classify_pool};
 /// The schema-name rules, shared with the sqlx backend.
 pub use inbox_postgres::SchemaName;
+/// The time bounds of every inbox session, shared with the sqlx backend.
+pub use inbox_postgres::SessionTimeouts;
 pub use listen::OutboxListener;
 pub use store::{DieselPool, DieselStore, DieselStoreBuilder, PooledConnection};
 pub use transaction::DieselTransaction;

@@ -20,7 +20,7 @@ use diesel_async::{
     TransactionManager,
 };
 use inbox_api::{InboxError, InboxKey, InboxRecord, InboxStats, InboxStore};
-use inbox_postgres::sql;
+use inbox_postgres::{SessionTimeouts, sql};
 
 use crate::error::{classify, classify_pool};
 use crate::migrate::Migrating;
@@ -68,6 +68,7 @@ pub struct DieselStoreBuilder {
     wait_timeout: Duration,
     connect_timeout: Duration,
     verify_on_checkout: bool,
+    timeouts: SessionTimeouts,
 }
 
 impl fmt::Debug for DieselStoreBuilder {
@@ -79,6 +80,7 @@ impl fmt::Debug for DieselStoreBuilder {
             .field("wait_timeout", &self.wait_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("verify_on_checkout", &self.verify_on_checkout)
+            .field("timeouts", &self.timeouts)
             .finish_non_exhaustive()
     }
 }
@@ -117,6 +119,16 @@ impl DieselStoreBuilder {
         self
     }
 
+    /// The time bounds every connection sets on its session when it opens
+    /// (default [`SessionTimeouts::default`]): a claim waits at most
+    /// `lock_timeout` on another transaction's lock, and the server ends a
+    /// session idle inside a transaction for `idle_in_transaction`, so a
+    /// frozen holder cannot block a key for longer.
+    pub fn session_timeouts(mut self, timeouts: SessionTimeouts) -> Self {
+        self.timeouts = timeouts;
+        self
+    }
+
     /// Builds the store without connecting (connections open on demand).
     ///
     /// # Errors
@@ -133,12 +145,18 @@ impl DieselStoreBuilder {
         } else {
             RecyclingMethod::Fast
         };
-        let set_search_path = format!("SET search_path TO {}", self.schema.quoted());
+        // The connection's whole setup, one round trip: the schema, then
+        // the session's time bounds.
+        let setup = format!(
+            "SET search_path TO {}; {}",
+            self.schema.quoted(),
+            self.timeouts.set_statements()
+        );
         config.custom_setup = Box::new(move |url| {
-            let set_search_path = set_search_path.clone();
+            let setup = setup.clone();
             Box::pin(async move {
                 let mut conn = AsyncPgConnection::establish(url).await?;
-                conn.batch_execute(&set_search_path)
+                conn.batch_execute(&setup)
                     .await
                     .map_err(diesel::ConnectionError::CouldntSetupConfiguration)?;
                 Ok(conn)
@@ -213,6 +231,7 @@ impl DieselStore {
             wait_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(5),
             verify_on_checkout: false,
+            timeouts: SessionTimeouts::default(),
         })
     }
 

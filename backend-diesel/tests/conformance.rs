@@ -15,7 +15,7 @@ use diesel::sql_types::{BigInt, Bool, Double, Integer, Text, Timestamptz};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use inbox_api::{InboxError, InboxKey, InboxRecord, InboxTransaction as _};
 use inbox_backend_diesel::classify;
-use inbox_backend_diesel::{DieselStore, DieselTransaction};
+use inbox_backend_diesel::{DieselStore, DieselTransaction, SessionTimeouts};
 use inbox_conformance::{CrashKind, Harness, PgHarness};
 
 /// The suite's view of the diesel backend.
@@ -234,8 +234,13 @@ struct PlanLine {
 
 #[async_trait]
 impl PgHarness for DieselHarness {
-    async fn store_in(&self, schema: &str, pool: usize) -> DieselStore {
-        common::store_in(schema, pool, Duration::from_secs(15)).await
+    async fn store_with(
+        &self,
+        schema: &str,
+        pool: usize,
+        timeouts: &SessionTimeouts,
+    ) -> DieselStore {
+        common::store_with(schema, pool, Duration::from_secs(15), timeouts).await
     }
 
     async fn connect_to(&self, url: &str) -> Result<DieselStore, InboxError> {

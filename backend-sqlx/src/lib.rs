@@ -65,6 +65,12 @@
 //! - **Attempt ledger**: [`SqlxStore`] implements
 //!   [`inbox_api::AttemptLedger`], each failure one upsert on the pool, in
 //!   its own transaction, outside the consumer's (which has rolled back).
+//! - **Time bounds**: every connection of [`SqlxStore::connect_options`]
+//!   sets [`SessionTimeouts`] at startup: a claim of a key a frozen holder
+//!   keeps gives up after `lock_timeout` ([`InboxError::LockTimeout`]), the
+//!   server ends a session idle inside a transaction, and a transaction
+//!   dropped mid-statement closes its connection so the server stops the
+//!   statement (see [`SqlxTransaction`]).
 //! - **Errors**: [`classify`] reads the SQLSTATE (or sqlx's error kind) and
 //!   maps it through `inbox-postgres`'s table onto retryable and permanent
 //!   [`InboxError`]s.
@@ -89,12 +95,15 @@ use inbox_api::{
     InboxTransaction,
 };
 use inbox_postgres::{Claims, MigrationConnection, SavepointDriver, key_columns, sql};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{PgConnection, PgPool, Postgres, Row};
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgTransactionManager};
+use sqlx::{PgConnection, PgPool, Postgres, Row, TransactionManager};
 
 pub use error::classify;
 /// The schema-name rules, shared with the diesel backend.
 pub use inbox_postgres::SchemaName;
+/// The time bounds of every inbox session, shared with the diesel backend.
+pub use inbox_postgres::SessionTimeouts;
 /// The sqlx this crate is built with, so that business writes on
 /// [`SqlxTransaction::conn`] use the same version (a second sqlx in the
 /// dependency tree would have its own, incompatible `PgConnection`).
@@ -110,22 +119,44 @@ pub struct SqlxStore {
 }
 
 impl SqlxStore {
-    /// Connection options for `url` whose sessions use `schema`: they set
-    /// `search_path` to it at connect time, as a startup parameter.
+    /// Connection options for `url` whose sessions use `schema` under the
+    /// default [`SessionTimeouts`]: see [`SqlxStore::connect_options_with`].
     ///
-    /// Setting it per connection, instead of naming the schema in every
+    /// # Errors
+    /// As [`SqlxStore::connect_options_with`].
+    pub fn connect_options(url: &str, schema: &str) -> Result<PgConnectOptions, InboxError> {
+        Self::connect_options_with(url, schema, &SessionTimeouts::default())
+    }
+
+    /// Connection options for `url` whose sessions use `schema` and the
+    /// time bounds `timeouts`: both are set at connect time, as startup
+    /// parameters, so they cost no round trip per transaction.
+    ///
+    /// Setting the schema per connection, instead of naming it in every
     /// statement, keeps the statements constant (so they are prepared once
     /// per connection) and the migrations schema-agnostic, and no text ever
-    /// reaches SQL by string formatting. Tune the returned options (TLS,
-    /// `application_name`, …) and build a pool for [`SqlxStore::new`].
+    /// reaches SQL by string formatting. The timeouts bound what a frozen
+    /// holder of a claim can do to everyone else (see [`SessionTimeouts`]);
+    /// `client_connection_check_interval` is also what stops a statement
+    /// whose transaction was dropped (see [`SqlxTransaction`]). Tune the
+    /// returned options (TLS, `application_name`, …) and build a pool for
+    /// [`SqlxStore::new`].
     ///
     /// # Errors
     /// [`InboxError::InvalidArgument`] for a bad schema name; a bad URL as
     /// [`classify`] maps it (permanent).
-    pub fn connect_options(url: &str, schema: &str) -> Result<PgConnectOptions, InboxError> {
+    pub fn connect_options_with(
+        url: &str,
+        schema: &str,
+        timeouts: &SessionTimeouts,
+    ) -> Result<PgConnectOptions, InboxError> {
         let schema = SchemaName::new(schema)?;
         let options: PgConnectOptions = url.parse().map_err(classify)?;
-        Ok(options.options([("search_path", schema.as_str())]))
+        let settings = timeouts.settings();
+        Ok(options.options(
+            std::iter::once(("search_path", schema.as_str()))
+                .chain(settings.iter().map(|(name, value)| (*name, value.as_str()))),
+        ))
     }
 
     /// Connects a pool with sqlx's default settings to `url`, its sessions
@@ -271,9 +302,12 @@ impl InboxStore for SqlxStore {
     type Transaction = SqlxTransaction;
 
     async fn begin(&self) -> Result<SqlxTransaction, InboxError> {
-        let tx = self.pool.begin().await.map_err(classify)?;
+        let mut conn = self.pool.acquire().await.map_err(classify)?;
+        PgTransactionManager::begin(&mut conn, None)
+            .await
+            .map_err(classify)?;
         Ok(SqlxTransaction {
-            tx,
+            conn: Some(conn),
             claims: Claims::new(),
         })
     }
@@ -319,19 +353,44 @@ impl InboxStats for SqlxStore {
     }
 }
 
-/// An open inbox transaction: a [`sqlx::Transaction`] on one pooled
-/// connection.
+/// An open inbox transaction on one pooled connection, begun and ended
+/// through sqlx's transaction manager (so a `tx.conn().begin()` in the
+/// consumer's work nests as a savepoint, as on a [`sqlx::Transaction`]).
 ///
-/// Dropped without commit, it rolls back. sqlx can only *queue* that
-/// rollback (`Drop` cannot wait); the pool flushes it before it hands the
-/// connection out again, and a connection that cannot do so is closed, which
-/// the server also treats as a rollback. Either way no claim outlives its
-/// transaction, but another connection may briefly still see the claim held.
-#[derive(Debug)]
+/// # Dropped without commit
+///
+/// It closes its connection instead of handing it back to the pool, and the
+/// server rolls back a transaction whose client went away. A
+/// [`sqlx::Transaction`] would only *queue* a rollback for the pool to
+/// flush, and the pool would first wait for whatever statement was still
+/// running: dropped during a slow statement or a lock wait (a timeout
+/// around `Inbox::handle` fired), the statement would run on to its end,
+/// holding the claim's lock. With the connection closed, the server stops
+/// the statement within `client_connection_check_interval` (one of the
+/// [`SessionTimeouts`] the store's connections set, 1 s by default) and
+/// ends the session, releasing its locks; the pool opens a new connection
+/// in the freed slot on demand. The diesel backend sends a cancel request
+/// to the same end; sqlx keeps the key such a request needs to itself, and
+/// a `pg_cancel_backend(pid)` would cost a round trip per transaction to
+/// learn the pid and could hit the next user of a pid. The connection is
+/// also closed when commit or rollback fails, since its state is unknown
+/// then.
 pub struct SqlxTransaction {
-    tx: sqlx::Transaction<'static, Postgres>,
+    /// `Some` for the whole life of the value; `None` only once commit,
+    /// rollback or drop handed the connection back or closed it.
+    conn: Option<PoolConnection<Postgres>>,
     /// The keys it holds and its savepoints.
     claims: Claims,
+}
+
+impl std::fmt::Debug for SqlxTransaction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqlxTransaction")
+            .field("open", &self.conn.is_some())
+            .field("claimed", &self.claims.held())
+            .field("savepoints", &self.claims.savepoint_depth())
+            .finish()
+    }
 }
 
 impl SqlxTransaction {
@@ -340,7 +399,57 @@ impl SqlxTransaction {
     ///
     /// Do not `COMMIT` or `ROLLBACK` through it; the inbox does that.
     pub fn conn(&mut self) -> &mut PgConnection {
-        &mut self.tx
+        match self.conn.as_mut() {
+            Some(conn) => conn,
+            // commit/rollback consume `self`, so no caller can observe it.
+            None => unreachable!("SqlxTransaction used after it ended"),
+        }
+    }
+
+    /// Ends the transaction, committing or rolling back through sqlx's
+    /// transaction manager: the connection goes back to the pool when that
+    /// succeeds, and is closed when it fails (its state is unknown).
+    async fn end(mut self, commit: bool) -> Result<(), InboxError> {
+        let Some(mut conn) = self.conn.take() else {
+            return Ok(());
+        };
+        // If this future is dropped mid-COMMIT, `conn` is dropped with it
+        // and returned to the pool, which flushes or closes it; the outcome
+        // is unknown then, as for any lost COMMIT, and redelivery resolves
+        // it.
+        let ended = if commit {
+            PgTransactionManager::commit(&mut conn).await
+        } else {
+            PgTransactionManager::rollback(&mut conn).await
+        };
+        match ended {
+            Ok(()) if PgTransactionManager::get_transaction_depth(&conn) == 0 => Ok(()),
+            Ok(()) => {
+                conn.close_on_drop();
+                Err(InboxError::Store {
+                    retryable: false,
+                    source: "transaction ended with an unbalanced nested transaction: the \
+                             consumer's work began one on the connection and did not end it"
+                        .into(),
+                })
+            }
+            Err(error) => {
+                conn.close_on_drop();
+                Err(classify(error))
+            }
+        }
+    }
+}
+
+impl Drop for SqlxTransaction {
+    fn drop(&mut self) {
+        if let Some(mut conn) = self.conn.take() {
+            tracing::debug!(
+                claimed = self.claims.held(),
+                "inbox transaction dropped without commit: closing its connection"
+            );
+            conn.close_on_drop();
+        }
     }
 }
 
@@ -351,7 +460,7 @@ impl SavepointDriver for SqlxTransaction {
     }
 
     async fn send_simple(&mut self, sql: String) -> Result<(), InboxError> {
-        sqlx::Executor::execute(&mut *self.tx, sql.as_str())
+        sqlx::Executor::execute(self.conn(), sql.as_str())
             .await
             .map_err(classify)?;
         Ok(())
@@ -364,7 +473,7 @@ impl InboxTransaction for SqlxTransaction {
         let inserted = sqlx::query(sql::CLAIM)
             .bind(key.message_id.as_uuid())
             .bind(key.consumer.as_str())
-            .execute(&mut *self.tx)
+            .execute(self.conn())
             .await
             .map_err(classify)?
             .rows_affected();
@@ -372,11 +481,11 @@ impl InboxTransaction for SqlxTransaction {
     }
 
     async fn commit(self) -> Result<(), InboxError> {
-        self.tx.commit().await.map_err(classify)
+        self.end(true).await
     }
 
     async fn rollback(self) -> Result<(), InboxError> {
-        self.tx.rollback().await.map_err(classify)
+        self.end(false).await
     }
 }
 
@@ -390,7 +499,7 @@ impl BatchTransaction for SqlxTransaction {
         let inserted: Vec<(sqlx::types::Uuid, String)> = sqlx::query_as(sql::CLAIM_BATCH)
             .bind(ids)
             .bind(consumers)
-            .fetch_all(&mut *self.tx)
+            .fetch_all(self.conn())
             .await
             .map_err(classify)?;
         self.claims.claimed_batch(keys, inserted)
@@ -403,7 +512,7 @@ impl BatchTransaction for SqlxTransaction {
         sqlx::query(sql::UNCLAIM)
             .bind(key.message_id.as_uuid())
             .bind(key.consumer.as_str())
-            .execute(&mut *self.tx)
+            .execute(self.conn())
             .await
             .map_err(classify)?;
         self.claims.unclaimed(key);
@@ -446,7 +555,21 @@ mod tests {
 
         let options =
             SqlxStore::connect_options("postgres://u@h/db", "inbox_a").expect("valid options");
-        assert_eq!(options.get_options(), Some("-c search_path=inbox_a"));
+        assert_eq!(
+            options.get_options(),
+            Some(
+                "-c search_path=inbox_a -c lock_timeout=3000 \
+                 -c idle_in_transaction_session_timeout=60000 \
+                 -c client_connection_check_interval=1000"
+            )
+        );
+        let bare = SqlxStore::connect_options_with(
+            "postgres://u@h/db",
+            "inbox_a",
+            &SessionTimeouts::SERVER_DEFAULTS,
+        )
+        .expect("valid options");
+        assert_eq!(bare.get_options(), Some("-c search_path=inbox_a"));
     }
 
     #[test]

@@ -29,7 +29,7 @@ impl OutboxTransaction for SqlxTransaction {
             .bind(names)
             .bind(values)
             .bind(message.body())
-            .execute(&mut *self.tx)
+            .execute(self.conn())
             .await
             .map_err(classify)?
             .rows_affected();

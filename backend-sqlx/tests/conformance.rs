@@ -18,7 +18,7 @@ use common::relay::Relay;
 use inbox_api::{
     ConsumerName, InboxError, InboxKey, InboxRecord, InboxTransaction as _, MessageId,
 };
-use inbox_backend_sqlx::{SqlxStore, SqlxTransaction, classify};
+use inbox_backend_sqlx::{SessionTimeouts, SqlxStore, SqlxTransaction, classify};
 use inbox_conformance::{CrashKind, Harness, PgHarness};
 use sqlx::Row as _;
 
@@ -267,9 +267,9 @@ async fn side(store: &SqlxStore) -> sqlx::PgConnection {
 
 #[async_trait]
 impl PgHarness for SqlxHarness {
-    async fn store_in(&self, schema: &str, pool: usize) -> SqlxStore {
+    async fn store_with(&self, schema: &str, pool: usize, timeouts: &SessionTimeouts) -> SqlxStore {
         let pool = u32::try_from(pool).expect("a small pool");
-        common::store_in(schema, pool, None).await
+        common::store_with(schema, pool, None, timeouts).await
     }
 
     async fn connect_to(&self, url: &str) -> Result<SqlxStore, InboxError> {

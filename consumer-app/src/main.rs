@@ -1,20 +1,22 @@
 //! `parcel-inbox`: the Parcel Tracking service's command line.
 
+use std::num::NonZeroU32;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use consumer_app::parcel::store::{ParcelStore, StoreKind};
-use consumer_app::parcel::topology::Topology;
 use consumer_app::runtime::redact::redact_url;
 use consumer_app::runtime::service::cleanup_once;
 use consumer_app::runtime::{AppError, CleanupConfig};
 use consumer_app::tools::cli::{
     CleanupArgs, ConsumeArgs, Global, Plain, RelayArgs, WorkerArgs, run_main,
 };
+use consumer_app::tools::dead::{ListDead, replay_dead_letters, role_of};
 use consumer_app::tools::demo::{self, DemoConfig};
 use consumer_app::tools::publish::{Plan, publish};
 use consumer_app::tools::stores::{WithStore, with_outbox, with_store};
+use inbox_api::ConsumerName;
 
 /// Parcel Tracking: RabbitMQ consumers with exactly-once effects through the inbox.
 // No Debug: the URLs may hold passwords.
@@ -58,6 +60,29 @@ enum Command {
     },
     /// Print inbox rows, per-consumer counts, effects and double effects.
     Stats,
+    /// List dead-lettered messages (from the store's attempt ledger), newest first:
+    /// consumer, message id, attempts, reason, when, last error.
+    Dead {
+        /// Only this consumer's (parcel-notification or parcel-carrier-assignment).
+        #[arg(long)]
+        consumer: Option<String>,
+        /// At most this many rows.
+        #[arg(long, default_value = "100")]
+        limit: NonZeroU32,
+    },
+    /// Move dead letters of a consumer back to its queue, after the fix: each is
+    /// processed at most once, with a fresh retry budget.
+    Replay {
+        /// Whose dead-letter queue (parcel-notification or parcel-carrier-assignment).
+        #[arg(long)]
+        consumer: String,
+        /// Only these message ids (repeatable); without it, --all is required.
+        #[arg(long = "message-id", required_unless_present = "all")]
+        message_ids: Vec<String>,
+        /// Every message in the dead-letter queue.
+        #[arg(long, conflicts_with = "message_ids")]
+        all: bool,
+    },
     /// Migrate, consume, publish with copies and a crash, and prove exactly-once effects.
     Demo {
         /// Distinct events.
@@ -82,7 +107,7 @@ const ONE_SHOT: Option<u32> = Some(1);
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    run_main(run(cli))
+    run_main(cli.global.log_format, run(cli))
 }
 
 async fn run(cli: Cli) -> Result<(), AppError> {
@@ -98,6 +123,28 @@ async fn run(cli: Cli) -> Result<(), AppError> {
     match cli.command {
         Command::Migrate => with_store(&store, ONE_SHOT, Migrate).await,
         Command::Stats => with_store(&store, ONE_SHOT, PrintStats).await,
+        Command::Dead { consumer, limit } => {
+            let consumer = consumer.map(ConsumerName::new).transpose()?;
+            with_store(&store, ONE_SHOT, ListDead { consumer, limit }).await
+        }
+        Command::Replay {
+            consumer,
+            message_ids,
+            all: _,
+        } => {
+            let role = role_of(&consumer)?;
+            let topology = global.topology();
+            let replayed =
+                replay_dead_letters(&global.amqp_url, &topology, role, &message_ids).await?;
+            println!(
+                "replayed {} message(s) from {} to {}; {} left in the dead-letter queue",
+                replayed.moved,
+                topology.dead_letter_queue(role),
+                topology.queue(role),
+                replayed.kept
+            );
+            Ok(())
+        }
         Command::Cleanup { cleanup } => {
             let config = cleanup.config(Duration::ZERO)?;
             with_store(&store, ONE_SHOT, CleanupOnce(config)).await
@@ -109,19 +156,13 @@ async fn run(cli: Cli) -> Result<(), AppError> {
             quiet,
         } => {
             let plan = Plan::new(count, duplicate_rate, seed, "P")?;
-            publish(
-                &global.amqp_url,
-                &Topology::new(&global.prefix),
-                &plan.messages,
-                !quiet,
-            )
-            .await?;
+            publish(&global.amqp_url, &global.topology(), &plan.messages, !quiet).await?;
             println!(
                 "published {} messages ({} distinct events, {} copies) to {}",
                 plan.messages.len(),
                 plan.ids.len(),
                 plan.copies,
-                Topology::new(&global.prefix).exchange()
+                global.topology().exchange()
             );
             Ok(())
         }

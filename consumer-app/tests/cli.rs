@@ -31,12 +31,33 @@ fn the_fault_flags_are_not_on_the_production_binary() {
     }
 }
 
+/// A replay names what it moves: some message ids, or everything; a queue
+/// type is one RabbitMQ knows.
+#[test]
+fn replay_and_queue_type_refuse_what_they_cannot_mean() {
+    for args in [
+        &["replay", "--consumer", "parcel-carrier-assignment"][..],
+        &[
+            "replay",
+            "--consumer",
+            "parcel-carrier-assignment",
+            "--all",
+            "--message-id",
+            "x",
+        ],
+        &["--queue-type", "stream", "dead"],
+    ] {
+        let (code, text) = parcel_inbox(args);
+        assert_eq!(code, Some(2), "{args:?} must be refused:\n{text}");
+    }
+}
+
 #[test]
 fn the_subcommands_and_consume_flags_are_all_there() {
     let (code, text) = parcel_inbox(&["--help"]);
     assert_eq!(code, Some(0), "{text}");
     for command in [
-        "migrate", "consume", "relay", "publish", "cleanup", "stats", "demo",
+        "migrate", "consume", "relay", "publish", "cleanup", "stats", "dead", "replay", "demo",
     ] {
         assert!(text.contains(command), "{command} missing:\n{text}");
     }
@@ -64,6 +85,8 @@ fn the_subcommands_and_consume_flags_are_all_there() {
         "--schema",
         "--prefix",
         "--pool-size",
+        "--queue-type",
+        "--log-format",
     ] {
         assert!(text.contains(flag), "{flag} missing:\n{text}");
     }

@@ -16,12 +16,12 @@ use consumer_app::parcel::downstream::{Downstreams, StubCarrier, StubNotifier};
 use consumer_app::parcel::events::EVENT_TYPE;
 use consumer_app::parcel::role::Role;
 use consumer_app::parcel::service::{consumers, with_handlers};
-use consumer_app::parcel::store::{ParcelStore, Stats};
+use consumer_app::parcel::store::{ParcelStore, Stats, StoreKind};
 use consumer_app::parcel::topology::Topology;
 use consumer_app::runtime::amqp::{Outgoing, connect};
 use consumer_app::runtime::message::{BadInputReason, header_text};
 use consumer_app::runtime::tally::get;
-use consumer_app::runtime::{ServiceConfig, ServiceHandle, WorkerConfig};
+use consumer_app::runtime::{QueueType, ServiceConfig, ServiceHandle, WorkerConfig};
 use consumer_app::tools::faults::Faults;
 use consumer_app::tools::publish::{Plan, publish};
 use inbox_api::{ConsumerName, InboxKey};
@@ -104,8 +104,18 @@ async fn start<S: ParcelStore>(store: &S, names: &Names, faults: Faults) -> Runn
 }
 
 async fn start_with<S: ParcelStore>(store: &S, names: &Names, faults: Arc<Faults>) -> Running {
+    start_on(store, names, faults, &Topology::new(&names.prefix)).await
+}
+
+/// As [`start_with`], on `topology` (a classic-queue one, say).
+async fn start_on<S: ParcelStore>(
+    store: &S,
+    names: &Names,
+    faults: Arc<Faults>,
+    topology: &Topology,
+) -> Running {
     if std::env::var_os("RUST_LOG").is_some() {
-        consumer_app::runtime::telemetry::init_logging();
+        consumer_app::runtime::telemetry::init_logging(Default::default());
     }
     let carrier = Arc::new(StubCarrier::default());
     let notifier = Arc::new(StubNotifier::default());
@@ -124,7 +134,7 @@ async fn start_with<S: ParcelStore>(store: &S, names: &Names, faults: Arc<Faults
             gauge_interval: None,
             availability: Default::default(),
         },
-        &Topology::new(&names.prefix),
+        topology,
         faults.wrap(notification_consumer),
         faults.wrap(carrier_consumer),
     )
@@ -200,6 +210,59 @@ async fn cleanup<S: ParcelStore>(store: &S, names: &Names) {
         .expect("delete topology");
     consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
     store.drop_schema().await.expect("drop schema");
+}
+
+/// The database URL the binary gets in a test.
+fn database_url_for_cli() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+/// Runs `parcel-inbox` with `flags` then `args`, killed after a minute;
+/// returns its stdout, failing with everything it printed unless it
+/// succeeded.
+async fn parcel_inbox(flags: &[String], args: &[&str]) -> String {
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
+        .args(flags)
+        .args(args)
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(Duration::from_secs(60), child)
+        .await
+        .unwrap_or_else(|_| panic!("parcel-inbox {args:?} ran over a minute; killed"))
+        .expect("run parcel-inbox");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "parcel-inbox {args:?} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+/// The message id and headers of the first message in `queue` (a
+/// dead-letter queue), which stays there.
+async fn peek_dead_letter(
+    channel: &lapin::Channel,
+    queue: &str,
+) -> (Option<String>, lapin::types::FieldTable) {
+    let message = channel
+        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+        .await
+        .expect("basic.get")
+        .expect("a message in the dead-letter queue");
+    let properties = &message.delivery.properties;
+    let id = properties.message_id().as_ref().map(|id| id.to_string());
+    let headers = properties.headers().clone().unwrap_or_default();
+    message
+        .delivery
+        .nack(lapin::options::BasicNackOptions {
+            multiple: false,
+            requeue: true,
+        })
+        .await
+        .expect("give it back to the dead-letter queue");
+    (id, headers)
 }
 
 fn assert_exactly_once(stats: &Stats, n: u64) {
@@ -508,33 +571,191 @@ async fn retryable_failures_are_capped<S: ParcelStore>(store: S, names: Names) {
         .await
         .expect("connect");
     let channel = connection.create_channel().await.expect("channel");
-    let message = channel
-        .basic_get(
-            topology.dead_letter_queue(Role::Carrier).as_str().into(),
-            BasicGetOptions { no_ack: true },
-        )
-        .await
-        .expect("basic.get")
-        .expect("the poison message is in the dead-letter queue");
-    assert_eq!(
-        message
-            .delivery
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|id| id.to_string()),
-        Some(poison.to_string())
-    );
-    let headers = message
-        .delivery
-        .properties
-        .headers()
-        .clone()
-        .unwrap_or_default();
+    let (message_id, headers) =
+        peek_dead_letter(&channel, &topology.dead_letter_queue(Role::Carrier)).await;
+    assert_eq!(message_id, Some(poison.to_string()));
     assert_eq!(
         header_text(&headers, "x-dead-letter-reason").as_deref(),
         Some("retries_exhausted")
     );
+    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
+    cleanup(&store, &names).await;
+}
+
+/// A poison message on a classic queue, which keeps no delivery count (as
+/// a quorum queue on RabbitMQ 4.3 keeps none for nacks): the broker's count
+/// stays 0, so only the attempt ledger can bring it to the cap. It is
+/// dead-lettered after exactly `max_deliveries` failed deliveries with its
+/// count and last error in headers, `dead` lists it, and once the fault is
+/// fixed a replay from the dead-letter queue processes it exactly once.
+async fn poison_on_a_classic_queue_is_capped_by_the_ledger_and_replayed_once<S: ParcelStore>(
+    store: S,
+    names: Names,
+) {
+    require_rabbitmq().await;
+    let _teardown = Teardown::new(&store, &names);
+    let plan = Plan::new(5, 0.0, 17, &format!("P{}", names.schema)).expect("plan");
+    let poison = InboxKey::new(
+        plan.ids[1],
+        ConsumerName::new(Role::Carrier.consumer_name()).expect("name"),
+    );
+    let faults = Arc::new(Faults::default());
+    faults.fail_always(poison.clone());
+    let topology = Topology::new(&names.prefix).with_queue_type(QueueType::Classic);
+    let run = start_on(&store, &names, Arc::clone(&faults), &topology).await;
+    publish(AMQP_URL, &topology, &plan.messages, false)
+        .await
+        .expect("publish");
+    let tally = Arc::clone(&run.service.tally);
+    let carrier = tally.consumer(Role::Carrier.consumer_name());
+    eventually(
+        "the poison message dead-lettered on a classic queue",
+        Duration::from_secs(60),
+        async || carrier.dead_lettered_total() >= 1 && get(&carrier.processed) >= 4,
+    )
+    .await;
+    let max = worker_config().max_deliveries;
+    assert_eq!(
+        carrier.dead_lettered().into_iter().collect::<Vec<_>>(),
+        vec![("retries_exhausted".to_owned(), 1)]
+    );
+    assert_eq!(
+        get(&carrier.requeued),
+        u64::from(max - 1),
+        "rejected back to the queue until the cap"
+    );
+    let record = store
+        .attempts(&poison)
+        .await
+        .expect("ledger")
+        .expect("the poison message's ledger row");
+    assert_eq!(record.attempts, max, "{record:?}");
+    assert_eq!(
+        record.dead.as_ref().map(|d| d.reason.as_str()),
+        Some("retries_exhausted")
+    );
+    assert!(
+        record.last_error.contains("injected transient failure"),
+        "{record:?}"
+    );
+    let dead = store
+        .dead_messages(Some(&poison.consumer), std::num::NonZeroU32::MIN)
+        .await
+        .expect("dead messages");
+    assert_eq!(
+        dead.iter().map(|r| r.key.clone()).collect::<Vec<_>>(),
+        vec![poison.clone()]
+    );
+
+    let connection = connect(AMQP_URL, "parcel-inbox test replay")
+        .await
+        .expect("connect");
+    let channel = connection.create_channel().await.expect("channel");
+    let carrier_queue = topology.queue(Role::Carrier);
+    let dead_letter_queue = topology.dead_letter_queue(Role::Carrier);
+    let (message_id, headers) = peek_dead_letter(&channel, &dead_letter_queue).await;
+    assert_eq!(message_id, Some(poison.message_id.to_string()));
+    assert_eq!(
+        header_text(&headers, "x-dead-letter-reason").as_deref(),
+        Some("retries_exhausted")
+    );
+    assert_eq!(
+        headers.inner().get("x-inbox-attempts"),
+        Some(&lapin::types::AMQPValue::LongLongInt(i64::from(max)))
+    );
+    let last_error = header_text(&headers, "x-inbox-last-error").unwrap_or_default();
+    assert!(
+        last_error.contains("injected transient failure"),
+        "{last_error}"
+    );
+    assert!(!headers.contains_key("x-delivery-count"), "{headers:?}");
+
+    let poison_id = poison.message_id.to_string();
+    // What the operator sees (a Postgres store: the binary opens its own;
+    // the memory store lives only in this process).
+    let store_flags = [
+        "--store".to_owned(),
+        store.kind().to_string(),
+        "--database-url".to_owned(),
+        database_url_for_cli(),
+        "--schema".to_owned(),
+        names.schema.clone(),
+        "--prefix".to_owned(),
+        names.prefix.clone(),
+    ];
+    let carrier_name = Role::Carrier.consumer_name();
+    if store.kind() != StoreKind::Memory {
+        let listed = parcel_inbox(&store_flags, &["dead", "--consumer", carrier_name]).await;
+        let row = listed
+            .lines()
+            .find(|line| line.contains(&poison_id))
+            .unwrap_or_else(|| panic!("dead does not list {poison_id}:\n{listed}"));
+        for field in [
+            carrier_name,
+            " 5 ",
+            "retries_exhausted",
+            "injected transient failure",
+        ] {
+            assert!(row.contains(field), "{field} missing in {row}");
+        }
+        assert!(listed.contains("1 dead message(s)"), "{listed}");
+    }
+
+    // The fix is deployed; the operator replays the dead letter.
+    faults.heal(&poison);
+    let replayed = parcel_inbox(
+        &store_flags,
+        &[
+            "replay",
+            "--consumer",
+            carrier_name,
+            "--message-id",
+            &poison_id,
+        ],
+    )
+    .await;
+    assert!(
+        replayed.contains("replayed 1 message(s)") && replayed.contains("0 left"),
+        "{replayed}"
+    );
+    eventually(
+        "the replayed message processed",
+        Duration::from_secs(30),
+        async || get(&carrier.processed) >= 5,
+    )
+    .await;
+    // Time for a second copy to show, if one were coming.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    run.service.shutdown();
+    run.service.join().await.expect("clean shutdown");
+    assert_exactly_once(&store.stats().await.expect("stats"), 5);
+    assert_eq!(
+        get(&carrier.processed),
+        5,
+        "processed once after the replay"
+    );
+    assert_eq!(carrier.dead_lettered_total(), 1, "not dead-lettered again");
+    for queue in [&carrier_queue, &dead_letter_queue] {
+        assert_eq!(
+            consumer_app::runtime::Topology::ready_messages(&channel, queue)
+                .await
+                .expect("queue depth"),
+            0,
+            "{queue} is empty"
+        );
+    }
+    assert!(
+        store
+            .dead_messages(None, std::num::NonZeroU32::MIN)
+            .await
+            .expect("dead messages")
+            .is_empty(),
+        "a replayed and processed message is not listed dead"
+    );
+    if store.kind() != StoreKind::Memory {
+        let listed = parcel_inbox(&store_flags, &["dead"]).await;
+        assert!(listed.contains("0 dead message(s)"), "{listed}");
+    }
     consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
     cleanup(&store, &names).await;
 }
@@ -921,6 +1142,16 @@ macro_rules! e2e_tests {
         async fn retryable_failures_are_capped() {
             let names = names(concat!("cap-", $kind));
             super::retryable_failures_are_capped($store(&names).await, names).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn poison_on_a_classic_queue_is_capped_by_the_ledger_and_replayed_once() {
+            let names = names(concat!("classic-", $kind));
+            super::poison_on_a_classic_queue_is_capped_by_the_ledger_and_replayed_once(
+                $store(&names).await,
+                names,
+            )
+            .await;
         }
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

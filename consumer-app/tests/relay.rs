@@ -603,7 +603,7 @@ async fn scrape(addr: &str) -> String {
         .await
         .expect("metrics endpoint");
     stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         .await
         .expect("request");
     let mut text = String::new();

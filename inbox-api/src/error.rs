@@ -90,10 +90,26 @@ pub enum InboxError {
     },
 
     /// The store aborted the transaction to resolve a conflict with another
-    /// one (serialization failure 40001, deadlock 40P01, lock timeout).
-    /// Retryable.
+    /// one (serialization failure 40001, deadlock 40P01). Retryable.
     #[error("transaction aborted by a concurrent conflict")]
     Conflict {
+        /// The driver's error.
+        #[source]
+        source: BoxError,
+    },
+
+    /// Another transaction held a lock this one needed for longer than the
+    /// store's lock timeout (PostgreSQL's `lock_timeout`, SQLSTATE 55P03):
+    /// most often the claim of the same key by a holder that is slow,
+    /// frozen (a paused VM, a stopped process) or cut off from the network.
+    ///
+    /// Retryable, and not the message's fault ([`InboxError::held_by_another`]):
+    /// the holder either commits (the redelivery is then a duplicate) or is
+    /// ended by the server (`idle_in_transaction_session_timeout`, a lost
+    /// connection) and its claim released, so the delivery should go back
+    /// to the broker without being charged a failed attempt.
+    #[error("a lock held by another transaction was not released within the lock timeout")]
+    LockTimeout {
         /// The driver's error.
         #[source]
         source: BoxError,
@@ -180,9 +196,24 @@ impl InboxError {
             Self::Connection { .. }
             | Self::PoolTimeout { .. }
             | Self::Conflict { .. }
+            | Self::LockTimeout { .. }
             | Self::Deferred => true,
             Self::Store { retryable, .. } | Self::Handler { retryable, .. } => *retryable,
             Self::BatchAborted { source } => source.is_retryable(),
+        }
+    }
+
+    /// Whether the failure is another transaction's, not the message's: it
+    /// held what this attempt needed past the lock timeout
+    /// ([`InboxError::LockTimeout`], also as the cause of a
+    /// [`InboxError::BatchAborted`]). A consumer hands such a delivery back
+    /// without counting it against the message's retry budget: a frozen
+    /// holder must not walk a healthy message into the dead-letter queue.
+    pub fn held_by_another(&self) -> bool {
+        match self {
+            Self::LockTimeout { .. } => true,
+            Self::BatchAborted { source } => source.held_by_another(),
+            _ => false,
         }
     }
 
@@ -205,6 +236,7 @@ impl InboxError {
             Self::Connection { .. } => "connection",
             Self::PoolTimeout { .. } => "pool_timeout",
             Self::Conflict { .. } => "conflict",
+            Self::LockTimeout { .. } => "lock_timeout",
             Self::Schema { .. } => "schema",
             Self::Store { .. } => "store",
             Self::Handler { .. } => "handler",
@@ -305,6 +337,11 @@ mod tests {
                 true,
             ),
             (InboxError::Conflict { source: io() }, "conflict", true),
+            (
+                InboxError::LockTimeout { source: io() },
+                "lock_timeout",
+                true,
+            ),
             (InboxError::Schema { source: io() }, "schema", false),
             (
                 InboxError::Store {
@@ -349,6 +386,29 @@ mod tests {
                 Disposition::DeadLetter
             };
             assert_eq!(error.disposition(), expected, "{error:?}");
+        }
+    }
+
+    #[test]
+    fn only_a_lock_timeout_is_held_by_another() {
+        let lock_timeout = || InboxError::LockTimeout { source: io() };
+        assert!(lock_timeout().held_by_another());
+        assert!(
+            InboxError::BatchAborted {
+                source: Arc::new(lock_timeout()),
+            }
+            .held_by_another()
+        );
+        for other in [
+            InboxError::Conflict { source: io() },
+            InboxError::Connection { source: io() },
+            InboxError::retryable_handler(io()),
+            InboxError::Deferred,
+            InboxError::BatchAborted {
+                source: Arc::new(InboxError::Conflict { source: io() }),
+            },
+        ] {
+            assert!(!other.held_by_another(), "{other:?}");
         }
     }
 

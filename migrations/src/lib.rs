@@ -16,6 +16,10 @@
 //!   decoded once for both drivers.
 //! - [`ErrorClass`]: the SQLSTATE table deciding retry or dead-letter.
 //! - [`SchemaName`]: the one validation of a schema name.
+//! - [`SessionTimeouts`]: the time bounds every inbox session sets
+//!   (`lock_timeout`, `idle_in_transaction_session_timeout`,
+//!   `client_connection_check_interval`), so that a frozen holder cannot
+//!   block a key for longer than they allow.
 //! - [`Claims`]: which keys a transaction holds, and the savepoint
 //!   statements of batched mode, as a state machine.
 //!
@@ -37,6 +41,7 @@ mod claims;
 mod migrate;
 mod outbox;
 mod schema_name;
+mod session;
 pub mod sql;
 mod sqlstate;
 
@@ -49,6 +54,7 @@ pub use outbox::{
     OutboxColumns, OutboxRow, enqueued, header_columns, id_column, lease_from_rows, lease_millis,
 };
 pub use schema_name::SchemaName;
+pub use session::SessionTimeouts;
 pub use sqlstate::{ErrorClass, classify_sqlstate};
 
 // The error type the exported `savepoint_methods!` names, so that a driver

@@ -85,6 +85,12 @@ pub const LEDGER_TABLE: &str = "inbox_schema_migrations";
 /// key works.
 pub const ADVISORY_LOCK_KEY: i64 = 0x1b0c_d1e5;
 
+/// Opens the runner's transaction. Without a lock timeout: the sessions'
+/// own ([`crate::SessionTimeouts`]) would fail a runner that waits a few
+/// seconds on another instance's migration (the advisory lock) or on a
+/// consumer's lock on a table it alters; a migration should wait its turn.
+const BEGIN: &str = "BEGIN; SET LOCAL lock_timeout = 0";
+
 /// What the runner needs from a driver: a connection it may use for one
 /// transaction. Every statement it sends is parameterless.
 #[async_trait]
@@ -116,7 +122,7 @@ pub async fn migrate<C: MigrationConnection>(
     conn: &mut C,
     schema: &SchemaName,
 ) -> Result<Vec<i64>, InboxError> {
-    conn.execute("BEGIN").await?;
+    conn.execute(BEGIN).await?;
     match apply(conn, schema).await {
         Ok(applied) => {
             conn.execute("COMMIT").await?;

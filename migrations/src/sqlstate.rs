@@ -9,7 +9,8 @@
 //!
 //! | SQLSTATE | meaning | [`InboxError`] |
 //! |---|---|---|
-//! | 40001, 40P01, 55P03, other class 40 | serialization failure, deadlock, lock not available, other rollbacks | `Conflict` (retry) |
+//! | 40001, 40P01, other class 40 | serialization failure, deadlock, other rollbacks | `Conflict` (retry) |
+//! | 55P03 | lock not available: `lock_timeout` (or `NOWAIT`) gave up on another transaction's lock | `LockTimeout` (retry, not charged to the message) |
 //! | class 08, 57P01–57P03, 57P05, 25P03, 40003 | connection lost, terminated, server shutting down or starting, idle timeouts, commit outcome unknown | `Connection` (retry) |
 //! | 57014, 25006, class 53, class 58 | statement timeout or cancel, read-only (failover), out of resources, system error | `Store { retryable: true }` |
 //! | 42P01, 3F000, 42703, 42883, 42704, 42501 | undefined table / schema / column / function / object, insufficient privilege | `Schema` (permanent for the message; a consuming service pauses until someone migrates or grants) |
@@ -23,6 +24,9 @@ use inbox_api::{BoxError, InboxError};
 pub enum ErrorClass {
     /// The server aborted the transaction to resolve a conflict. Retryable.
     Conflict,
+    /// Another transaction held a lock past `lock_timeout`. Retryable, and
+    /// not the message's fault.
+    LockTimeout,
     /// The connection failed, or the outcome is unknown. Retryable.
     Connection,
     /// No pooled connection became free in time. Retryable.
@@ -48,9 +52,13 @@ impl ErrorClass {
     pub fn of_sqlstate(code: &str) -> Self {
         match code {
             // serialization_failure, deadlock_detected: the textbook
-            // retryable conflicts (MassTransit #5114). lock_not_available: a
-            // lock_timeout or NOWAIT lost a race with another transaction.
-            "40001" | "40P01" | "55P03" => Self::Conflict,
+            // retryable conflicts (MassTransit #5114).
+            "40001" | "40P01" => Self::Conflict,
+            // lock_not_available: lock_timeout (or NOWAIT) gave up on a lock
+            // another transaction holds, typically a claim of the same key
+            // by a frozen holder. Its own kind, so that the consumer hands
+            // the delivery back without charging it.
+            "55P03" => Self::LockTimeout,
             // statement_completion_unknown: like a lost connection, the
             // outcome is unknown and redelivery resolves it.
             "40003" => Self::Connection,
@@ -88,6 +96,7 @@ impl ErrorClass {
     pub fn into_error(self, source: BoxError) -> InboxError {
         match self {
             Self::Conflict => InboxError::Conflict { source },
+            Self::LockTimeout => InboxError::LockTimeout { source },
             Self::Connection => InboxError::Connection { source },
             Self::PoolTimeout => InboxError::PoolTimeout {
                 source: Some(source),
@@ -114,9 +123,17 @@ mod tests {
 
     #[test]
     fn conflicts() {
-        for code in ["40001", "40P01", "55P03", "40002"] {
+        for code in ["40001", "40P01", "40002"] {
             assert_eq!(class(code), ErrorClass::Conflict, "{code}");
         }
+    }
+
+    #[test]
+    fn lock_timeouts() {
+        assert_eq!(class("55P03"), ErrorClass::LockTimeout);
+        let error = classify_sqlstate("55P03", "canceling statement due to lock timeout".into());
+        assert!(error.is_retryable() && error.held_by_another(), "{error:?}");
+        assert_eq!(error.kind(), "lock_timeout");
     }
 
     #[test]

@@ -17,7 +17,7 @@ use std::time::Duration;
 use diesel::sql_types::{BigInt, Bool, Integer, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use inbox_api::InboxError;
-use inbox_backend_diesel::{DieselStore, DieselTransaction, SchemaName, classify};
+use inbox_backend_diesel::{DieselStore, DieselTransaction, SchemaName, SessionTimeouts, classify};
 
 pub use inbox_conformance::postgres::support::{
     EFFECTS_TABLE, LIST_SCHEMAS, RECORD_EFFECT, TEST_PREFIX, database_url, drop_schema_sql,
@@ -106,10 +106,21 @@ pub async fn unmigrated_store(pool: usize, wait: Duration) -> DieselStore {
 /// A store in `schema`, with `pool` connections, not migrated. Its
 /// connections carry the schema as `application_name`.
 pub async fn store_in(schema: &str, pool: usize, wait: Duration) -> DieselStore {
+    store_with(schema, pool, wait, &SessionTimeouts::default()).await
+}
+
+/// As [`store_in`], its sessions under `timeouts`.
+pub async fn store_with(
+    schema: &str,
+    pool: usize,
+    wait: Duration,
+    timeouts: &SessionTimeouts,
+) -> DieselStore {
     let url = url_with_application_name(&database_url(), schema);
     DieselStore::builder(url, schema)
         .expect("valid test schema name")
         .pool_size(pool)
+        .session_timeouts(*timeouts)
         .wait_timeout(wait)
         .connect()
         .await

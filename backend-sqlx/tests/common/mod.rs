@@ -17,7 +17,7 @@ pub mod relay;
 use std::time::Duration;
 
 use inbox_api::InboxError;
-use inbox_backend_sqlx::{SqlxStore, SqlxTransaction, classify};
+use inbox_backend_sqlx::{SessionTimeouts, SqlxStore, SqlxTransaction, classify};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
 pub use inbox_conformance::postgres::support::{
@@ -83,7 +83,17 @@ pub async fn fresh_store_via(max: u32, relay_port: Option<u16>) -> SqlxStore {
 /// relay listening on `relay_port` when there is one. Its connections carry
 /// the schema as `application_name`.
 pub async fn store_in(schema: &str, max: u32, relay_port: Option<u16>) -> SqlxStore {
-    let mut options = SqlxStore::connect_options(&database_url(), schema)
+    store_with(schema, max, relay_port, &SessionTimeouts::default()).await
+}
+
+/// As [`store_in`], its sessions under `timeouts`.
+pub async fn store_with(
+    schema: &str,
+    max: u32,
+    relay_port: Option<u16>,
+    timeouts: &SessionTimeouts,
+) -> SqlxStore {
+    let mut options = SqlxStore::connect_options_with(&database_url(), schema, timeouts)
         .expect("valid test schema name")
         .application_name(schema);
     if let Some(port) = relay_port {

@@ -17,8 +17,8 @@ use consumer_app::parcel::role::Role;
 use consumer_app::parcel::store::{EffectCounts, ParcelStore, StoreKind};
 use consumer_app::runtime::AppError;
 use inbox_api::{
-    BatchTransaction, Claim, InboxError, InboxKey, InboxRecord, InboxStats, InboxStore,
-    InboxTransaction, MessageId,
+    AttemptLedger, AttemptRecord, BatchTransaction, Claim, ConsumerName, InboxError, InboxKey,
+    InboxRecord, InboxStats, InboxStore, InboxTransaction, LastError, MessageId,
 };
 use inbox_conformance::broken::{Broken, BrokenStore, BrokenTransaction};
 
@@ -77,6 +77,43 @@ impl<S: InboxStore + Clone> InboxStore for BrokenParcelStore<S> {
 impl<S: InboxStats + Clone> InboxStats for BrokenParcelStore<S> {
     async fn processed_counts(&self) -> Result<BTreeMap<String, u64>, InboxError> {
         self.0.processed_counts().await
+    }
+}
+
+/// The ledger is sound in every broken inbox: the one underneath.
+#[async_trait]
+impl<S: AttemptLedger + Clone> AttemptLedger for BrokenParcelStore<S> {
+    async fn record_failure(&self, key: &InboxKey, error: &LastError) -> Result<u32, InboxError> {
+        self.0.record_failure(key, error).await
+    }
+
+    async fn mark_dead(
+        &self,
+        key: &InboxKey,
+        reason: &str,
+        error: &LastError,
+    ) -> Result<(), InboxError> {
+        self.0.mark_dead(key, reason, error).await
+    }
+
+    async fn attempts(&self, key: &InboxKey) -> Result<Option<AttemptRecord>, InboxError> {
+        self.0.attempts(key).await
+    }
+
+    async fn dead_messages(
+        &self,
+        consumer: Option<&ConsumerName>,
+        limit: NonZeroU32,
+    ) -> Result<Vec<AttemptRecord>, InboxError> {
+        self.0.dead_messages(consumer, limit).await
+    }
+
+    async fn purge_attempts_batch(
+        &self,
+        cutoff: DateTime<Utc>,
+        limit: NonZeroU32,
+    ) -> Result<u64, InboxError> {
+        self.0.purge_attempts_batch(cutoff, limit).await
     }
 }
 

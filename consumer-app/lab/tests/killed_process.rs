@@ -1,12 +1,14 @@
-//! The consume process is killed (SIGKILL) mid-work: its open transactions
-//! die with it, the broker redelivers its unacked deliveries to a new
-//! instance, and every effect happens exactly once. Per Postgres store (a
-//! memory store dies with its process). Here rather than beside the app's
-//! end-to-end tests because the child holds each transaction open for a
-//! while (`parcel-lab-consume --fault-work-delay-ms`), which the production
-//! binary cannot. Needs PostgreSQL and RabbitMQ (`bash .ci/services.sh`).
+//! The consume process is killed (SIGKILL) or frozen (SIGSTOP) mid-work:
+//! its open transactions die with it or are ended by PostgreSQL, the broker
+//! redelivers its unacked deliveries to another instance, and every effect
+//! happens exactly once. Per Postgres store (a memory store dies with its
+//! process). Here rather than beside the app's end-to-end tests because the
+//! child holds each transaction open for a while (`parcel-lab-consume
+//! --fault-work-delay-ms`), which the production binary cannot. Needs
+//! PostgreSQL and RabbitMQ (`bash .ci/services.sh`).
 
-use std::sync::Arc;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use consumer_app::parcel::downstream::{StubCarrier, StubNotifier};
@@ -57,40 +59,161 @@ fn assert_exactly_once(stats: &Stats, n: u64) {
     }
 }
 
+/// The longest a test with child processes may run: then it fails (and
+/// the children are killed, their output printed) instead of hanging CI.
+const WALL_CLOCK_LIMIT: Duration = Duration::from_secs(180);
+
+/// The `parcel-lab-consume` processes of one test, each writing its log
+/// (warnings and errors) to a file of its own. When the value is dropped
+/// (the test ended, failed or ran out of time) every child is killed; when
+/// the test failed, their logs are printed, so a failure shows what the
+/// children saw.
+struct Children {
+    id: String,
+    running: Mutex<Vec<(String, tokio::process::Child)>>,
+    logs: Mutex<Vec<(String, PathBuf)>>,
+}
+
+impl Children {
+    fn new(id: &str) -> Self {
+        Self {
+            id: id.to_owned(),
+            running: Mutex::default(),
+            logs: Mutex::default(),
+        }
+    }
+
+    /// Starts `parcel-lab-consume` on `kind`'s store in `schema`, its
+    /// queues under `prefix`, with `extra` flags after the common ones.
+    /// Returns its pid.
+    fn spawn(
+        &self,
+        name: &str,
+        kind: &str,
+        urls: (&str, &str),
+        names: (&str, &str),
+        extra: &[&str],
+    ) -> u32 {
+        let (database_url, amqp_url) = urls;
+        let (schema, prefix) = names;
+        let log = std::env::temp_dir().join(format!("parcel-lab-{}-{name}.log", self.id));
+        let file = std::fs::File::create(&log).expect("a child's log file");
+        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_parcel-lab-consume"))
+            .args([
+                "--store",
+                kind,
+                "--database-url",
+                database_url,
+                "--amqp-url",
+                amqp_url,
+                "--schema",
+                schema,
+                "--prefix",
+                prefix,
+                "--metrics-addr",
+                "off",
+                "--concurrency",
+                "4",
+                "--cleanup-interval-secs",
+                "0",
+            ])
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(file)
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start parcel-lab-consume");
+        let pid = child.id().expect("a running child has a pid");
+        self.logs.lock().expect("logs").push((name.to_owned(), log));
+        self.running
+            .lock()
+            .expect("children")
+            .push((name.to_owned(), child));
+        pid
+    }
+
+    /// Kills child `name` (SIGKILL) and waits until it is gone.
+    async fn kill(&self, name: &str) {
+        let child = {
+            let mut running = self.running.lock().expect("children");
+            let index = running
+                .iter()
+                .position(|(n, _)| n == name)
+                .expect("a child of that name");
+            running.remove(index).1
+        };
+        let mut child = child;
+        child.kill().await.expect("SIGKILL the consumer");
+    }
+
+    /// Sends `signal` (`STOP`, `CONT`) to process `pid`.
+    async fn signal(pid: u32, signal: &str) {
+        let status = tokio::process::Command::new("kill")
+            .args([format!("-{signal}"), pid.to_string()])
+            .status()
+            .await
+            .expect("run kill");
+        assert!(status.success(), "kill -{signal} {pid}: {status}");
+    }
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        if let Ok(running) = self.running.get_mut() {
+            for (_, child) in running.iter_mut() {
+                // A stopped process dies of SIGKILL too.
+                let _ = child.start_kill();
+            }
+        }
+        let Ok(logs) = self.logs.get_mut() else {
+            return;
+        };
+        for (name, log) in logs.drain(..) {
+            if std::thread::panicking() {
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(200).collect();
+                eprintln!("---- log of child {name} (last 200 lines) ----");
+                for line in tail.into_iter().rev() {
+                    eprintln!("{line}");
+                }
+            }
+            let _ = std::fs::remove_file(log);
+        }
+    }
+}
+
+/// Runs a test body under [`WALL_CLOCK_LIMIT`].
+async fn within_limit(body: impl Future<Output = ()>) {
+    tokio::time::timeout(WALL_CLOCK_LIMIT, body)
+        .await
+        .unwrap_or_else(|_| panic!("the test ran over {WALL_CLOCK_LIMIT:?}"));
+}
+
 async fn killed_process_redelivers_exactly_once<S: ParcelStore>(store: S, kind: &str, id: &str) {
+    let children = Children::new(id);
+    within_limit(killed_process_redelivers(&children, store, kind, id)).await;
+}
+
+async fn killed_process_redelivers<S: ParcelStore>(
+    children: &Children,
+    store: S,
+    kind: &str,
+    id: &str,
+) {
     let prefix = format!("test-kill-{kind}-{id}.");
     let schema = format!("app_test_{id}");
     let topology = Topology::new(&prefix);
     // `publish` declares the topology itself, so the messages are routed
     // whether or not the child got there first.
     let plan = Plan::new(40, 0.0, 9, &format!("P{schema}")).expect("plan");
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_parcel-lab-consume"))
-        .args([
-            "--store",
-            kind,
-            "--database-url",
-            &database_url(),
-            "--amqp-url",
-            AMQP_URL,
-            "--schema",
-            &schema,
-            "--prefix",
-            &prefix,
-            "--metrics-addr",
-            "off",
-            "--concurrency",
-            "4",
-            "--cleanup-interval-secs",
-            "0",
-            "--fault-work-delay-ms",
-            "200",
-        ])
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start parcel-lab-consume");
+    children.spawn(
+        "killed",
+        kind,
+        (&database_url(), AMQP_URL),
+        (&schema, &prefix),
+        &["--fault-work-delay-ms", "200"],
+    );
     publish(AMQP_URL, &topology, &plan.messages, false)
         .await
         .expect("publish");
@@ -103,7 +226,7 @@ async fn killed_process_redelivers_exactly_once<S: ParcelStore>(store: S, kind: 
         },
     )
     .await;
-    child.kill().await.expect("SIGKILL the consumer");
+    children.kill("killed").await;
     let before = store.stats().await.expect("stats");
     assert!(
         before.carrier_assignments.rows < 40,
@@ -162,7 +285,11 @@ async fn killed_process_redelivers_exactly_once<S: ParcelStore>(store: S, kind: 
     );
     let stats = store.stats().await.expect("stats");
     assert_exactly_once(&stats, 40);
+    clean_up(&store, &topology).await;
+}
 
+/// Deletes the test's queues and exchanges and drops its schema.
+async fn clean_up<S: ParcelStore>(store: &S, topology: &Topology) {
     let connection = connect(AMQP_URL, "parcel-lab test cleanup")
         .await
         .expect("connect");
@@ -170,6 +297,169 @@ async fn killed_process_redelivers_exactly_once<S: ParcelStore>(store: S, kind: 
     topology.delete(&channel).await.expect("delete topology");
     consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
     store.drop_schema().await.expect("drop schema");
+}
+
+/// The frozen process's bounds, as flags. `--lock-timeout-ms 1000`: a
+/// redelivery of a key the frozen process holds gives up after 1 s and is
+/// handed back uncharged; `--idle-in-transaction-timeout-secs 4`: PostgreSQL
+/// ends the frozen sessions 4 s after their last statement, releasing
+/// their claims; `--handle-timeout-secs 2`, below it, as the flags demand.
+const FREEZE_BOUNDS: [&str; 6] = [
+    "--lock-timeout-ms",
+    "1000",
+    "--idle-in-transaction-timeout-secs",
+    "4",
+    "--handle-timeout-secs",
+    "2",
+];
+
+/// The frozen process's AMQP heartbeat, in seconds: RabbitMQ closes a
+/// connection that sends no heartbeat for about twice that, and only then
+/// requeues its unacked deliveries (the default, 60 s, would make the test
+/// wait a minute).
+const FROZEN_HEARTBEAT_SECS: u64 = 2;
+
+/// How long after the SIGSTOP the other process may take to process every
+/// message: the broker's heartbeat timeout (≈ 2 × 2 s), PostgreSQL's
+/// idle-in-transaction timeout (4 s after the frozen sessions' last
+/// statement), a few lock-timeout rounds (1 s each) of redeliveries that
+/// met a frozen claim before it was released, and the work itself, with
+/// generous room for a loaded two-core machine. Without the database's
+/// bounds the frozen claims would be held until TCP gives up (minutes to
+/// hours), and every redelivery of their keys would wait for them.
+const FREEZE_PROCESSED_WITHIN: Duration = Duration::from_secs(45);
+
+/// A consume process frozen with SIGSTOP while it holds claims (sessions
+/// inside a transaction, each held 500 ms by the work delay): the broker
+/// closes its connection after the heartbeat timeout and redelivers its
+/// unacked deliveries to another process; their claims fail fast on the
+/// frozen locks (lock_timeout, handed back uncharged) until PostgreSQL ends
+/// the frozen sessions (idle_in_transaction_session_timeout); then every
+/// message is processed exactly once, nothing dead-lettered, all while the
+/// frozen process is still stopped. SIGCONT afterwards changes nothing: the
+/// resumed process's commits fail (its sessions are gone) and its
+/// redeliveries are duplicates.
+async fn frozen_process_is_bounded_by_the_database<S: ParcelStore>(store: S, kind: &str, id: &str) {
+    let children = Children::new(id);
+    within_limit(frozen_process_redeliveries(&children, store, kind, id)).await;
+}
+
+async fn frozen_process_redeliveries<S: ParcelStore>(
+    children: &Children,
+    store: S,
+    kind: &str,
+    id: &str,
+) {
+    let prefix = format!("test-freeze-{kind}-{id}.");
+    let schema = format!("app_test_{id}");
+    let topology = Topology::new(&prefix);
+    let plan = Plan::new(40, 0.0, 9, &format!("P{schema}")).expect("plan");
+    let frozen_name = format!("frozen_{id}");
+    let frozen_amqp = format!("{AMQP_URL}?heartbeat={FROZEN_HEARTBEAT_SECS}");
+    let mut frozen_flags = FREEZE_BOUNDS.to_vec();
+    frozen_flags.extend(["--fault-work-delay-ms", "500"]);
+    let frozen = children.spawn(
+        "frozen",
+        kind,
+        (
+            &with_application_name(&database_url(), &frozen_name),
+            &frozen_amqp,
+        ),
+        (&schema, &prefix),
+        &frozen_flags,
+    );
+    publish(AMQP_URL, &topology, &plan.messages, false)
+        .await
+        .expect("publish");
+    eventually(
+        "the process to freeze did some work",
+        Duration::from_secs(30),
+        async || {
+            let stats = store.stats().await.expect("stats");
+            stats.carrier_assignments.rows >= 4 && stats.notifications.rows >= 4
+        },
+    )
+    .await;
+
+    let observer = sqlx::PgPool::connect(&database_url())
+        .await
+        .expect("PostgreSQL reachable (bash .ci/services.sh)");
+    let in_transaction = async || -> i64 {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE application_name = $1 AND xact_start IS NOT NULL",
+        )
+        .bind(&frozen_name)
+        .fetch_one(&observer)
+        .await
+        .expect("pg_stat_activity")
+    };
+    // Freeze it at a moment it holds claims (its transactions last 500 ms).
+    let mut held = 0;
+    for _ in 0..100 {
+        Children::signal(frozen, "STOP").await;
+        held = in_transaction().await;
+        if held > 0 {
+            break;
+        }
+        Children::signal(frozen, "CONT").await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(held > 0, "froze the process while it held no transaction");
+    let frozen_at = Instant::now();
+    let before = store.stats().await.expect("stats");
+    assert!(
+        before.carrier_assignments.rows < 40 && before.notifications.rows < 40,
+        "frozen mid-stream: {before}"
+    );
+
+    children.spawn(
+        "other",
+        kind,
+        (&database_url(), AMQP_URL),
+        (&schema, &prefix),
+        &FREEZE_BOUNDS,
+    );
+    eventually(
+        "every effect, while the frozen process is still stopped",
+        FREEZE_PROCESSED_WITHIN,
+        async || {
+            let stats = store.stats().await.expect("stats");
+            stats.carrier_assignments.rows >= 40 && stats.notifications.rows >= 40
+        },
+    )
+    .await;
+    eprintln!(
+        "{kind}: froze a process holding {held} transactions; every message processed {:.1} s later",
+        frozen_at.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        in_transaction().await,
+        0,
+        "PostgreSQL ended the frozen process's transactions"
+    );
+    assert_exactly_once(&store.stats().await.expect("stats"), 40);
+
+    Children::signal(frozen, "CONT").await;
+    // Time for the resumed process to hit its handle timeout (2 s), find
+    // its sessions gone, reconnect and see its deliveries again.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_exactly_once(&store.stats().await.expect("stats"), 40);
+    let connection = connect(AMQP_URL, "parcel-lab test dead letters")
+        .await
+        .expect("connect");
+    let channel = connection.create_channel().await.expect("channel");
+    for role in Role::ALL {
+        let queue = topology.dead_letter_queue(role);
+        let dead = topology
+            .ready_messages(&channel, &queue)
+            .await
+            .expect("dead-letter queue");
+        assert_eq!(dead, 0, "{queue}: nothing dead-lettered");
+    }
+    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
+    observer.close().await;
+    clean_up(&store, &topology).await;
 }
 
 fn unique() -> String {
@@ -184,6 +474,17 @@ fn with_application_name(url: &str, name: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_process_redelivers_exactly_once_sqlx() {
     let id = unique();
+    killed_process_redelivers_exactly_once(sqlx_store(&id).await, "sqlx", &id).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_process_redelivers_exactly_once_diesel() {
+    let id = unique();
+    killed_process_redelivers_exactly_once(diesel_store(&id).await, "diesel", &id).await;
+}
+
+/// A migrated sqlx store in the test's schema.
+async fn sqlx_store(id: &str) -> inbox_backend_sqlx::SqlxStore {
     let schema = format!("app_test_{id}");
     let store = inbox_backend_sqlx::SqlxStore::connect(
         &with_application_name(&database_url(), &schema),
@@ -192,12 +493,11 @@ async fn killed_process_redelivers_exactly_once_sqlx() {
     .await
     .expect("PostgreSQL reachable (bash .ci/services.sh)");
     store.migrate_all().await.expect("migrate");
-    killed_process_redelivers_exactly_once(store, "sqlx", &id).await;
+    store
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_process_redelivers_exactly_once_diesel() {
-    let id = unique();
+/// A migrated diesel store in the test's schema.
+async fn diesel_store(id: &str) -> inbox_backend_diesel::DieselStore {
     let schema = format!("app_test_{id}");
     let store = inbox_backend_diesel::DieselStore::connect(
         &with_application_name(&database_url(), &schema),
@@ -207,5 +507,17 @@ async fn killed_process_redelivers_exactly_once_diesel() {
     .await
     .expect("PostgreSQL reachable (bash .ci/services.sh)");
     store.migrate_all().await.expect("migrate");
-    killed_process_redelivers_exactly_once(store, "diesel", &id).await;
+    store
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_process_is_bounded_by_the_database_sqlx() {
+    let id = unique();
+    frozen_process_is_bounded_by_the_database(sqlx_store(&id).await, "sqlx", &id).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_process_is_bounded_by_the_database_diesel() {
+    let id = unique();
+    frozen_process_is_bounded_by_the_database(diesel_store(&id).await, "diesel", &id).await;
 }

@@ -19,6 +19,7 @@ use crate::runtime::{self, AppError};
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
     prefix: String,
+    queue_type: runtime::QueueType,
 }
 
 impl Topology {
@@ -26,7 +27,17 @@ impl Topology {
     pub fn new(prefix: impl Into<String>) -> Self {
         Self {
             prefix: prefix.into(),
+            queue_type: runtime::QueueType::default(),
         }
+    }
+
+    /// Declares the queues as `queue_type` (quorum by default; classic
+    /// queues keep no delivery count, so the attempt ledger alone caps
+    /// redeliveries there).
+    #[must_use]
+    pub fn with_queue_type(mut self, queue_type: runtime::QueueType) -> Self {
+        self.queue_type = queue_type;
+        self
     }
 
     /// The prefix.
@@ -56,11 +67,10 @@ impl Topology {
 
     /// The runtime's topology: the exchange and both queues.
     pub fn runtime(&self) -> runtime::Topology {
-        Role::ALL
-            .iter()
-            .fold(runtime::Topology::new(self.exchange()), |topology, role| {
-                topology.bind(self.queue(*role), ROUTING_KEY)
-            })
+        Role::ALL.iter().fold(
+            runtime::Topology::new(self.exchange()).with_queue_type(self.queue_type),
+            |topology, role| topology.bind(self.queue(*role), ROUTING_KEY),
+        )
     }
 
     /// Declares the exchanges, queues and bindings (idempotent).
@@ -77,6 +87,15 @@ impl Topology {
     /// Broker errors.
     pub async fn delete(&self, channel: &Channel) -> Result<(), AppError> {
         self.runtime().delete(channel).await
+    }
+
+    /// Deletes it on a connection of its own, bounded in time (see
+    /// [`runtime::Topology::remove`]): the teardown of tests and the demo.
+    ///
+    /// # Errors
+    /// Broker errors, or giving up after the teardown limit.
+    pub async fn remove(&self, amqp_url: &str) -> Result<(), AppError> {
+        self.runtime().remove(amqp_url).await
     }
 
     /// Ready (unacknowledged ones excluded) messages in a queue, by a passive

@@ -30,6 +30,9 @@ pub(crate) enum Frame {
     /// `basic.nack` with requeue: "not the message's fault", which does not
     /// raise a quorum queue's delivery count on RabbitMQ 4.3 and later.
     Requeue,
+    /// `basic.reject` with requeue: "this message failed", which every
+    /// RabbitMQ version counts in a quorum queue's `x-delivery-count`.
+    RequeueFailed,
     /// `basic.reject` without requeue (to the queue's dead-letter exchange).
     Reject,
     /// `basic.nack` with requeue, for a delivery handed back uncharged
@@ -130,6 +133,7 @@ pub(crate) async fn settle_one(
                 })
                 .await
         }
+        Frame::RequeueFailed => delivery.reject(BasicRejectOptions { requeue: true }).await,
         Frame::Reject => delivery.reject(BasicRejectOptions { requeue: false }).await,
     }
 }

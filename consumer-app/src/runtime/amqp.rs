@@ -263,13 +263,17 @@ async fn check_confirm(confirm: PublisherConfirm) -> Result<(), AppError> {
     Ok(())
 }
 
-/// Closes `connection`, waiting at most ten seconds for the broker's
+/// How long a teardown step (a close, a topology delete) may take before
+/// it is given up with a log line.
+pub const TEARDOWN_LIMIT: Duration = Duration::from_secs(10);
+
+/// Closes `connection`, waiting at most [`TEARDOWN_LIMIT`] for the broker's
 /// answer: lapin's close can wait forever for a close-ok that never comes
 /// once the socket is gone, and a caller that is only tidying up must not
 /// hang on it.
 pub async fn close_bounded(connection: &Connection, reason: &str) {
     let close = connection.close(200, reason.into());
-    match tokio::time::timeout(Duration::from_secs(10), close).await {
+    match tokio::time::timeout(TEARDOWN_LIMIT, close).await {
         Ok(_) => {}
         Err(_) => tracing::warn!(
             reason,

@@ -116,9 +116,15 @@ impl AppError {
     /// What the settle policy does with a delivery that failed with this
     /// error: retry it, hand it back to the broker at once, pause for the
     /// store, or dead-letter it.
+    ///
+    /// A lock another transaction held past the store's lock timeout
+    /// ([`InboxError::held_by_another`]: a frozen holder of the same key) is
+    /// handed back at once, uncharged: retrying in process would only wait
+    /// on the same holder again, and it is not the message's fault.
     pub fn disposition(&self) -> ErrorDisposition {
         match self {
             Self::InjectedCrash(_) => ErrorDisposition::Requeue,
+            Self::Inbox(error) if error.held_by_another() => ErrorDisposition::Requeue,
             error if error.is_store_unavailable() => ErrorDisposition::StoreUnavailable,
             error if error.is_retryable() => ErrorDisposition::Retry,
             _ => ErrorDisposition::DeadLetter,
@@ -197,6 +203,31 @@ pub fn chain(error: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lock_held_by_another_is_requeued_uncharged() {
+        let lock_timeout = || InboxError::LockTimeout {
+            source: "canceling statement due to lock timeout".into(),
+        };
+        assert_eq!(
+            AppError::from(lock_timeout()).disposition(),
+            ErrorDisposition::Requeue
+        );
+        let batch = InboxError::BatchAborted {
+            source: std::sync::Arc::new(lock_timeout()),
+        };
+        assert_eq!(
+            AppError::from(batch).disposition(),
+            ErrorDisposition::Requeue
+        );
+        let conflict = InboxError::Conflict {
+            source: "deadlock detected".into(),
+        };
+        assert_eq!(
+            AppError::from(conflict).disposition(),
+            ErrorDisposition::Retry
+        );
+    }
 
     /// An error that prints its source in its own message, as sqlx's
     /// `Io` does.

@@ -24,6 +24,7 @@
 //! - [`availability`]: the store circuit, which pauses consumption during a
 //!   store outage, and the start-up check of the store.
 //! - [`relay`]: [`Relay`], the outbox's publisher (confirms, stable ids).
+//! - [`replay`]: moving dead letters back to their queue after a fix.
 //! - [`config`], [`topology`], [`message`]: settings, queue names, decoding.
 //! - [`amqp`], [`backoff`], [`telemetry`], [`tally`], [`redact`],
 //!   [`error`]: plumbing.
@@ -37,6 +38,7 @@ pub mod handler;
 pub mod message;
 pub mod redact;
 pub mod relay;
+pub mod replay;
 pub mod service;
 pub mod settle;
 pub mod tally;
@@ -47,20 +49,27 @@ mod ack;
 mod shutdown;
 mod worker;
 
-use inbox_api::{BatchTransaction, InboxStats, InboxStore};
+use inbox_api::{AttemptLedger, BatchTransaction, InboxStats, InboxStore};
 
 pub use config::{AvailabilityConfig, BatchConfig, CleanupConfig, ServiceConfig, WorkerConfig};
 pub use error::AppError;
 pub use handler::Handler;
 pub use relay::{Relay, RelayConfig, RelayHandle};
 pub use service::{Service, ServiceHandle};
-pub use settle::{ErrorDisposition, Outcome, Settle, SettlePolicy};
+pub use settle::{Deliveries, ErrorDisposition, Outcome, Settle, SettlePolicy};
 pub use tally::{ConsumerTally, Tally};
-pub use topology::Topology;
+pub use topology::{QueueType, Topology};
 
 /// A store the runtime can run on: transactions with savepoints (batched
-/// mode), row counts for the `inbox_rows` gauge, and cheap clones (the
-/// cleanup and gauge tasks hold their own).
-pub trait ServiceStore: InboxStore<Transaction: BatchTransaction> + InboxStats + Clone {}
+/// mode), row counts for the `inbox_rows` gauge, an attempt ledger (the
+/// poison count that holds where the broker counts nothing), and cheap
+/// clones (the cleanup and gauge tasks hold their own).
+pub trait ServiceStore:
+    InboxStore<Transaction: BatchTransaction> + InboxStats + AttemptLedger + Clone
+{
+}
 
-impl<S> ServiceStore for S where S: InboxStore<Transaction: BatchTransaction> + InboxStats + Clone {}
+impl<S> ServiceStore for S where
+    S: InboxStore<Transaction: BatchTransaction> + InboxStats + AttemptLedger + Clone
+{
+}

@@ -56,6 +56,7 @@ use crate::runtime::error::chain;
 use crate::runtime::redact::redact_url;
 use crate::runtime::shutdown::stopped;
 use crate::runtime::tally::bump;
+use crate::runtime::telemetry::Running;
 
 /// Settings of a [`Relay`].
 #[derive(Clone)]
@@ -213,9 +214,14 @@ impl<S: OutboxStore + 'static> Relay<S> {
     pub fn spawn(self) -> RelayHandle {
         let (shutdown, shutdown_rx) = watch::channel(false);
         let tally = self.tally();
+        let (alive, running) = Running::new();
         RelayHandle {
             shutdown,
-            task: tokio::spawn(self.run(shutdown_rx)),
+            task: tokio::spawn(async move {
+                let _alive = alive;
+                self.run(shutdown_rx).await
+            }),
+            running,
             tally,
         }
     }
@@ -437,6 +443,7 @@ impl<S: OutboxStore + 'static> Relay<S> {
 pub struct RelayHandle {
     shutdown: watch::Sender<bool>,
     task: tokio::task::JoinHandle<Result<(), AppError>>,
+    running: Running,
     /// What it did so far.
     pub tally: Arc<RelayTally>,
 }
@@ -450,6 +457,11 @@ impl RelayHandle {
     /// A sender that stops it, for signal handlers.
     pub fn shutdown_sender(&self) -> watch::Sender<bool> {
         self.shutdown.clone()
+    }
+
+    /// Whether its task still runs (for liveness).
+    pub fn running(&self) -> Running {
+        self.running.clone()
     }
 
     /// Waits for it to end (after [`RelayHandle::shutdown`]).

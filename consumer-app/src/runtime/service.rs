@@ -37,7 +37,7 @@ use chrono::Utc;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use inbox_api::metrics as names;
-use inbox_api::{Inbox, InboxStats, InboxStore, InboxStoreExt};
+use inbox_api::{AttemptLedger, AttemptLedgerExt, Inbox, InboxStats, InboxStore, InboxStoreExt};
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
 };
@@ -54,7 +54,7 @@ use crate::runtime::error::chain;
 use crate::runtime::handler::Handler;
 use crate::runtime::shutdown::stopped;
 use crate::runtime::tally::{ConsumerTally, Tally};
-use crate::runtime::telemetry::MetricNames;
+use crate::runtime::telemetry::{MetricNames, Running};
 use crate::runtime::topology::Topology;
 use crate::runtime::worker::Worker;
 use crate::runtime::{AppError, ServiceStore};
@@ -128,6 +128,8 @@ impl<S: ServiceStore> Service<S> {
         }
         let (shutdown, shutdown_rx) = watch::channel(false);
         let (sessions_tx, sessions) = watch::channel(0_u64);
+        let (broker_tx, broker) = watch::channel(false);
+        let (alive, running) = Running::new();
         let config = self.config;
         let store = self.store;
         let circuit = Arc::new(StoreCircuit::new(config.availability));
@@ -140,6 +142,7 @@ impl<S: ServiceStore> Service<S> {
             topology: self.topology,
             consumers: self.consumers,
             sessions: sessions_tx,
+            broker: broker_tx,
             circuit: Arc::clone(&circuit),
             checks: Arc::clone(&checks),
         };
@@ -163,6 +166,7 @@ impl<S: ServiceStore> Service<S> {
         }
         let stop_background = shutdown.clone();
         let task = tokio::spawn(async move {
+            let _alive = alive;
             let result = supervisor.run(shutdown_rx).await;
             // However the consumers ended, the background tasks end with them.
             stop_background.send_replace(true);
@@ -175,6 +179,8 @@ impl<S: ServiceStore> Service<S> {
         Ok(ServiceHandle {
             shutdown,
             sessions,
+            broker,
+            running,
             availability,
             task,
             tally,
@@ -284,6 +290,8 @@ impl<Tx, H: Handler<Tx>> StoreCheck<Tx> for HandlerCheck<H> {
 pub struct ServiceHandle {
     shutdown: watch::Sender<bool>,
     sessions: watch::Receiver<u64>,
+    broker: watch::Receiver<bool>,
+    running: Running,
     availability: watch::Receiver<bool>,
     task: tokio::task::JoinHandle<Result<(), AppError>>,
     /// What the message path did, per consumer.
@@ -317,6 +325,18 @@ impl ServiceHandle {
             })?
             .map_err(|_| AppError::Unavailable("service stopped".into()))?;
         Ok(())
+    }
+
+    /// True while the consumers consume on an open connection (false
+    /// while connecting, reconnecting, or stopped): for readiness.
+    pub fn broker_connected(&self) -> watch::Receiver<bool> {
+        self.broker.clone()
+    }
+
+    /// Whether the service's task still runs (for liveness): false once it
+    /// ended, however it ended.
+    pub fn running(&self) -> Running {
+        self.running.clone()
     }
 
     /// Whether the store answers and the service consumes: `false` while a
@@ -374,6 +394,8 @@ struct Supervisor<S: ServiceStore> {
     topology: Topology,
     consumers: Vec<Box<dyn Consume<S>>>,
     sessions: watch::Sender<u64>,
+    /// True while a session consumes (see [`ServiceHandle::broker_connected`]).
+    broker: watch::Sender<bool>,
     circuit: Arc<StoreCircuit>,
     checks: StoreChecks<S::Transaction>,
 }
@@ -423,6 +445,7 @@ impl<S: ServiceStore> Supervisor<S> {
                 Err(error) => return Err(error),
             };
             let result = self.session(&connection, shutdown.clone()).await;
+            self.broker.send_replace(false);
             let _ = connection.close(200, "service closing".into()).await;
             match result {
                 Ok(()) => {
@@ -466,6 +489,7 @@ impl<S: ServiceStore> Supervisor<S> {
             loops.spawn(consume(shutdown.clone()));
         }
         self.sessions.send_modify(|n| *n += 1);
+        self.broker.send_replace(true);
         tracing::info!(exchange = %self.topology.exchange(), "consuming");
 
         while let Some(ended) = loops.join_next().await {
@@ -746,11 +770,14 @@ where
 /// How long a paused consumer waits for its cancelled stream to end.
 const PAUSE_DRAIN_LIMIT: Duration = Duration::from_secs(10);
 
-/// Deletes processed inbox rows older than the retention, once.
+/// Deletes processed inbox rows older than the retention, once, and the
+/// attempt-ledger rows whose last failure is older than it (a count that
+/// old no longer matters: the message was processed, or is dead and listed
+/// for as long as the retention). Returns the inbox rows deleted.
 ///
 /// # Errors
 /// The store's.
-pub async fn cleanup_once<S: InboxStore>(
+pub async fn cleanup_once<S: InboxStore + AttemptLedger>(
     store: &S,
     cleanup: &CleanupConfig,
 ) -> Result<u64, AppError> {
@@ -760,11 +787,14 @@ pub async fn cleanup_once<S: InboxStore>(
     let deleted = store
         .purge_processed_before(cutoff, cleanup.batch_size)
         .await?;
-    tracing::info!(deleted, %cutoff, "inbox cleanup");
+    let attempts = store
+        .purge_attempts_before(cutoff, cleanup.batch_size)
+        .await?;
+    tracing::info!(deleted, attempts, %cutoff, "inbox cleanup");
     Ok(deleted)
 }
 
-async fn cleanup_loop<S: InboxStore>(
+async fn cleanup_loop<S: InboxStore + AttemptLedger>(
     store: S,
     cleanup: CleanupConfig,
     mut shutdown: watch::Receiver<bool>,

@@ -4,28 +4,38 @@
 //! Per-message and batched mode ask the same [`SettlePolicy::decide`], so
 //! that "retry, requeue or dead-letter" is written (and tested) once, apart
 //! from the broker and the store: the decision depends only on the attempt's
-//! outcome, which attempt it was, how often the broker delivered the message
-//! before, and what the error says about itself. A small `Copy` value that
+//! outcome, which attempt it was, how often the message failed before (by
+//! the broker's count and the attempt ledger's), and what the error says
+//! about itself. A small `Copy` value that
 //! decides from the outcome, so that a table test can cover it case by case.
 //!
 //! ```text
 //! Processed / Duplicate                          ─► Ack
 //! failed, Retry, attempts left                   ─► Retry after a backoff, in process
-//! failed, Retry, no attempts left, below the cap ─► Requeue after a pause that grows per delivery
+//! failed, Retry, no attempts left, below the cap ─► Requeue (reject: charged) after a pause that grows per failure
 //! failed, Retry, no attempts left, at the cap    ─► DeadLetter(retries_exhausted)
-//! failed, Requeue (not the message's fault)      ─► Requeue at once
+//! failed, Requeue (not the message's fault)      ─► Requeue at once (nack: not charged)
 //! failed, StoreUnavailable (the store is away)   ─► Release: handed back uncharged, consumption pauses
 //! failed, DeadLetter (fails the same every time) ─► DeadLetter(the error's reason)
 //! ```
 //!
 //! **Nothing loops forever.** In-process retries are bounded
 //! (`retry_attempts`, exponential backoff); a requeue waits longer with each
-//! delivery (10 × the retry delay, doubled, at most 30 s: in an outage this
-//! slows the consumer down rather than spinning through the cap); and once
-//! the broker's count (`x-delivery-count`) reaches `max_deliveries` the
-//! message is dead-lettered as `retries_exhausted`. A requeue for a reason
-//! that is not the message's (an abandoned attempt) spends none of that
-//! budget's pauses.
+//! failed delivery (10 × the retry delay, doubled, at most 30 s); and once
+//! the message has failed `max_deliveries` times it is dead-lettered as
+//! `retries_exhausted`.
+//!
+//! **Whose count.** A message's failures are counted twice, and the cap
+//! takes the larger ([`Deliveries::failed`]): the broker's
+//! `x-delivery-count`, and the store's attempt ledger
+//! ([`inbox_api::AttemptLedger`]), which the worker writes when a delivery
+//! fails for good ([`SettlePolicy::charges`]). The broker's count alone is
+//! not dependable: RabbitMQ 4.3 stopped counting `basic.nack` in a quorum
+//! queue's `x-delivery-count` (so the runtime hands a failed message back
+//! with `basic.reject`, which every version counts), and classic queues and
+//! other brokers count nothing. A requeue that is not the message's fault
+//! (an abandoned attempt, a shutdown, an outage) is a `nack`, recorded
+//! nowhere, and spends none of the budget.
 //!
 //! **An outage is not the message's fault.** A failure of the store itself
 //! (unreachable, or its schema unusable: [`crate::runtime::AppError::is_store_unavailable`])
@@ -81,6 +91,29 @@ pub enum DeadLetterReason {
     RetriesExhausted,
 }
 
+/// How often a message failed before and during this delivery, by each
+/// count the runtime has.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Deliveries {
+    /// The broker's count of earlier deliveries (`x-delivery-count`; 0 on a
+    /// queue that keeps none).
+    pub broker_earlier: u64,
+    /// Failed deliveries the attempt ledger counts, this one included once
+    /// it was recorded; 0 when nothing was recorded (not charged, or the
+    /// ledger could not be written).
+    pub ledger_failures: u32,
+}
+
+impl Deliveries {
+    /// Failed deliveries of the message, this one included: the larger of
+    /// the two counts, so the cap holds wherever either one counts.
+    pub fn failed(&self) -> u64 {
+        self.broker_earlier
+            .saturating_add(1)
+            .max(u64::from(self.ledger_failures))
+    }
+}
+
 /// What to do with a delivery.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Settle {
@@ -92,13 +125,15 @@ pub enum Settle {
         /// sleeps it jittered).
         delay: Duration,
     },
-    /// `basic.nack` with requeue after `pause`: the broker delivers it again.
+    /// Requeue after `pause`: the broker delivers it again.
     Requeue {
         /// How long to wait first (holding the worker's slot; a ceiling,
         /// slept jittered).
         pause: Duration,
-        /// Whether in-process retries ran out (counted as a requeue), as
-        /// opposed to handing the delivery back at once.
+        /// Whether in-process retries ran out: the message's own failure,
+        /// handed back with `basic.reject` (which every broker version
+        /// counts) and recorded in the ledger. Otherwise the delivery goes
+        /// back at once with `basic.nack`, not charged.
         exhausted: bool,
     },
     /// Publish to the dead-letter exchange with a reason, then ack.
@@ -126,9 +161,17 @@ impl SettlePolicy {
         self.retry_attempts.max(1)
     }
 
+    /// Whether attempt number `attempt` (1-based) ending with `outcome`
+    /// charges the message one failed delivery: a retryable failure of its
+    /// own with no in-process attempt left. The worker records exactly
+    /// these in the attempt ledger before it asks [`SettlePolicy::decide`].
+    pub fn charges(&self, outcome: Outcome, attempt: u32) -> bool {
+        outcome == Outcome::Failed(ErrorDisposition::Retry) && attempt >= self.attempts()
+    }
+
     /// Decides what happens after attempt number `attempt` (1-based) at a
-    /// delivery the broker delivered `earlier_deliveries` times before.
-    pub fn decide(&self, outcome: Outcome, attempt: u32, earlier_deliveries: u64) -> Settle {
+    /// delivery of a message with the failure counts `deliveries`.
+    pub fn decide(&self, outcome: Outcome, attempt: u32, deliveries: Deliveries) -> Settle {
         match outcome {
             Outcome::Processed | Outcome::Duplicate => Settle::Ack,
             Outcome::Failed(ErrorDisposition::DeadLetter) => {
@@ -146,7 +189,8 @@ impl SettlePolicy {
                 }
             }
             Outcome::Failed(ErrorDisposition::Retry) => {
-                if earlier_deliveries.saturating_add(1) >= u64::from(self.max_deliveries) {
+                let failed = deliveries.failed();
+                if failed >= u64::from(self.max_deliveries) {
                     Settle::DeadLetter(DeadLetterReason::RetriesExhausted)
                 } else {
                     Settle::Requeue {
@@ -154,7 +198,7 @@ impl SettlePolicy {
                             self.retry_base_delay.saturating_mul(10),
                             MAX_REQUEUE_PAUSE,
                         )
-                        .nominal(u32::try_from(earlier_deliveries).unwrap_or(u32::MAX)),
+                        .nominal(u32::try_from(failed - 1).unwrap_or(u32::MAX)),
                         exhausted: true,
                     }
                 }
@@ -183,13 +227,21 @@ mod tests {
     ];
     /// First, middle, last, and (defensively) past the last attempt.
     const ATTEMPTS: [u32; 4] = [1, 2, 3, 4];
-    /// A first delivery, a redelivery, the one before the cap, the cap.
+    /// The broker's count: a first delivery, a redelivery, the one before
+    /// the cap, the cap.
     const EARLIER: [u64; 4] = [0, 1, 8, 9];
+    /// The ledger's count: nothing recorded, a first failure, the one
+    /// before the cap, the cap, beyond it (a broker that never counts, a
+    /// classic queue).
+    const LEDGER: [u32; 5] = [0, 1, 9, 10, 11];
 
-    /// What the table says, case by case, written out as the rules read.
-    fn expected(outcome: Outcome, attempt: u32, earlier: u64) -> Settle {
+    /// What the table says, case by case, written out as the rules read:
+    /// the cap counts the larger of the broker's count (plus this
+    /// delivery) and the ledger's.
+    fn expected(outcome: Outcome, attempt: u32, earlier: u64, ledger: u32) -> Settle {
         use ErrorDisposition as D;
-        match (outcome, attempt, earlier) {
+        let failed = (earlier + 1).max(u64::from(ledger));
+        match (outcome, attempt, failed) {
             (Outcome::Processed | Outcome::Duplicate, _, _) => Settle::Ack,
             (Outcome::Failed(D::DeadLetter), _, _) => {
                 Settle::DeadLetter(DeadLetterReason::Permanent)
@@ -207,14 +259,14 @@ mod tests {
             (Outcome::Failed(D::Retry), 2, _) => Settle::Retry {
                 delay: Duration::from_millis(200),
             },
-            (Outcome::Failed(D::Retry), _, 9) => {
+            (Outcome::Failed(D::Retry), _, 10..) => {
                 Settle::DeadLetter(DeadLetterReason::RetriesExhausted)
             }
-            (Outcome::Failed(D::Retry), _, 0) => Settle::Requeue {
+            (Outcome::Failed(D::Retry), _, 1) => Settle::Requeue {
                 pause: Duration::from_secs(1),
                 exhausted: true,
             },
-            (Outcome::Failed(D::Retry), _, 1) => Settle::Requeue {
+            (Outcome::Failed(D::Retry), _, 2) => Settle::Requeue {
                 pause: Duration::from_secs(2),
                 exhausted: true,
             },
@@ -232,16 +284,75 @@ mod tests {
         for outcome in OUTCOMES {
             for attempt in ATTEMPTS {
                 for earlier in EARLIER {
-                    assert_eq!(
-                        POLICY.decide(outcome, attempt, earlier),
-                        expected(outcome, attempt, earlier),
-                        "{outcome:?}, attempt {attempt}, {earlier} earlier deliveries"
-                    );
-                    cases += 1;
+                    for ledger in LEDGER {
+                        let deliveries = Deliveries {
+                            broker_earlier: earlier,
+                            ledger_failures: ledger,
+                        };
+                        assert_eq!(
+                            POLICY.decide(outcome, attempt, deliveries),
+                            expected(outcome, attempt, earlier, ledger),
+                            "{outcome:?}, attempt {attempt}, {earlier} earlier deliveries, \
+                             {ledger} in the ledger"
+                        );
+                        cases += 1;
+                    }
                 }
             }
         }
-        assert_eq!(cases, 96);
+        assert_eq!(cases, 480);
+    }
+
+    /// Exactly the decisions that can requeue a message for its own failure
+    /// or dead-letter it for exhausted retries are charged; an outage, an
+    /// abandoned attempt or a permanent error never.
+    #[test]
+    fn only_a_final_retryable_failure_is_charged() {
+        for outcome in OUTCOMES {
+            for attempt in ATTEMPTS {
+                let charged = POLICY.charges(outcome, attempt);
+                let exhausts = matches!(
+                    POLICY.decide(outcome, attempt, Deliveries::default()),
+                    Settle::Requeue {
+                        exhausted: true,
+                        ..
+                    } | Settle::DeadLetter(DeadLetterReason::RetriesExhausted)
+                );
+                assert_eq!(charged, exhausts, "{outcome:?}, attempt {attempt}");
+            }
+        }
+    }
+
+    /// A classic queue never counts: the ledger alone brings the message to
+    /// the cap, one failed delivery at a time.
+    #[test]
+    fn without_a_broker_count_the_ledger_caps() {
+        let verdicts: Vec<Settle> = (1..=10)
+            .map(|ledger| {
+                POLICY.decide(
+                    Outcome::Failed(ErrorDisposition::Retry),
+                    3,
+                    Deliveries {
+                        broker_earlier: 0,
+                        ledger_failures: ledger,
+                    },
+                )
+            })
+            .collect();
+        assert!(
+            verdicts[..9].iter().all(|v| matches!(
+                v,
+                Settle::Requeue {
+                    exhausted: true,
+                    ..
+                }
+            )),
+            "{verdicts:?}"
+        );
+        assert_eq!(
+            verdicts[9],
+            Settle::DeadLetter(DeadLetterReason::RetriesExhausted)
+        );
     }
 
     #[test]
@@ -251,8 +362,13 @@ mod tests {
             ..POLICY
         };
         assert_eq!(policy.attempts(), 1);
+        assert!(policy.charges(Outcome::Failed(ErrorDisposition::Retry), 1));
         assert!(matches!(
-            policy.decide(Outcome::Failed(ErrorDisposition::Retry), 1, 0),
+            policy.decide(
+                Outcome::Failed(ErrorDisposition::Retry),
+                1,
+                Deliveries::default()
+            ),
             Settle::Requeue {
                 exhausted: true,
                 ..
@@ -267,12 +383,21 @@ mod tests {
             ..POLICY
         };
         assert_eq!(
-            policy.decide(Outcome::Failed(ErrorDisposition::Retry), 3, 0),
+            policy.decide(
+                Outcome::Failed(ErrorDisposition::Retry),
+                3,
+                Deliveries::default()
+            ),
             Settle::DeadLetter(DeadLetterReason::RetriesExhausted)
         );
         // Counts beyond the cap (the broker's limit is higher) too.
+        let beyond = Deliveries {
+            broker_earlier: u64::MAX,
+            ledger_failures: u32::MAX,
+        };
+        assert_eq!(beyond.failed(), u64::MAX);
         assert_eq!(
-            policy.decide(Outcome::Failed(ErrorDisposition::Retry), 3, u64::MAX),
+            policy.decide(Outcome::Failed(ErrorDisposition::Retry), 3, beyond),
             Settle::DeadLetter(DeadLetterReason::RetriesExhausted)
         );
     }

@@ -1,23 +1,35 @@
-//! Logs and metrics: the tracing subscriber, and a Prometheus `/metrics`
-//! endpoint.
+//! Logs, metrics and health: the tracing subscriber, and an HTTP server
+//! (axum) with `/metrics` (Prometheus), `/live` and `/ready`.
 //!
-//! The endpoint is a few lines of tokio instead of the exporter's hyper
-//! listener: one GET, one text answer, and a smaller build. The metric names
+//! [`router`] is an ordinary axum [`Router`], so a service adds its own
+//! routes beside these (`router(..).merge(app_routes)`, the producer's
+//! `POST /parcels` one day) and [`serve`] serves the lot. What "ready"
+//! means is the service's to say: [`Health`] collects named checks
+//! (the broker's connection, a store probe, later the store circuit's
+//! state), so this module knows neither the broker nor the store. The metric names
 //! are those of [`inbox_api::metrics`] (processed, duplicates discarded,
 //! failed, handle latency, purged rows, dead-lettered, inbox rows) plus the
 //! runtime's two of its own, whose names a service picks ([`MetricNames`]):
 //! an existing dashboard keeps its names when the runtime moves under it.
 
+use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use axum::Router;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use futures::future::{BoxFuture, join_all};
+use inbox_api::{InboxStore, InboxTransaction};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::runtime::AppError;
+use crate::runtime::error::chain;
+use crate::runtime::shutdown::stopped;
 
 /// The names of the runtime's own counters (both labelled `consumer`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,20 +52,36 @@ impl Default for MetricNames {
     }
 }
 
+/// How log lines are written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// One human-readable line per event (coloured on a terminal).
+    #[default]
+    Text,
+    /// One JSON object per line, the event's fields (`message_id`,
+    /// `consumer`, …) at the top level beside `timestamp`, `level`,
+    /// `target` and `message`: what log collectors parse without a regex.
+    Json,
+}
+
 /// Installs a `tracing` subscriber reading `RUST_LOG` (default `info`),
-/// writing to stderr, once; later calls do nothing.
+/// writing to stderr in `format`, once; later calls do nothing.
 ///
 /// Colours only when stderr is a terminal: in a file, a pipe or a log
 /// collector the escape codes are noise that breaks grep and parsers.
-pub fn init_logging() {
+pub fn init_logging(format: LogFormat) {
     use std::io::IsTerminal as _;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .try_init();
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => builder
+            .with_ansi(std::io::stderr().is_terminal())
+            .try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    };
 }
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -81,76 +109,228 @@ pub fn install_recorder(names: MetricNames) -> Result<PrometheusHandle, AppError
         "Deliveries requeued after their in-process retries failed"
     );
     metrics::describe_counter!(names.after_commit_failed, names.after_commit_failed_help);
-    Ok(HANDLE.get_or_init(|| handle).clone())
+    let handle = HANDLE.get_or_init(|| handle).clone();
+    // Histogram samples pile up until an upkeep drains them; a thread of
+    // its own does it whether or not anything scrapes (as the exporter's
+    // own `install` would), and lives as long as the recorder: the process.
+    let upkeep = handle.clone();
+    std::thread::Builder::new()
+        .name("metrics-upkeep".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(UPKEEP_EVERY);
+                upkeep.run_upkeep();
+            }
+        })
+        .map_err(|source| AppError::Io {
+            context: "start the metrics upkeep thread".into(),
+            source,
+        })?;
+    Ok(handle)
 }
 
-/// Serves `GET /metrics` on `addr` until `shutdown` turns true; returns the
-/// bound address (useful with port 0).
+/// How often histogram samples are drained into their buckets.
+const UPKEEP_EVERY: Duration = Duration::from_secs(5);
+
+/// The Prometheus text format's content type.
+const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4";
+
+/// How long `/ready` waits for one check: a probe of a store that hangs
+/// (its pool's timeout is 30 s) must not hang the orchestrator's probe.
+pub const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One readiness condition: `Ok` when it holds, `Err(what is wrong)`.
+type Check = Arc<dyn Fn() -> BoxFuture<'static, Result<(), String>> + Send + Sync>;
+
+/// What `/live` and `/ready` answer.
+///
+/// `/live` is 200 while [`Running::is_running`] says so (the service's or
+/// relay's main loop has not ended: restart the process otherwise);
+/// `/ready` is 200 when every check passes, 503 with one line per failed
+/// check otherwise (take it out of the load balancer; it may come back).
+#[derive(Clone, Default)]
+pub struct Health {
+    running: Option<Running>,
+    checks: Vec<(&'static str, Check)>,
+}
+
+impl Health {
+    /// No conditions: live and ready as long as the server answers.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Live (and ready) only while `running` is.
+    #[must_use]
+    pub fn live_while(mut self, running: Running) -> Self {
+        self.running = Some(running);
+        self
+    }
+
+    /// Ready only while `check` passes; `name` prefixes its failure in the
+    /// 503's body. Each check gets [`CHECK_TIMEOUT`].
+    #[must_use]
+    pub fn ready_when<F, Fut>(mut self, name: &'static str, check: F) -> Self
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), String>> + Send + 'static,
+    {
+        self.checks.push((
+            name,
+            Arc::new(move || Box::pin(check()) as BoxFuture<'static, _>),
+        ));
+        self
+    }
+
+    /// Ready only while `flag` reads true (a connection state a loop
+    /// publishes): `down` is the failure's text.
+    #[must_use]
+    pub fn ready_while(
+        self,
+        name: &'static str,
+        flag: watch::Receiver<bool>,
+        down: &'static str,
+    ) -> Self {
+        self.ready_when(name, move || {
+            let up = *flag.borrow();
+            async move { if up { Ok(()) } else { Err(down.to_owned()) } }
+        })
+    }
+
+    fn is_live(&self) -> bool {
+        self.running.as_ref().is_none_or(Running::is_running)
+    }
+
+    /// Every failed check as `name: why`, in registration order.
+    async fn failures(&self) -> Vec<String> {
+        let mut failures = Vec::new();
+        if !self.is_live() {
+            failures.push("service: stopped".to_owned());
+        }
+        let results = join_all(self.checks.iter().map(|(name, check)| async move {
+            match tokio::time::timeout(CHECK_TIMEOUT, check()).await {
+                Ok(Ok(())) => None,
+                Ok(Err(why)) => Some(format!("{name}: {why}")),
+                Err(_) => Some(format!("{name}: no answer within {CHECK_TIMEOUT:?}")),
+            }
+        }))
+        .await;
+        failures.extend(results.into_iter().flatten());
+        failures
+    }
+}
+
+/// Reads true while the task holding its [`RunningGuard`] has not ended
+/// (returned, failed or panicked: the guard is dropped either way).
+#[derive(Clone, Debug)]
+pub struct Running(watch::Receiver<()>);
+
+/// Held by the task [`Running`] watches; dropping it ends "running".
+#[derive(Debug)]
+pub struct RunningGuard(#[expect(dead_code, reason = "held for its drop")] watch::Sender<()>);
+
+impl Running {
+    /// A guard for the task and the flag that watches it.
+    pub fn new() -> (RunningGuard, Self) {
+        let (guard, running) = watch::channel(());
+        (RunningGuard(guard), Self(running))
+    }
+
+    /// Whether the guard still exists.
+    pub fn is_running(&self) -> bool {
+        self.0.has_changed().is_ok()
+    }
+}
+
+/// A readiness check that the store answers: a transaction begun and
+/// rolled back (a pool that cannot connect, a server that refuses, a
+/// missing schema's connection setup all fail it).
+pub fn store_reachable<S: InboxStore + Clone>(
+    store: S,
+) -> impl Fn() -> BoxFuture<'static, Result<(), String>> + Send + Sync + 'static {
+    move || {
+        let store = store.clone();
+        Box::pin(async move {
+            let tx = store
+                .begin()
+                .await
+                .map_err(|e| format!("unreachable: {}", chain(&e)))?;
+            if let Err(error) = tx.rollback().await {
+                tracing::debug!(error = %error, "rollback after the readiness probe failed");
+            }
+            Ok(())
+        })
+    }
+}
+
+/// `/metrics`, `/live` and `/ready`, as a router a service can extend.
+pub fn router(metrics: PrometheusHandle, health: Health) -> Router {
+    let live = health.clone();
+    Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let body = metrics.render();
+                async move { ([(header::CONTENT_TYPE, PROMETHEUS_TEXT)], body) }
+            }),
+        )
+        .route(
+            "/live",
+            get(move || {
+                let live = live.is_live();
+                async move {
+                    if live {
+                        (StatusCode::OK, "live\n")
+                    } else {
+                        (StatusCode::SERVICE_UNAVAILABLE, "stopped\n")
+                    }
+                }
+            }),
+        )
+        .route(
+            "/ready",
+            get(move || {
+                let health = health.clone();
+                async move {
+                    let failures = health.failures().await;
+                    if failures.is_empty() {
+                        (StatusCode::OK, "ready\n".to_owned()).into_response()
+                    } else {
+                        let body = failures.join("\n") + "\n";
+                        (StatusCode::SERVICE_UNAVAILABLE, body).into_response()
+                    }
+                }
+            }),
+        )
+}
+
+/// Binds the telemetry endpoint's address, before anything else starts:
+/// a port in use fails the command at once.
 ///
 /// # Errors
 /// [`AppError::Io`] when the address cannot be bound.
-pub async fn serve_metrics(
-    addr: SocketAddr,
-    handle: PrometheusHandle,
-    mut shutdown: watch::Receiver<bool>,
-) -> Result<SocketAddr, AppError> {
-    let listener = TcpListener::bind(addr)
+pub async fn bind(addr: SocketAddr) -> Result<TcpListener, AppError> {
+    TcpListener::bind(addr)
         .await
         .map_err(|source| AppError::Io {
-            context: format!("bind the metrics endpoint on {addr}"),
+            context: format!("bind the telemetry endpoint on {addr}"),
             source,
-        })?;
-    let bound = listener.local_addr().map_err(|source| AppError::Io {
-        context: "read the metrics endpoint's address".into(),
-        source,
-    })?;
-    tracing::info!(%bound, "serving Prometheus metrics on /metrics");
-    tokio::spawn(async move {
-        let mut upkeep = tokio::time::interval(Duration::from_secs(5));
-        loop {
-            tokio::select! {
-                _ = shutdown.wait_for(|stop| *stop) => return,
-                _ = upkeep.tick() => handle.run_upkeep(),
-                accepted = listener.accept() => match accepted {
-                    Ok((stream, _)) => {
-                        let handle = handle.clone();
-                        tokio::spawn(async move {
-                            if let Err(error) = answer(stream, &handle).await {
-                                tracing::debug!(error = %error, "metrics request failed");
-                            }
-                        });
-                    }
-                    Err(error) => tracing::warn!(error = %error, "metrics accept failed"),
-                },
-            }
-        }
-    });
-    Ok(bound)
+        })
 }
 
-async fn answer(
-    mut stream: tokio::net::TcpStream,
-    handle: &PrometheusHandle,
-) -> std::io::Result<()> {
-    let mut request = vec![0_u8; 4096];
-    let read = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut request))
-        .await
-        .map_err(|_| std::io::Error::other("request timed out"))??;
-    let request = String::from_utf8_lossy(&request[..read]);
-    let path = request.split_whitespace().nth(1).unwrap_or("");
-    let (status, content_type, body) = if request.starts_with("GET ") && path == "/metrics" {
-        ("200 OK", "text/plain; version=0.0.4", handle.render())
-    } else {
-        (
-            "404 Not Found",
-            "text/plain",
-            "try GET /metrics\n".to_owned(),
-        )
-    };
-    let response = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(response.as_bytes()).await?;
-    stream.shutdown().await
+/// Serves `router` on `listener` (from [`bind`]) on a task of its own
+/// until `shutdown` turns true.
+pub fn serve(listener: TcpListener, router: Router, mut shutdown: watch::Receiver<bool>) {
+    match listener.local_addr() {
+        Ok(bound) => tracing::info!(%bound, "serving /metrics, /live and /ready"),
+        Err(error) => tracing::warn!(error = %error, "serving /metrics, /live and /ready"),
+    }
+    tokio::spawn(async move {
+        let served = axum::serve(listener, router)
+            .with_graceful_shutdown(async move { stopped(&mut shutdown).await })
+            .await;
+        if let Err(error) = served {
+            tracing::warn!(error = %error, "the telemetry server stopped");
+        }
+    });
 }

@@ -5,9 +5,11 @@
 //! exchange (topic) ──routing key──► queue (quorum) ──x-dead-letter-exchange──► {queue}.dlx (fanout) ──► {queue}.dlq (quorum)
 //! ```
 //!
-//! Quorum queues: replicated, durable, and they count deliveries
-//! (`x-delivery-count`), which the settle policy uses to bound
-//! redeliveries. The queue's own dead-letter exchange is the safety net for
+//! Quorum queues by default: replicated, durable, and they count
+//! deliveries (`x-delivery-count`), which the settle policy uses to bound
+//! redeliveries beside the store's attempt ledger. Classic queues
+//! ([`QueueType::Classic`]) count nothing; there the ledger alone bounds
+//! them. The queue's own dead-letter exchange is the safety net for
 //! what the runtime cannot dead-letter itself (a `reject` when the
 //! dead-letter publish failed, the broker's delivery limit); the runtime
 //! normally publishes to the same exchange itself, with its reason headers.
@@ -22,12 +24,50 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, ExchangeKind};
 
 use crate::runtime::AppError;
+use crate::runtime::amqp::{TEARDOWN_LIMIT, close_bounded, connect};
 use crate::runtime::message::long_string;
 
 /// The broker's own cap on deliveries of one message (`x-delivery-limit`),
 /// above any sensible `max_deliveries`: only reached if the runtime cannot
 /// act. A constant because changing a queue's arguments needs a new queue.
 pub const BROKER_DELIVERY_LIMIT: i32 = 50;
+
+/// The kind of queue [`Topology::declare`] makes, for the work queues and
+/// their dead-letter queues alike.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum QueueType {
+    /// Replicated, counts deliveries (`x-delivery-count`), with the
+    /// broker's own delivery limit as a last resort.
+    #[default]
+    Quorum,
+    /// A single-node queue that keeps no delivery count: the delivery cap
+    /// then rests on the store's attempt ledger alone.
+    Classic,
+}
+
+impl QueueType {
+    /// The `x-queue-type` argument.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Quorum => "quorum",
+            Self::Classic => "classic",
+        }
+    }
+}
+
+impl std::str::FromStr for QueueType {
+    type Err = AppError;
+
+    fn from_str(text: &str) -> Result<Self, AppError> {
+        match text {
+            "quorum" => Ok(Self::Quorum),
+            "classic" => Ok(Self::Classic),
+            other => Err(AppError::Config(format!(
+                "queue type {other:?}: expected quorum or classic"
+            ))),
+        }
+    }
+}
 
 /// A queue bound to the exchange.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -43,6 +83,7 @@ pub struct Binding {
 pub struct Topology {
     exchange: String,
     bindings: Vec<Binding>,
+    queue_type: QueueType,
 }
 
 impl Topology {
@@ -51,7 +92,20 @@ impl Topology {
         Self {
             exchange: exchange.into(),
             bindings: Vec::new(),
+            queue_type: QueueType::default(),
         }
+    }
+
+    /// Declares its queues as `queue_type` (quorum by default).
+    #[must_use]
+    pub fn with_queue_type(mut self, queue_type: QueueType) -> Self {
+        self.queue_type = queue_type;
+        self
+    }
+
+    /// The kind of queue it declares.
+    pub fn queue_type(&self) -> QueueType {
+        self.queue_type
     }
 
     /// Adds `queue`, bound with `routing_key` (and its dead-letter exchange
@@ -116,18 +170,21 @@ impl Topology {
                 )
                 .await
                 .map_err(|e| AppError::broker(format!("declare exchange {dlx}"), e))?;
+            let queue_type = long_string(self.queue_type.as_str());
             let mut dlq_args = FieldTable::default();
-            dlq_args.insert("x-queue-type".into(), long_string("quorum"));
+            dlq_args.insert("x-queue-type".into(), queue_type.clone());
             declare_queue(channel, &dlq, dlq_args).await?;
             bind(channel, &dlq, &dlx, "").await?;
 
             let mut args = FieldTable::default();
-            args.insert("x-queue-type".into(), long_string("quorum"));
+            args.insert("x-queue-type".into(), queue_type);
             args.insert("x-dead-letter-exchange".into(), long_string(&dlx));
-            args.insert(
-                "x-delivery-limit".into(),
-                AMQPValue::LongInt(BROKER_DELIVERY_LIMIT),
-            );
+            if self.queue_type == QueueType::Quorum {
+                args.insert(
+                    "x-delivery-limit".into(),
+                    AMQPValue::LongInt(BROKER_DELIVERY_LIMIT),
+                );
+            }
             declare_queue(channel, queue, args).await?;
             bind(channel, queue, &self.exchange, &binding.routing_key).await?;
         }
@@ -161,6 +218,41 @@ impl Topology {
             .await
             .map_err(|e| AppError::broker(format!("delete exchange {}", self.exchange), e))?;
         Ok(())
+    }
+
+    /// [`Topology::delete`] on a connection of its own, closed afterwards
+    /// whatever happened; gives up (with a log line) after
+    /// [`TEARDOWN_LIMIT`] per step, so a teardown never hangs.
+    ///
+    /// # Errors
+    /// Broker errors, or [`AppError::Unavailable`] when it gave up.
+    pub async fn remove(&self, amqp_url: &str) -> Result<(), AppError> {
+        let connection =
+            tokio::time::timeout(TEARDOWN_LIMIT, connect(amqp_url, "topology removal"))
+                .await
+                .map_err(|_| {
+                    AppError::Unavailable(format!(
+                        "no broker connection within {TEARDOWN_LIMIT:?} to delete the topology"
+                    ))
+                })??;
+        let delete = async {
+            let channel = connection
+                .create_channel()
+                .await
+                .map_err(|e| AppError::broker("open channel", e))?;
+            self.delete(&channel).await
+        };
+        let result = match tokio::time::timeout(TEARDOWN_LIMIT, delete).await {
+            Ok(result) => result,
+            Err(_) => {
+                tracing::warn!(exchange = %self.exchange, "topology delete not done in {TEARDOWN_LIMIT:?}; giving up");
+                Err(AppError::Unavailable(format!(
+                    "topology delete not done in {TEARDOWN_LIMIT:?}"
+                )))
+            }
+        };
+        close_bounded(&connection, "topology removed").await;
+        result
     }
 
     /// Ready (unacknowledged ones excluded) messages in a queue, by a passive
@@ -223,5 +315,18 @@ mod tests {
         assert_eq!(t.bindings()[0].routing_key, "k");
         assert_eq!(Topology::dead_letter_exchange("x.q"), "x.q.dlx");
         assert_eq!(Topology::dead_letter_queue("x.q"), "x.q.dlq");
+    }
+
+    #[test]
+    fn queue_types_parse_and_default_to_quorum() {
+        assert_eq!(Topology::new("x").queue_type(), QueueType::Quorum);
+        let classic = Topology::new("x").with_queue_type(QueueType::Classic);
+        assert_eq!(classic.queue_type().as_str(), "classic");
+        assert_eq!("quorum".parse::<QueueType>().ok(), Some(QueueType::Quorum));
+        assert_eq!(
+            "classic".parse::<QueueType>().ok(),
+            Some(QueueType::Classic)
+        );
+        assert!("stream".parse::<QueueType>().is_err());
     }
 }

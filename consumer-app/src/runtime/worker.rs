@@ -5,16 +5,27 @@
 //! deliveries ─► decode (size, message_id, type, JSON, validate) ──bad──► dead-letter(reason)
 //!   └► per message: Inbox::handle(key = (message_id, consumer), async |tx| handler.handle(tx, message))
 //!      batched:     Inbox::handle_batch(keys, async |tx, i| handler.handle(tx, message[i]))   one COMMIT
-//!        each message's outcome ─► SettlePolicy::decide(outcome, attempt, delivery count, disposition)
+//!        each message's outcome ─► (its own failure, retries spent: AttemptLedger::record_failure)
+//!          ─► SettlePolicy::decide(outcome, attempt, broker and ledger counts)
 //!          Ack        ─► after-commit call (if processed) ─► ack (one multiple-ack where the tags allow)
 //!          Retry      ─► the next in-process attempt (a smaller batch), after backoff
 //!                         (shutdown during the backoff: nack + requeue instead)
-//!          Requeue    ─► nack + requeue (after a pause if the retries ran out,
-//!                         cut short by shutdown)
+//!          Requeue    ─► the message failed: reject + requeue after a pause (cut short by shutdown);
+//!                         not its fault: nack + requeue at once
 //!          Release    ─► nack + requeue at once, uncharged (the store is away; the
 //!                         store circuit counts it and pauses consumption)
-//!          DeadLetter ─► publish with reason headers, then ack
+//!          DeadLetter ─► publish with reason headers, then ack; the ledger marks it dead
 //! ```
+//!
+//! **The poison count.** When a delivery fails for good (its handler failed
+//! retryably or timed out in every in-process attempt), the failure is
+//! recorded in the store's attempt ledger, outside the rolled-back
+//! transaction, and the cap is checked against the larger of that count and
+//! the broker's `x-delivery-count`; the delivery goes back with
+//! `basic.reject(requeue)`, which every RabbitMQ version counts (4.3 stopped
+//! counting `nack`). So the cap holds on classic queues and brokers that
+//! count nothing. Hand-backs that are not the message's fault (an abandoned
+//! attempt, shutdown) are `nack`s and are recorded nowhere.
 //!
 //! Per-message mode is batched mode with batches of one that use
 //! [`Inbox::handle`] instead of [`Inbox::handle_batch`]: the decisions, the
@@ -33,8 +44,11 @@
 //! queue's dead-letter exchange, with the original properties and headers
 //! plus `x-dead-letter-reason` (the stable label also used as the metric
 //! label), `x-dead-letter-detail` (the error text), `x-dead-letter-consumer`
-//! and `x-dead-letter-queue`, waits for the broker's confirm, and only then
-//! acks the original. If that publish fails, it falls back to `reject`
+//! and `x-dead-letter-queue` (and, for a decoded message,
+//! `x-inbox-attempts` and `x-inbox-last-error`: its failure count and last
+//! error), without the broker's `x-delivery-count` (a replay starts a fresh
+//! count), waits for the broker's confirm, and only then acks the original;
+//! the ledger then marks the message dead, which `parcel-inbox dead` lists. If that publish fails, it falls back to `reject`
 //! without requeue, which the queue's `x-dead-letter-exchange` routes to the
 //! same dead-letter queue: the reason is lost then, never the message.
 //!
@@ -45,7 +59,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use inbox_api::metrics as names;
-use inbox_api::{Handled, Inbox, InboxKey, MessageId};
+use inbox_api::{Handled, Inbox, InboxKey, LastError, MessageId};
 use lapin::Channel;
 use lapin::message::Delivery;
 use tokio::sync::watch;
@@ -58,7 +72,7 @@ use crate::runtime::config::WorkerConfig;
 use crate::runtime::error::chain;
 use crate::runtime::handler::Handler;
 use crate::runtime::message::{RawMessage, decode, delivery_count, long_string, truncate};
-use crate::runtime::settle::{DeadLetterReason, ErrorDisposition, Outcome, Settle};
+use crate::runtime::settle::{DeadLetterReason, Deliveries, ErrorDisposition, Outcome, Settle};
 use crate::runtime::shutdown::stopped;
 use crate::runtime::tally::{ConsumerTally, bump};
 use crate::runtime::telemetry::MetricNames;
@@ -109,6 +123,14 @@ struct Item<M> {
     /// The last retryable error, for the requeue log and the dead-letter
     /// detail.
     last_error: Option<String>,
+}
+
+/// What a dead-letter of a decoded message carries besides its reason: the
+/// key the ledger marks dead, and the headers' count and last error.
+struct Failure<'a> {
+    key: &'a InboxKey,
+    attempts: u64,
+    last_error: LastError,
 }
 
 /// The result of one attempt, per message (by index into the items).
@@ -169,6 +191,7 @@ where
                         shown_id.as_deref(),
                         bad.reason.as_str(),
                         &bad.to_string(),
+                        None,
                     )
                     .await;
                 }
@@ -209,8 +232,16 @@ where
                         attempt, error = %chain(error), "retryable failure");
                     item.last_error = Some(chain(error));
                 }
-                match (policy.decide(outcome, attempt, item.earlier), result) {
+                let mut deliveries = Deliveries {
+                    broker_earlier: item.earlier,
+                    ledger_failures: 0,
+                };
+                if policy.charges(outcome, attempt) {
+                    deliveries.ledger_failures = self.record_failure(item).await;
+                }
+                match (policy.decide(outcome, attempt, deliveries), result) {
                     (Settle::Ack, Ok(Handled::Processed(intent))) => {
+                        // (The ledger is not cleared: the inbox row says done.)
                         self.processed(item, intent).await;
                         acks.push(i);
                     }
@@ -240,7 +271,7 @@ where
                         metrics::counter!(self.metric_names.requeued, "consumer" => self.consumer_label())
                             .increment(1);
                         tracing::warn!(message_id = %item.message_id, consumer = %item.key.consumer,
-                            deliveries = item.earlier + 1, max = policy.max_deliveries, pause = ?wait,
+                            failed = deliveries.failed(), max = policy.max_deliveries, pause = ?wait,
                             error = %item.last_error.as_deref().unwrap_or("no attempt ran"),
                             "retries exhausted; requeueing for redelivery");
                         pause = pause.max(wait);
@@ -253,20 +284,24 @@ where
                         released.push(i);
                     }
                     (Settle::DeadLetter(why), result) => {
-                        let (reason, detail) = match (why, result) {
+                        let failed = deliveries.failed();
+                        let (reason, detail, last_error) = match (why, result) {
                             (DeadLetterReason::Permanent, Err(error)) => {
-                                (error.reason(), chain(&error))
+                                (error.reason(), chain(&error), chain(&error))
                             }
-                            _ => (
-                                "retries_exhausted",
-                                format!(
-                                    "{} deliveries × {attempts} attempts failed; last error: {}",
-                                    item.earlier + 1,
-                                    item.last_error.as_deref().unwrap_or("no attempt ran")
-                                ),
-                            ),
+                            _ => {
+                                let last = item.last_error.as_deref().unwrap_or("no attempt ran");
+                                (
+                                    "retries_exhausted",
+                                    format!(
+                                        "{failed} deliveries × {attempts} attempts failed; \
+                                         last error: {last}"
+                                    ),
+                                    last.to_owned(),
+                                )
+                            }
                         };
-                        dead.push((i, reason, detail));
+                        dead.push((i, reason, detail, failed, LastError::new(&last_error)));
                     }
                 }
             }
@@ -278,10 +313,15 @@ where
             for i in released {
                 self.hand_back(&items[i].delivery).await;
             }
-            for (i, reason, detail) in dead {
+            for (i, reason, detail, failed, last_error) in dead {
                 let item = &items[i];
                 let id = item.message_id.to_string();
-                self.dead_letter(&item.delivery, Some(&id), reason, &detail)
+                let failure = Failure {
+                    key: &item.key,
+                    attempts: failed,
+                    last_error,
+                };
+                self.dead_letter(&item.delivery, Some(&id), reason, &detail, Some(failure))
                     .await;
             }
             if !requeue.is_empty() {
@@ -296,7 +336,7 @@ where
                     () = tokio::time::sleep(jittered(pause)) => {}
                 }
                 for i in requeue {
-                    self.requeue(&items[i].delivery, &items[i].key).await;
+                    self.requeue_failed(&items[i].delivery, &items[i].key).await;
                 }
             }
             if !again.is_empty() {
@@ -432,6 +472,32 @@ where
         }
     }
 
+    /// Records a delivery's final failure in the attempt ledger and returns
+    /// the count including it, or 0 when the ledger cannot be written (the
+    /// broker's count then decides alone; the store is likely down, which
+    /// is not the message's fault).
+    async fn record_failure(&self, item: &Item<H::Message>) -> u32 {
+        let error = LastError::new(item.last_error.as_deref().unwrap_or("no attempt ran"));
+        match self.inbox.store().record_failure(&item.key, &error).await {
+            Ok(failures) => failures,
+            Err(error) => {
+                tracing::warn!(message_id = %item.message_id, consumer = %item.key.consumer,
+                    error = %chain(&error),
+                    "cannot record the failure in the attempt ledger; capping on the broker's count");
+                0
+            }
+        }
+    }
+
+    /// Hands a delivery that failed back with `basic.reject(requeue)`: the
+    /// message's own failure, which the broker counts.
+    async fn requeue_failed(&self, delivery: &Delivery, key: &InboxKey) {
+        if let Err(error) = self.settle(delivery, Frame::RequeueFailed).await {
+            tracing::warn!(message_id = %key.message_id, consumer = %key.consumer, error = %error,
+                "reject failed; the broker redelivers when the channel closes");
+        }
+    }
+
     /// Hands a delivery back to the broker uncharged (`basic.nack` with
     /// requeue, which RabbitMQ 4.3 and later do not count as a delivery):
     /// the store is away, or consumption paused before it started, neither
@@ -457,13 +523,38 @@ where
         message_id: Option<&str>,
         reason: &str,
         detail: &str,
+        failure: Option<Failure<'_>>,
     ) {
         let consumer = self.consumer_label();
         let queue = &self.queue;
         let started = Instant::now();
         tracing::error!(message_id = message_id.unwrap_or("<none>"), consumer = %consumer, %queue,
             reason, detail, "dead-lettering delivery");
-        let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+        // The broker's count belongs to this queue's delivery; a replay from
+        // the dead-letter queue is a new delivery with a fresh count.
+        let mut headers: lapin::types::FieldTable = delivery
+            .properties
+            .headers()
+            .as_ref()
+            .map(|headers| {
+                let mut inner = headers.inner().clone();
+                inner.remove("x-delivery-count");
+                inner
+            })
+            .unwrap_or_default()
+            .into();
+        if let Some(failure) = &failure {
+            headers.insert(
+                "x-inbox-attempts".into(),
+                lapin::types::AMQPValue::LongLongInt(
+                    i64::try_from(failure.attempts).unwrap_or(i64::MAX),
+                ),
+            );
+            headers.insert(
+                "x-inbox-last-error".into(),
+                long_string(failure.last_error.as_str()),
+            );
+        }
         headers.insert("x-dead-letter-reason".into(), long_string(reason));
         headers.insert(
             "x-dead-letter-detail".into(),
@@ -495,6 +586,18 @@ where
                     tracing::warn!(error = %error, "reject failed; the broker will redeliver");
                     return;
                 }
+            }
+        }
+        if let Some(failure) = failure {
+            let marked = self
+                .inbox
+                .store()
+                .mark_dead(failure.key, reason, &failure.last_error)
+                .await;
+            if let Err(error) = marked {
+                tracing::warn!(message_id = %failure.key.message_id, consumer = %failure.key.consumer,
+                    error = %chain(&error),
+                    "dead-lettered, but the attempt ledger cannot mark it dead; `dead` will not list it");
             }
         }
         self.tally.dead_letter(reason);

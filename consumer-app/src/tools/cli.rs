@@ -12,6 +12,7 @@ use std::time::Duration;
 use clap::Args;
 use futures::stream::BoxStream;
 use inbox_api::OutboxStore;
+use inbox_postgres::SessionTimeouts;
 use tokio::sync::watch;
 
 use crate::parcel::dispatch::{
@@ -23,10 +24,10 @@ use crate::parcel::store::{ParcelStore, StoreKind};
 use crate::parcel::topology::Topology;
 use crate::runtime::relay::{Relay, RelayConfig};
 use crate::runtime::tally::get;
-use crate::runtime::telemetry::{install_recorder, serve_metrics};
+use crate::runtime::telemetry::{self, Health, LogFormat, install_recorder};
 use crate::runtime::{
-    AppError, AvailabilityConfig, BatchConfig, CleanupConfig, ServiceConfig, ServiceHandle,
-    WorkerConfig,
+    AppError, AvailabilityConfig, BatchConfig, CleanupConfig, QueueType, ServiceConfig,
+    ServiceHandle, WorkerConfig,
 };
 use crate::tools::stores::{StoreConfig, WithOutbox, WithStore};
 
@@ -69,6 +70,47 @@ pub struct Global {
     /// PostgreSQL connections in the pool.
     #[arg(long, env = "DATABASE_POOL_SIZE", global = true, default_value_t = 16)]
     pub pool_size: u32,
+    /// Log lines as text (coloured only on a terminal) or as JSON objects
+    /// (one per line, for log collectors).
+    #[arg(long, env = "LOG_FORMAT", global = true, value_enum, default_value_t)]
+    pub log_format: LogFormat,
+    /// Milliseconds a statement (above all the claim) waits for a lock another
+    /// transaction holds; then the delivery goes back to the broker, uncharged
+    /// (PostgreSQL's lock_timeout; 0: wait for ever).
+    #[arg(long, env = "INBOX_LOCK_TIMEOUT_MS", global = true, default_value_t = default_lock_timeout_ms())]
+    pub lock_timeout_ms: u64,
+    /// Seconds a database session may sit inside a transaction without a
+    /// statement before PostgreSQL ends it, releasing a frozen holder's claims;
+    /// above --handle-timeout-secs (idle_in_transaction_session_timeout; 0: never).
+    #[arg(long, env = "INBOX_IDLE_IN_TRANSACTION_TIMEOUT_SECS", global = true, default_value_t = default_idle_in_transaction_secs())]
+    pub idle_in_transaction_timeout_secs: u64,
+    /// Queue type to declare, quorum or classic. Classic queues keep no
+    /// delivery count; the store's attempt ledger caps redeliveries there.
+    #[arg(
+        long,
+        env = "PARCEL_QUEUE_TYPE",
+        global = true,
+        default_value = "quorum"
+    )]
+    pub queue_type: QueueType,
+}
+
+impl Global {
+    /// The RabbitMQ names and queue type these flags say.
+    pub fn topology(&self) -> Topology {
+        Topology::new(&self.prefix).with_queue_type(self.queue_type)
+    }
+}
+
+/// [`SessionTimeouts`]' default lock timeout, in the flag's unit.
+fn default_lock_timeout_ms() -> u64 {
+    u64::try_from(SessionTimeouts::DEFAULT_LOCK_TIMEOUT.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// [`SessionTimeouts`]' default idle-in-transaction timeout, in the flag's
+/// unit.
+fn default_idle_in_transaction_secs() -> u64 {
+    SessionTimeouts::DEFAULT_IDLE_IN_TRANSACTION.as_secs()
 }
 
 /// The schema `--schema` names unless told otherwise.
@@ -97,7 +139,9 @@ pub struct WorkerArgs {
     /// In-process attempts per delivery before it is requeued.
     #[arg(long, env = "PARCEL_RETRY_ATTEMPTS", default_value_t = 3)]
     pub retry_attempts: u32,
-    /// Deliveries of one message before it is dead-lettered as retries_exhausted.
+    /// Failed deliveries of one message before it is dead-lettered as
+    /// retries_exhausted (the larger of the broker's x-delivery-count and
+    /// the store's attempt ledger).
     #[arg(long, env = "PARCEL_MAX_DELIVERIES", default_value_t = 10)]
     pub max_deliveries: u32,
     /// Largest accepted body, in bytes.
@@ -176,7 +220,8 @@ pub struct ConsumeArgs {
     /// Seconds between background cleanups (0: off).
     #[arg(long, env = "INBOX_CLEANUP_INTERVAL_SECS", default_value_t = 3600)]
     pub cleanup_interval_secs: u64,
-    /// Where to serve Prometheus /metrics ("off" to disable).
+    /// Where to serve /metrics (Prometheus), /live and /ready ("off" to
+    /// disable).
     #[arg(long, env = "METRICS_ADDR", default_value = "127.0.0.1:9464")]
     pub metrics_addr: String,
     /// Seconds between refreshes of the inbox_rows gauge.
@@ -213,6 +258,16 @@ impl ConsumeArgs {
             )
         };
         let metrics_addr = parse_metrics_addr(&self.metrics_addr)?;
+        let idle = global.idle_in_transaction_timeout_secs;
+        if idle != 0 && idle <= self.worker.handle_timeout_secs {
+            // PostgreSQL would end live transactions that are merely slow,
+            // before the consumer's own timeout could hand them back.
+            return Err(AppError::Config(format!(
+                "--idle-in-transaction-timeout-secs ({idle}) must exceed \
+                 --handle-timeout-secs ({}), or be 0",
+                self.worker.handle_timeout_secs
+            )));
+        }
         Ok(Consume {
             schema: global.schema.clone(),
             config: ServiceConfig {
@@ -230,7 +285,7 @@ impl ConsumeArgs {
                     ..AvailabilityConfig::default()
                 },
             },
-            topology: Topology::new(&global.prefix),
+            topology: global.topology(),
             metrics_addr,
             reconcile: ReconcileConfig {
                 interval: Duration::from_secs(self.dispatch_interval_secs.max(1)),
@@ -250,6 +305,13 @@ impl Global {
             database_url: self.database_url.clone(),
             schema: self.schema.clone(),
             pool_size: self.pool_size,
+            timeouts: SessionTimeouts {
+                lock_timeout: Some(Duration::from_millis(self.lock_timeout_ms)),
+                idle_in_transaction: Some(Duration::from_secs(
+                    self.idle_in_transaction_timeout_secs,
+                )),
+                ..SessionTimeouts::default()
+            },
         }
     }
 }
@@ -319,10 +381,15 @@ impl<P: Spawner> Consume<P> {
     pub async fn serve<S: ParcelStore>(self, store: S) -> Result<(), AppError> {
         let schema = self.schema.clone();
         let (stop_metrics, metrics_stopped) = watch::channel(false);
-        if let Some(addr) = self.metrics_addr {
-            let handle = install_recorder(METRIC_NAMES)?;
-            serve_metrics(addr, handle, metrics_stopped).await?;
-        }
+        // Bound and recording before anything runs: a port in use fails at
+        // once, and no early count is lost.
+        let endpoint = match self.metrics_addr {
+            Some(addr) => Some((
+                telemetry::bind(addr).await?,
+                install_recorder(METRIC_NAMES)?,
+            )),
+            None => None,
+        };
         // The stubs keep their ledger in the database (shared by every
         // instance, surviving kill -9); a successful call marks the intent
         // dispatched, and the reconciler re-sends the ones that never were.
@@ -339,6 +406,26 @@ impl<P: Spawner> Consume<P> {
             &self.topology,
             downstreams.clone(),
         )?;
+        if let Some((listener, metrics)) = endpoint {
+            // Ready = consuming on an open connection, no store outage
+            // pausing the consumers, and the store answers a probe now
+            // (an idle service's circuit has seen no error to open on).
+            let health = Health::new()
+                .live_while(service.running())
+                .ready_while(
+                    "broker",
+                    service.broker_connected(),
+                    "not consuming (connecting or reconnecting)",
+                )
+                .ready_while(
+                    "store",
+                    service.store_availability(),
+                    "outage: consumption paused until the store answers",
+                )
+                .ready_when("store probe", telemetry::store_reachable(store.clone()));
+            let router = telemetry::router(metrics, health);
+            telemetry::serve(listener, router, metrics_stopped);
+        }
         let shutdown = service.shutdown_sender();
         let reconciler = tokio::spawn(reconcile_loop(
             store,
@@ -400,7 +487,8 @@ pub struct RelayArgs {
     /// Seconds to wait for a batch's confirms before counting them failed.
     #[arg(long, env = "OUTBOX_CONFIRM_TIMEOUT_SECS", default_value_t = 10)]
     pub confirm_timeout_secs: u64,
-    /// Where to serve Prometheus /metrics ("off" to disable).
+    /// Where to serve /metrics (Prometheus), /live and /ready ("off" to
+    /// disable).
     #[arg(long, env = "RELAY_METRICS_ADDR", default_value = "127.0.0.1:9465")]
     pub metrics_addr: String,
 }
@@ -447,15 +535,25 @@ impl WithOutbox for RelayCommand {
         wakeups: Option<BoxStream<'static, ()>>,
     ) -> Result<(), AppError> {
         let (stop_metrics, metrics_stopped) = watch::channel(false);
-        if let Some(addr) = self.metrics_addr {
-            let handle = install_recorder(METRIC_NAMES)?;
-            serve_metrics(addr, handle, metrics_stopped).await?;
-        }
+        // Bound and recording before anything runs: a port in use fails at
+        // once, and no early count is lost.
+        let endpoint = match self.metrics_addr {
+            Some(addr) => Some((
+                telemetry::bind(addr).await?,
+                install_recorder(METRIC_NAMES)?,
+            )),
+            None => None,
+        };
         let mut relay = Relay::new(store, self.config)?;
         if let Some(wakeups) = wakeups {
             relay = relay.wake_on(wakeups);
         }
         let relay = relay.spawn();
+        if let Some((listener, metrics)) = endpoint {
+            let health = Health::new().live_while(relay.running());
+            let router = telemetry::router(metrics, health);
+            telemetry::serve(listener, router, metrics_stopped);
+        }
         let shutdown = relay.shutdown_sender();
         tokio::spawn(async move {
             wait_for_signal().await;
@@ -521,8 +619,11 @@ pub async fn wait_for_signal() {
 /// up, and turns its result into the exit status: on error, the whole
 /// cause chain on stderr and a failure status. Every binary of the service
 /// and of its lab starts and ends this way.
-pub fn run_main(body: impl Future<Output = Result<(), AppError>>) -> ExitCode {
-    crate::runtime::telemetry::init_logging();
+pub fn run_main(
+    log_format: LogFormat,
+    body: impl Future<Output = Result<(), AppError>>,
+) -> ExitCode {
+    crate::runtime::telemetry::init_logging(log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

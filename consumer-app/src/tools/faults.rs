@@ -72,6 +72,12 @@ impl Faults {
         lock(&self.fail_always).insert(key);
     }
 
+    /// Ends [`Faults::fail_always`] for `key`: the fix is deployed, and its
+    /// next attempt (a replay from the dead-letter queue) succeeds.
+    pub fn heal(&self, key: &InboxKey) {
+        lock(&self.fail_always).remove(key);
+    }
+
     /// From now on, work stops inside its transaction, after its writes,
     /// until [`Faults::release`]: "mid-work", deterministically.
     pub fn hold(&self) {

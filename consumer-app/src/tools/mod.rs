@@ -4,12 +4,14 @@
 //! production service.
 //!
 //! - [`cli`]: flags and the `consume` path, shared by the binaries.
+//! - [`dead`]: `parcel-inbox dead` and `replay`, the dead letters' tools.
 //! - [`demo`]: `parcel-inbox demo`, the whole story in one checked command.
 //! - [`publish`]: the load generator (events plus copies reusing their ids).
 //! - [`stores`]: opening the store `--store` picks.
 //! - [`faults`]: the fault-injecting handler decorator.
 
 pub mod cli;
+pub mod dead;
 pub mod demo;
 pub mod faults;
 pub mod publish;

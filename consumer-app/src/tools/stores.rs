@@ -23,6 +23,8 @@ pub struct StoreConfig {
     pub schema: String,
     /// Connections in the pool.
     pub pool_size: u32,
+    /// The time bounds each PostgreSQL session sets.
+    pub timeouts: inbox_postgres::SessionTimeouts,
 }
 
 impl fmt::Debug for StoreConfig {
@@ -35,6 +37,7 @@ impl fmt::Debug for StoreConfig {
             )
             .field("schema", &self.schema)
             .field("pool_size", &self.pool_size)
+            .field("timeouts", &self.timeouts)
             .finish()
     }
 }
@@ -210,7 +213,11 @@ async fn open_sqlx(
     retry_connect(config, attempts, || async {
         use inbox_backend_sqlx::{SqlxStore, classify};
         use sqlx::{ConnectOptions as _, Connection as _};
-        let options = SqlxStore::connect_options(&config.database_url, &config.schema)?;
+        let options = SqlxStore::connect_options_with(
+            &config.database_url,
+            &config.schema,
+            &config.timeouts,
+        )?;
         // sqlx's pool takes "connection refused" for a server still
         // starting: it retries silently until its acquire timeout (30 s)
         // and then reports only "pool timed out". One direct connection
@@ -245,7 +252,10 @@ async fn open_diesel(
 ) -> Result<inbox_backend_diesel::DieselStore, AppError> {
     let pool_size = usize::try_from(config.pool_size).unwrap_or(10);
     retry_connect(config, attempts, || async {
-        inbox_backend_diesel::DieselStore::connect(&config.database_url, &config.schema, pool_size)
+        inbox_backend_diesel::DieselStore::builder(config.database_url.as_str(), &config.schema)?
+            .pool_size(pool_size)
+            .session_timeouts(config.timeouts)
+            .connect()
             .await
     })
     .await

@@ -20,6 +20,7 @@ pub mod support;
 
 use async_trait::async_trait;
 use inbox_api::InboxError;
+use inbox_postgres::SessionTimeouts;
 
 pub use outbox::*;
 pub use scenarios::*;
@@ -32,8 +33,20 @@ use crate::{Harness, TxOf};
 #[async_trait]
 pub trait PgHarness: Harness {
     /// A store whose connections use `schema` (and carry it as
-    /// `application_name`), with at most `pool` connections; not migrated.
-    async fn store_in(&self, schema: &str, pool: usize) -> Self::Store;
+    /// `application_name`), with at most `pool` connections and the default
+    /// [`SessionTimeouts`]; not migrated.
+    async fn store_in(&self, schema: &str, pool: usize) -> Self::Store {
+        self.store_with(schema, pool, &SessionTimeouts::default())
+            .await
+    }
+
+    /// As [`PgHarness::store_in`], its sessions under `timeouts`.
+    async fn store_with(
+        &self,
+        schema: &str,
+        pool: usize,
+        timeouts: &SessionTimeouts,
+    ) -> Self::Store;
 
     /// A store on the server at `url` (schema `inbox`), connecting now.
     async fn connect_to(&self, url: &str) -> Result<Self::Store, InboxError>;
@@ -102,7 +115,9 @@ macro_rules! __with_postgres_tests {
             a_terminated_backend_is_a_retryable_connection_error,
             a_killed_backend_at_each_crash_point_is_processed_once,
             a_deadlock_is_a_retryable_conflict,
-            a_lock_timeout_is_a_retryable_conflict,
+            a_claim_of_a_held_key_gives_up_after_the_lock_timeout,
+            a_holder_idle_in_its_transaction_is_ended_and_its_key_claimed_again,
+            a_transaction_dropped_mid_statement_stops_the_statement,
             a_serialization_failure_is_a_retryable_conflict,
             a_missing_table_is_a_permanent_schema_error,
             an_unreachable_server_is_a_retryable_connection_error,

@@ -9,7 +9,7 @@ use std::num::NonZeroU32;
 use inbox_api::{
     BatchTransaction, Claim, Handled, Inbox, InboxError, InboxKey, InboxStore, InboxTransaction,
 };
-use inbox_postgres::{LEDGER_TABLE, MIGRATIONS, sql};
+use inbox_postgres::{LEDGER_TABLE, MIGRATIONS, SessionTimeouts, sql};
 use tokio::sync::Barrier;
 
 use super::PgHarness;
@@ -401,24 +401,160 @@ pub async fn a_deadlock_is_a_retryable_conflict<H: PgHarness>(h: &H) -> Outcome 
     Ok(())
 }
 
-/// A claim that waits longer than `lock_timeout` (55P03) is a retryable
-/// conflict.
-pub async fn a_lock_timeout_is_a_retryable_conflict<H: PgHarness>(h: &H) -> Outcome {
-    let store = migrated(h, 4).await?;
+/// A migrated store in a new schema, its sessions under `timeouts`, and
+/// the suite's effects table.
+async fn migrated_with<H: PgHarness>(
+    h: &H,
+    pool: usize,
+    timeouts: SessionTimeouts,
+) -> Result<H::Store, Failure> {
+    let store = h
+        .store_with(&unique_schema(TEST_PREFIX), pool, &timeouts)
+        .await;
+    h.migrate(&store).await?;
+    h.side_execute(&store, EFFECTS_TABLE).await?;
+    Ok(store)
+}
+
+/// A claim of a key another open transaction holds gives up after the
+/// store's `lock_timeout` (set on the session, not by the test) with the
+/// retryable [`InboxError::LockTimeout`], which blames the holder, not the
+/// message; once the holder commits, the next claim is a duplicate.
+pub async fn a_claim_of_a_held_key_gives_up_after_the_lock_timeout<H: PgHarness>(h: &H) -> Outcome {
+    let lock_timeout = Duration::from_millis(500);
+    let store = migrated_with(
+        h,
+        4,
+        SessionTimeouts {
+            lock_timeout: Some(lock_timeout),
+            ..SessionTimeouts::default()
+        },
+    )
+    .await?;
     let key = new_key("lock-timeout");
-    let mut a = store.begin().await?;
-    check_eq!(a.claim(&key).await?, Claim::Fresh, "a's claim");
-    let mut b = store.begin().await?;
-    h.tx_execute(&mut b, "SET LOCAL lock_timeout = '100ms'")
-        .await?;
-    match b.claim(&key).await {
-        Ok(claim) => Err(Failure::new(format!("claim past lock_timeout: {claim:?}"))),
+    let mut holder = store.begin().await?;
+    check_eq!(
+        holder.claim(&key).await?,
+        Claim::Fresh,
+        "the holder's claim"
+    );
+    let mut second = store.begin().await?;
+    let started = Instant::now();
+    let claimed = second.claim(&key).await;
+    let waited = started.elapsed();
+    drop(second);
+    match claimed {
+        Ok(claim) => return Err(Failure::new(format!("claim past lock_timeout: {claim:?}"))),
         Err(error) => {
-            expect_kind(&error, "conflict", "lock timeout")?;
-            check!(error.is_retryable(), "{error:?}");
-            Ok(())
+            expect_kind(&error, "lock_timeout", "a claim of a held key")?;
+            check!(error.is_retryable() && error.held_by_another(), "{error:?}");
         }
     }
+    check!(
+        waited >= lock_timeout.mul_f32(0.8) && waited < lock_timeout * 4,
+        "gave up after {waited:?}, lock_timeout {lock_timeout:?}"
+    );
+    h.record_effect(&mut holder, &key).await?;
+    holder.commit().await?;
+    let mut third = store.begin().await?;
+    check_eq!(
+        third.claim(&key).await?,
+        Claim::Duplicate,
+        "after the commit"
+    );
+    third.rollback().await?;
+    expect_exactly_once(h, &store, &key).await
+}
+
+/// A holder that stops sending statements inside its transaction (a frozen
+/// process, as PostgreSQL sees it) is ended by the server after
+/// `idle_in_transaction_session_timeout`: its claim is released, a waiting
+/// claim of the key gets `Fresh`, and the holder's own commit fails
+/// retryably, so its redelivery finds a duplicate.
+pub async fn a_holder_idle_in_its_transaction_is_ended_and_its_key_claimed_again<H: PgHarness>(
+    h: &H,
+) -> Outcome {
+    let idle = Duration::from_secs(2);
+    let store = migrated_with(
+        h,
+        4,
+        SessionTimeouts {
+            lock_timeout: Some(Duration::from_secs(20)),
+            idle_in_transaction: Some(idle),
+            ..SessionTimeouts::default()
+        },
+    )
+    .await?;
+    let key = new_key("idle-holder");
+    let mut frozen = store.begin().await?;
+    check_eq!(frozen.claim(&key).await?, Claim::Fresh, "the frozen claim");
+    h.record_effect(&mut frozen, &key).await?;
+    let started = Instant::now();
+    let mut other = store.begin().await?;
+    check_eq!(
+        other.claim(&key).await?,
+        Claim::Fresh,
+        "the claim after the server ended the frozen holder"
+    );
+    let waited = started.elapsed();
+    check!(
+        waited >= idle.mul_f32(0.8) && waited < idle * 5,
+        "claimed after {waited:?}, idle_in_transaction_session_timeout {idle:?}"
+    );
+    h.record_effect(&mut other, &key).await?;
+    other.commit().await?;
+    match frozen.commit().await {
+        Ok(()) => return Err(Failure::new("the ended holder's commit succeeded")),
+        Err(error) => check!(error.is_retryable(), "the ended holder's commit: {error:?}"),
+    }
+    let inbox = Inbox::new(store.clone());
+    check_eq!(
+        redeliver_until_acked(h, &inbox, &key).await?,
+        Handled::Duplicate,
+        "the frozen holder's redelivery"
+    );
+    expect_exactly_once(h, &store, &key).await
+}
+
+/// A transaction dropped while its statement runs (a timeout around
+/// `Inbox::handle` fired during a slow query) stops that statement: within
+/// a couple of seconds its server process runs nothing and the key it
+/// claimed can be claimed again, instead of after the statement's 30 s.
+pub async fn a_transaction_dropped_mid_statement_stops_the_statement<H: PgHarness>(
+    h: &H,
+) -> Outcome {
+    let store = migrated(h, 4).await?;
+    let key = new_key("dropped-mid-statement");
+    let mut tx = store.begin().await?;
+    check_eq!(tx.claim(&key).await?, Claim::Fresh, "the claim");
+    let pid = h.tx_i64(&mut tx, "SELECT pg_backend_pid()::int8").await?;
+    let slow = tokio::time::timeout(
+        Duration::from_millis(200),
+        h.tx_execute(&mut tx, "SELECT pg_sleep(30)"),
+    )
+    .await;
+    check!(slow.is_err(), "pg_sleep(30) returned: {slow:?}");
+    let dropped = Instant::now();
+    drop(tx);
+    let running =
+        format!("SELECT count(*) FROM pg_stat_activity WHERE pid = {pid} AND state = 'active'");
+    while h.side_i64(&store, &running).await? != 0 {
+        check!(
+            dropped.elapsed() < Duration::from_secs(3),
+            "backend {pid} still runs its statement {:?} after the drop",
+            dropped.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut again = store.begin().await?;
+    check_eq!(again.claim(&key).await?, Claim::Fresh, "the released key");
+    check!(
+        dropped.elapsed() < Duration::from_secs(4),
+        "the key was released {:?} after the drop",
+        dropped.elapsed()
+    );
+    again.rollback().await?;
+    Ok(())
 }
 
 /// A serialization failure (40001) is a retryable conflict.

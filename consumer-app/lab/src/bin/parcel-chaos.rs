@@ -161,7 +161,7 @@ struct Cli {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    telemetry::init_logging();
+    telemetry::init_logging(telemetry::LogFormat::Text);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -1071,6 +1071,7 @@ async fn run(cli: Cli) -> Result<bool, AppError> {
         database_url: cli.database_url.clone(),
         schema: names.schema.clone(),
         pool_size: 2,
+        timeouts: inbox_backend_sqlx::SessionTimeouts::default(),
     };
     with_store(&store, Some(10), Migrate).await?;
     let topology = Topology::new(&names.prefix);

@@ -100,5 +100,5 @@ async fn run(cli: Cli) -> Result<(), AppError> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    run_main(run(cli))
+    run_main(cli.global.log_format, run(cli))
 }

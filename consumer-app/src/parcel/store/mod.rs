@@ -18,7 +18,7 @@ use std::future::Future;
 use std::str::FromStr;
 use std::time::Duration;
 
-use inbox_api::{BatchTransaction, InboxStats, InboxStore, MessageId};
+use inbox_api::{AttemptLedger, BatchTransaction, InboxStats, InboxStore, MessageId};
 
 use crate::parcel::effects::{Intent, ParcelEffects};
 use crate::parcel::role::Role;
@@ -157,7 +157,7 @@ impl fmt::Display for Stats {
 
 /// An inbox store the Parcel service can run on.
 pub trait ParcelStore:
-    InboxStore<Transaction: ParcelEffects + BatchTransaction> + InboxStats + Clone
+    InboxStore<Transaction: ParcelEffects + BatchTransaction> + InboxStats + AttemptLedger + Clone
 {
     /// Which implementation.
     fn kind(&self) -> StoreKind;
