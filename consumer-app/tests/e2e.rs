@@ -599,8 +599,12 @@ async fn poison_on_a_classic_queue_is_capped_by_the_ledger_and_replayed_once<S: 
         plan.ids[1],
         ConsumerName::new(Role::Carrier.consumer_name()).expect("name"),
     );
+    // An attempt abandoned mid-transaction is handed back, not the
+    // message's fault: it must cost nothing in the ledger.
+    let abandoned = InboxKey::new(plan.ids[3], poison.consumer.clone());
     let faults = Arc::new(Faults::default());
     faults.fail_always(poison.clone());
+    faults.crash_first_attempt(abandoned.clone());
     let topology = Topology::new(&names.prefix).with_queue_type(QueueType::Classic);
     let run = start_on(&store, &names, Arc::clone(&faults), &topology).await;
     publish(AMQP_URL, &topology, &plan.messages, false)
@@ -618,6 +622,12 @@ async fn poison_on_a_classic_queue_is_capped_by_the_ledger_and_replayed_once<S: 
     assert_eq!(
         carrier.dead_lettered().into_iter().collect::<Vec<_>>(),
         vec![("retries_exhausted".to_owned(), 1)]
+    );
+    assert_eq!(faults.crashes(Role::Carrier.consumer_name()), 1);
+    assert_eq!(
+        store.attempts(&abandoned).await.expect("ledger"),
+        None,
+        "an abandoned attempt was charged to its message"
     );
     assert_eq!(
         get(&carrier.requeued),

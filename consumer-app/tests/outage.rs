@@ -60,7 +60,8 @@ fn store_gauge() -> Option<f64> {
         })
 }
 
-/// Held by the tests that read the process-wide gauge.
+/// Held by every test that runs a service in this process: each sets the
+/// process-wide gauge, which some of them read.
 static GAUGE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn id() -> String {
@@ -357,6 +358,21 @@ impl Scenario {
         spawn(store.clone(), config, &self.topology(), downstreams).expect("service starts")
     }
 
+    /// Starts the service on the migrated `store` and waits until it has
+    /// processed `warm` messages: a service known to work before the
+    /// outage.
+    async fn running<S: ParcelStore>(&self, store: &S, warm: u64) -> ServiceHandle {
+        let service = self.start(store);
+        service
+            .wait_consuming(1, Duration::from_secs(30))
+            .await
+            .expect("consuming");
+        self.publish(usize::try_from(warm).expect("a count"), 1)
+            .await;
+        processed(&service.tally, warm, Duration::from_secs(30)).await;
+        service
+    }
+
     async fn publish(&self, count: usize, seed: u64) {
         let plan = Plan::new(count, 0.0, seed, &format!("P{}-{seed}", self.schema)).expect("plan");
         publish(&self.amqp, &self.topology(), &plan.messages, false)
@@ -474,13 +490,7 @@ async fn postgres_outage_longer_than_the_budget<S: ParcelStore>(
     let scenario = Scenario::new("pg-outage", SHARED_AMQP);
     let store = connect_store(&pg.url(), &scenario.schema).await;
     store.migrate_all().await.expect("migrate");
-    let service = scenario.start(&store);
-    service
-        .wait_consuming(1, Duration::from_secs(30))
-        .await
-        .expect("consuming");
-    scenario.publish(WARM as usize, 1).await;
-    processed(&service.tally, WARM, Duration::from_secs(30)).await;
+    let service = scenario.running(&store, WARM).await;
     assert_eq!(store_gauge(), Some(1.0));
 
     pg.halt();
@@ -528,13 +538,7 @@ async fn schema_dropped_mid_run_pauses_until_migrated<S: ParcelStore>(
     let scenario = Scenario::new("schema-drop", SHARED_AMQP);
     let store = connect_store(&shared_database(), &scenario.schema).await;
     store.migrate_all().await.expect("migrate");
-    let service = scenario.start(&store);
-    service
-        .wait_consuming(1, Duration::from_secs(30))
-        .await
-        .expect("consuming");
-    scenario.publish(BEFORE as usize, 1).await;
-    processed(&service.tally, BEFORE, Duration::from_secs(30)).await;
+    let service = scenario.running(&store, BEFORE).await;
 
     store.drop_schema().await.expect("drop the schema");
     scenario.publish(AFTER as usize, 2).await;
@@ -562,6 +566,70 @@ async fn schema_dropped_mid_run_pauses_until_migrated<S: ParcelStore>(
     // The effects before the drop went with the schema.
     once_each(&store.stats().await.expect("stats"), AFTER);
     store.drop_schema().await.expect("drop schema");
+    scenario.remove_topology().await;
+}
+
+/// A privilege revoked under the running service (SQLSTATE 42501 on one
+/// consumer's table): it is the deployment's fault, so consumption pauses
+/// (the probe checks the handlers' tables too, so it stays paused) and
+/// nothing is dead-lettered; once granted again, everything is processed
+/// once. The service runs as a role of its own: a superuser has every
+/// privilege.
+async fn privilege_revoked_mid_run_pauses_until_granted<S: ParcelStore>(
+    connect_store: impl AsyncFn(&str, &str) -> S,
+) {
+    const BEFORE: u64 = 3;
+    const AFTER: u64 = 4;
+    let _gauge = GAUGE.lock().await;
+    let scenario = Scenario::new("revoke", SHARED_AMQP);
+    let admin = connect_store(&shared_database(), &scenario.schema).await;
+    admin.migrate_all().await.expect("migrate");
+    let role = format!("inbox_test_{}", id());
+    let schema = &scenario.schema;
+    let psql = |sql: &str| {
+        run(
+            "psql",
+            &[&shared_database(), "-v", "ON_ERROR_STOP=1", "-Atc", sql],
+        )
+    };
+    psql(&format!(
+        "CREATE ROLE {role} LOGIN; GRANT USAGE ON SCHEMA {schema} TO {role}; \
+         GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {schema} TO {role}; \
+         GRANT USAGE ON ALL SEQUENCES IN SCHEMA {schema} TO {role}"
+    ));
+    let as_role = shared_database().replacen("postgres@", &format!("{role}@"), 1);
+    assert_ne!(
+        as_role,
+        shared_database(),
+        "DATABASE_URL names user postgres"
+    );
+    let store = connect_store(&as_role, schema).await;
+    let service = scenario.running(&store, BEFORE).await;
+
+    psql(&format!(
+        "REVOKE INSERT ON {schema}.notifications FROM {role}"
+    ));
+    scenario.publish(AFTER as usize, 2).await;
+    store_is(&service, false, Duration::from_secs(20)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    nothing_dead_lettered(&service.tally);
+    assert!(
+        !service.store_available(),
+        "the probe sees the privilege missing"
+    );
+
+    psql(&format!("GRANT INSERT ON {schema}.notifications TO {role}"));
+    store_is(&service, true, Duration::from_secs(20)).await;
+    processed(&service.tally, BEFORE + AFTER, Duration::from_secs(60)).await;
+    let tally = Arc::clone(&service.tally);
+    service.shutdown();
+    service.join().await.expect("clean shutdown");
+    nothing_dead_lettered(&tally);
+    scenario.dead_letter_queues_are_empty().await;
+    once_each(&admin.stats().await.expect("stats"), BEFORE + AFTER);
+    drop(store);
+    admin.drop_schema().await.expect("drop schema");
+    psql(&format!("DROP OWNED BY {role}; DROP ROLE {role}"));
     scenario.remove_topology().await;
 }
 
@@ -604,17 +672,13 @@ async fn broker_outage_reconnects_and_loses_nothing<S: ParcelStore>(
 ) {
     const BEFORE: u64 = 4;
     const AROUND: u64 = 40;
+    // Its service sets the process-wide gauge too.
+    let _gauge = GAUGE.lock().await;
     let rabbit = PrivateRabbit::start().await;
     let scenario = Scenario::new("broker-outage", &rabbit.url());
     let store = connect_store(&shared_database(), &scenario.schema).await;
     store.migrate_all().await.expect("migrate");
-    let service = scenario.start(&store);
-    service
-        .wait_consuming(1, Duration::from_secs(30))
-        .await
-        .expect("consuming");
-    scenario.publish(BEFORE as usize, 1).await;
-    processed(&service.tally, BEFORE, Duration::from_secs(30)).await;
+    let service = scenario.running(&store, BEFORE).await;
 
     // Some of these are processed, some in flight, some still queued when
     // the broker goes.
@@ -683,6 +747,11 @@ macro_rules! outage_tests {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn schema_dropped_mid_run_pauses_until_migrated() {
             super::schema_dropped_mid_run_pauses_until_migrated($connect).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn privilege_revoked_mid_run_pauses_until_granted() {
+            super::privilege_revoked_mid_run_pauses_until_granted($connect).await;
         }
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

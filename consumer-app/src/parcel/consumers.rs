@@ -55,6 +55,15 @@ impl<T: ParcelEffects> Handler<T> for NotificationConsumer {
         event.validate()
     }
 
+    /// Its own write of a probe event, in the check's rolled-back
+    /// transaction: the table, its columns, the role's privileges (the
+    /// sequence's too) exactly as a message needs them.
+    async fn check(&self, tx: &mut T) -> Result<(), AppError> {
+        self.handle(tx, MessageId::new_v7(), &ParcelCreatedEvent::probe())
+            .await
+            .map(drop)
+    }
+
     async fn handle(
         &self,
         tx: &mut T,
@@ -136,6 +145,15 @@ impl<T: ParcelEffects> Handler<T> for CarrierAssignmentConsumer {
 
     fn validate(&self, event: &ParcelCreatedEvent) -> Result<(), String> {
         event.validate()
+    }
+
+    /// Its own write of a probe event, in the check's rolled-back
+    /// transaction: the table, its columns, the role's privileges (the
+    /// sequence's too) exactly as a message needs them.
+    async fn check(&self, tx: &mut T) -> Result<(), AppError> {
+        self.handle(tx, MessageId::new_v7(), &ParcelCreatedEvent::probe())
+            .await
+            .map(drop)
     }
 
     async fn handle(

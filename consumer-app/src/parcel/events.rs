@@ -30,6 +30,16 @@ pub struct ParcelCreatedEvent {
 }
 
 impl ParcelCreatedEvent {
+    /// An event no producer sends, for the consumers' store checks (their
+    /// write of it is always rolled back).
+    pub fn probe() -> Self {
+        Self {
+            parcel_id: "inbox-store-check".into(),
+            tracking_number: "PROBE".into(),
+            destination: "nowhere".into(),
+        }
+    }
+
     /// The longest accepted text field, in bytes.
     pub const MAX_FIELD_LEN: usize = 200;
 

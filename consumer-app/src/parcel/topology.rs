@@ -6,8 +6,9 @@
 //! each queue ──x-dead-letter-exchange──► {queue}.dlx (fanout) ──► {queue}.dlq (quorum)
 //! ```
 //!
-//! The shape (quorum queues, dead-letter exchanges, the delivery limit) is
-//! the runtime's [`runtime::Topology`]; this names its parts per [`Role`].
+//! The shape (quorum queues unless `--queue-type classic`, dead-letter
+//! exchanges, the delivery limit) is the runtime's [`runtime::Topology`];
+//! this names its parts per [`Role`].
 
 use lapin::Channel;
 

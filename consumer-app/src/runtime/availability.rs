@@ -19,10 +19,11 @@
 //! requeue), and after [`AvailabilityConfig::threshold`] of them in a row
 //! the circuit opens. Each consumer then cancels its subscription (the
 //! broker keeps the messages), hands back what the broker had already sent,
-//! and waits; one probe task checks the store with backoff
-//! ([`check_store`]: a claim in a transaction that is rolled back, so the
-//! schema and the role's privileges are checked too) and closes the circuit
-//! when it answers; the consumers subscribe again.
+//! and waits; one probe task checks the store with backoff (`check_store`:
+//! a claim and every handler's own [`crate::runtime::Handler::check`] in a
+//! transaction that is rolled back, so the schema and the role's privileges
+//! are checked too) and closes the circuit when it passes; the consumers
+//! subscribe again.
 //!
 //! Each transition logs exactly one line (WARN "store unavailable,
 //! consumption paused" with the cause, INFO "store available again,
@@ -32,10 +33,11 @@
 //! and [`crate::runtime::ServiceHandle::store_availability`] expose the
 //! state, e.g. for a readiness endpoint.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use futures::future::BoxFuture;
 use inbox_api::metrics as names;
 use inbox_api::{
     BatchTransaction, ConsumerName, InboxKey, InboxStore, InboxTransaction, MessageId,
@@ -52,39 +54,62 @@ use crate::runtime::shutdown::stopped;
 /// the claim is rolled back anyway.
 const PROBE_CONSUMER: &str = "inbox-availability-probe";
 
-/// Checks that `store` can serve the inbox now: a transaction opens, a
-/// claim (the inbox's first write) succeeds, and, for batched mode, a
-/// savepoint too; then everything is rolled back. A missing or unmigrated
-/// schema, a role without privileges on the inbox table or a store that
-/// cannot be reached fail here as they would fail every message.
+/// What a consumer needs of the store beyond the inbox, checked inside the
+/// store check's transaction: its handler's
+/// [`crate::runtime::Handler::check`], with the handler's type erased.
+pub(crate) trait StoreCheck<Tx>: Send + Sync {
+    /// Runs the check in `tx`.
+    fn check<'a>(&'a self, tx: &'a mut Tx) -> BoxFuture<'a, Result<(), AppError>>;
+}
+
+/// The checks of a service's consumers.
+pub(crate) type StoreChecks<Tx> = Arc<[Arc<dyn StoreCheck<Tx>>]>;
+
+/// Checks that `store` can serve the consumers now: a transaction opens, a
+/// claim (the inbox's first write) succeeds, for batched mode a savepoint
+/// too, and each of `checks` (the handlers' own tables) passes; then
+/// everything is rolled back. A missing or unmigrated schema, a role
+/// without privileges or a store that cannot be reached fail here as they
+/// would fail every message.
 ///
 /// # Errors
 /// The store's error ([`AppError::is_store_unavailable`] tells an outage or
 /// an unusable schema); [`AppError::Config`] when `batched` and the store
 /// has no savepoints.
-pub async fn check_store<S>(store: &S, batched: bool) -> Result<(), AppError>
+pub(crate) async fn check_store<S>(
+    store: &S,
+    batched: bool,
+    checks: &[Arc<dyn StoreCheck<S::Transaction>>],
+) -> Result<(), AppError>
 where
     S: InboxStore<Transaction: BatchTransaction>,
 {
     let key = InboxKey::new(MessageId::new_v7(), ConsumerName::new(PROBE_CONSUMER)?);
     let mut tx = store.begin().await?;
-    let claimed = tx.claim(&key).await;
-    let savepoint = match (&claimed, batched) {
-        (Ok(_), true) => Some(tx.savepoint().await),
-        _ => None,
-    };
+    let checked = async {
+        let _fresh_or_duplicate = tx.claim(&key).await?;
+        if batched {
+            tx.savepoint().await.map_err(|error| {
+                if error.is_retryable() {
+                    AppError::from(error)
+                } else {
+                    AppError::Config(format!(
+                        "batched mode (--batch-size) needs savepoints, which this store refused: {}",
+                        chain(&error)
+                    ))
+                }
+            })?;
+        }
+        for check in checks {
+            check.check(&mut tx).await?;
+        }
+        Ok(())
+    }
+    .await;
     if let Err(error) = tx.rollback().await {
         tracing::debug!(error = %error, "rollback after the store check failed");
     }
-    let _fresh_or_duplicate = claimed?;
-    match savepoint {
-        None | Some(Ok(())) => Ok(()),
-        Some(Err(error)) if error.is_retryable() => Err(error.into()),
-        Some(Err(error)) => Err(AppError::Config(format!(
-            "batched mode (--batch-size) needs savepoints, which this store refused: {}",
-            chain(&error)
-        ))),
-    }
+    checked
 }
 
 /// The shared state of the store circuit; see the module docs.
@@ -191,6 +216,7 @@ impl StoreCircuit {
         &self,
         store: S,
         batched: bool,
+        checks: StoreChecks<S::Transaction>,
         mut shutdown: watch::Receiver<bool>,
     ) where
         S: InboxStore<Transaction: BatchTransaction>,
@@ -219,7 +245,7 @@ impl StoreCircuit {
                     () = stopped(&mut shutdown) => return,
                     () = tokio::time::sleep(delay) => {}
                 }
-                match check_store(&store, batched).await {
+                match check_store(&store, batched, &checks).await {
                     Ok(()) => {
                         self.close();
                         break;

@@ -20,8 +20,10 @@ pub struct WorkerConfig {
     pub retry_attempts: u32,
     /// Backoff before the second attempt; doubled each time.
     pub retry_base_delay: Duration,
-    /// Deliveries of one message (per the broker's count) before it is
-    /// dead-lettered as `retries_exhausted`.
+    /// Failed deliveries of one message before it is dead-lettered as
+    /// `retries_exhausted`: the larger of the broker's `x-delivery-count`
+    /// and the store's attempt ledger, so the cap holds on queues that
+    /// count nothing (classic queues, nacks on RabbitMQ 4.3).
     pub max_deliveries: u32,
     /// The largest body accepted.
     pub max_body_bytes: usize,

@@ -63,4 +63,20 @@ pub trait Handler<Tx>: Send + Sync + 'static {
         drop(intent);
         async { Ok(()) }
     }
+
+    /// Checks that the store has what [`Handler::handle`] needs beyond the
+    /// inbox (the handler's own tables, the role's privileges on them),
+    /// inside a transaction that is then rolled back. The runtime asks
+    /// before consuming (a failure with a store-wide error refuses the
+    /// start) and whenever it probes the store during an outage (consumption
+    /// stays paused until it passes), so that a missing table is found once,
+    /// not by every message. The default checks nothing.
+    ///
+    /// # Errors
+    /// What is missing, classified like any store error (a missing table
+    /// or a privilege is the store's failure, not a message's).
+    fn check(&self, tx: &mut Tx) -> impl Future<Output = Result<(), AppError>> + Send {
+        let _ = tx;
+        async { Ok(()) }
+    }
 }

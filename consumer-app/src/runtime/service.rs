@@ -47,7 +47,7 @@ use tokio::task::JoinSet;
 
 use crate::runtime::ack::{AckTracker, collect};
 use crate::runtime::amqp::{connect_with_backoff, no_args};
-use crate::runtime::availability::{StoreCircuit, check_store};
+use crate::runtime::availability::{StoreCheck, StoreChecks, StoreCircuit, check_store};
 use crate::runtime::backoff::RECONNECT;
 use crate::runtime::config::{CleanupConfig, ServiceConfig};
 use crate::runtime::error::chain;
@@ -134,6 +134,8 @@ impl<S: ServiceStore> Service<S> {
         let store = self.store;
         let circuit = Arc::new(StoreCircuit::new(config.availability));
         let availability = circuit.subscribe();
+        let checks: StoreChecks<S::Transaction> =
+            self.consumers.iter().map(|c| c.store_check()).collect();
         let supervisor = Supervisor {
             inbox: Arc::new(Inbox::new(store.clone())),
             config: config.clone(),
@@ -142,12 +144,15 @@ impl<S: ServiceStore> Service<S> {
             sessions: sessions_tx,
             broker: broker_tx,
             circuit: Arc::clone(&circuit),
+            checks: Arc::clone(&checks),
         };
         let mut background = Vec::new();
         let batched = config.worker.batch.is_some();
         let (probe_store, probe_stop) = (store.clone(), shutdown_rx.clone());
         background.push(tokio::spawn(async move {
-            circuit.probe_loop(probe_store, batched, probe_stop).await;
+            circuit
+                .probe_loop(probe_store, batched, checks, probe_stop)
+                .await;
         }));
         if let Some(cleanup) = config.cleanup.clone() {
             background.push(tokio::spawn(cleanup_loop(
@@ -196,6 +201,9 @@ trait Consume<S: ServiceStore>: Send + Sync {
     /// Where its counters go and what its metrics are called.
     fn count_into(&mut self, tally: Arc<ConsumerTally>, names: MetricNames);
 
+    /// Its handler's check of the store, for the store check.
+    fn store_check(&self) -> Arc<dyn StoreCheck<S::Transaction>>;
+
     /// Opens its channels on `connection`; the loop is then ready to spawn.
     fn open<'a>(
         &'a self,
@@ -225,6 +233,10 @@ where
     fn count_into(&mut self, tally: Arc<ConsumerTally>, names: MetricNames) {
         self.tally = tally;
         self.metric_names = names;
+    }
+
+    fn store_check(&self) -> Arc<dyn StoreCheck<S::Transaction>> {
+        Arc::new(HandlerCheck(Arc::clone(&self.handler)))
     }
 
     fn open<'a>(
@@ -262,6 +274,15 @@ where
                 Box::new(move |shutdown| Box::pin(queue_loop(channel, worker, shutdown)));
             Ok(run)
         })
+    }
+}
+
+/// A handler as a [`StoreCheck`].
+struct HandlerCheck<H>(Arc<H>);
+
+impl<Tx, H: Handler<Tx>> StoreCheck<Tx> for HandlerCheck<H> {
+    fn check<'a>(&'a self, tx: &'a mut Tx) -> BoxFuture<'a, Result<(), AppError>> {
+        Box::pin(self.0.check(tx))
     }
 }
 
@@ -367,7 +388,7 @@ async fn pause_after(
     }
 }
 
-struct Supervisor<S> {
+struct Supervisor<S: ServiceStore> {
     inbox: Arc<Inbox<S>>,
     config: ServiceConfig,
     topology: Topology,
@@ -376,6 +397,7 @@ struct Supervisor<S> {
     /// True while a session consumes (see [`ServiceHandle::broker_connected`]).
     broker: watch::Sender<bool>,
     circuit: Arc<StoreCircuit>,
+    checks: StoreChecks<S::Transaction>,
 }
 
 impl<S: ServiceStore> Supervisor<S> {
@@ -388,7 +410,7 @@ impl<S: ServiceStore> Supervisor<S> {
         // starting, restarting) is asked again.
         let batched = self.config.worker.batch.is_some();
         loop {
-            match check_store(self.inbox.store(), batched).await {
+            match check_store(self.inbox.store(), batched, &self.checks).await {
                 Ok(()) => break,
                 Err(error) if error.is_retryable() => {
                     failures += 1;
@@ -533,8 +555,19 @@ where
                 Err(_) => Step::Stop,
             },
         };
-        let permit = match step {
-            Step::Permit(permit) => permit,
+        // With a worker's slot, the next delivery; the pause and shutdown
+        // are watched while waiting for either.
+        let step = match step {
+            Step::Permit(permit) => tokio::select! {
+                biased;
+                () = stopped(&mut shutdown) => Step::Stop,
+                Ok(_) = available.wait_for(|up| !*up) => Step::Pause,
+                next = current.consumer.next() => Step::Next(next, permit),
+            },
+            other => other,
+        };
+        let (next, permit) = match step {
+            Step::Next(next, permit) => (next, permit),
             Step::Pause => match pause(
                 &channel,
                 &worker,
@@ -548,32 +581,6 @@ where
                 Ok(false) => break None,
                 Err(error) => break Some(error),
             },
-            Step::Stop | Step::Next(_) => break None,
-        };
-        let step = tokio::select! {
-            biased;
-            () = stopped(&mut shutdown) => Step::Stop,
-            Ok(_) = available.wait_for(|up| !*up) => Step::Pause,
-            next = current.consumer.next() => Step::Next(next),
-        };
-        let next = match step {
-            Step::Next(next) => next,
-            Step::Pause => {
-                drop(permit);
-                match pause(
-                    &channel,
-                    &worker,
-                    &mut current,
-                    &mut available,
-                    &mut shutdown,
-                )
-                .await
-                {
-                    Ok(true) => continue,
-                    Ok(false) => break None,
-                    Err(error) => break Some(error),
-                }
-            }
             Step::Stop | Step::Permit(_) => break None,
         };
         match next {
@@ -662,7 +669,10 @@ enum Step {
     Stop,
     Pause,
     Permit(tokio::sync::OwnedSemaphorePermit),
-    Next(Option<Result<lapin::message::Delivery, lapin::Error>>),
+    Next(
+        Option<Result<lapin::message::Delivery, lapin::Error>>,
+        tokio::sync::OwnedSemaphorePermit,
+    ),
 }
 
 /// A queue's subscription (`basic.consume`): its deliveries and its tag.

@@ -206,6 +206,10 @@ impl<Tx: Send, H: Handler<Tx>> Handler<Tx> for Faulty<H> {
     async fn after_commit(&self, intent: Self::Intent) -> Result<(), AppError> {
         self.inner.after_commit(intent).await
     }
+
+    async fn check(&self, tx: &mut Tx) -> Result<(), AppError> {
+        self.inner.check(tx).await
+    }
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@
 //! pool is clean after crashes, and migrations are shared, idempotent and
 //! safe to run at once. The outbox's lease statements skip rows other
 //! connections lock, run out on the database clock, and walk their partial
-//! indexes.
+//! indexes; so do the attempt ledger's dead listing and purge.
 //!
 //! Shaped like the contract suite: plain `pub async fn`s generic over a
 //! [`PgHarness`], each returning an [`crate::Outcome`], and one macro,
@@ -14,6 +14,7 @@
 //! one named `#[test]` per scenario. [`support`] holds what the drivers'
 //! test scaffolding shares (database URL, schema names, the sweep rule).
 
+mod ledger;
 mod outbox;
 mod scenarios;
 pub mod support;
@@ -22,6 +23,7 @@ use async_trait::async_trait;
 use inbox_api::InboxError;
 use inbox_postgres::SessionTimeouts;
 
+pub use ledger::*;
 pub use outbox::*;
 pub use scenarios::*;
 
@@ -134,6 +136,7 @@ macro_rules! __with_postgres_tests {
             outbox_parallel_relays_take_each_message_once,
             outbox_a_dead_relays_lease_runs_out_on_the_database_clock,
             outbox_take_and_purge_use_their_partial_indexes,
+            ledger_dead_list_and_purge_use_their_indexes,
         }
     };
 }

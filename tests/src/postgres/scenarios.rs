@@ -30,6 +30,33 @@ pub(super) async fn migrated<H: PgHarness>(h: &H, pool: usize) -> Result<H::Stor
     Ok(store)
 }
 
+/// Fails unless the plan of `sql` walks `index` and has no sequential
+/// scan of any table in `tables`.
+pub(super) async fn expect_index<H: PgHarness>(
+    h: &H,
+    store: &H::Store,
+    sql: &str,
+    index: &str,
+    tables: &[&str],
+) -> Outcome {
+    let plan = h.explain(store, sql).await?;
+    check!(
+        plan.iter().any(|l| l.contains(index)),
+        "the plan does not use {index}:\n{}",
+        plan.join("\n")
+    );
+    for table in tables {
+        check!(
+            !plan
+                .iter()
+                .any(|l| l.contains(&format!("Seq Scan on {table}"))),
+            "the plan scans {table}:\n{}",
+            plan.join("\n")
+        );
+    }
+    Ok(())
+}
+
 /// One delivery through the middleware: the work records one effect.
 async fn deliver<H: PgHarness>(
     h: &H,
@@ -653,25 +680,17 @@ pub async fn purge_uses_the_partial_index_and_deletes_exactly_the_expired_rows<H
     seed(h, &store, 20_000, 1).await?;
     seed(h, &store, 200, 30).await?;
     h.side_execute(&store, "ANALYZE inbox_messages").await?;
-    let plan = h
-        .explain(
-            &store,
-            &sql::PURGE_BATCH
-                .replace("$1", "now() - interval '7 days'")
-                .replace("$2", "1000"),
-        )
-        .await?;
-    check!(
-        plan.iter()
-            .any(|l| l.contains("inbox_messages_processed_at_idx")),
-        "the purge does not use the partial index:\n{}",
-        plan.join("\n")
-    );
-    check!(
-        !plan.iter().any(|l| l.contains("Seq Scan")),
-        "the purge scans the table:\n{}",
-        plan.join("\n")
-    );
+    let purge = sql::PURGE_BATCH
+        .replace("$1", "now() - interval '7 days'")
+        .replace("$2", "1000");
+    expect_index(
+        h,
+        &store,
+        &purge,
+        "inbox_messages_processed_at_idx",
+        &["inbox_messages"],
+    )
+    .await?;
     let cutoff = chrono::Utc::now() - chrono::Duration::days(7);
     let mut purged = 0;
     loop {
