@@ -147,7 +147,30 @@ impl Children {
         child.kill().await.expect("SIGKILL the consumer");
     }
 
-    /// Sends `signal` (`STOP`, `CONT`) to process `pid`.
+    /// SIGTERM to child `name`; its exit code once it is gone, and how long
+    /// that took. Fails (the child killed, its log printed) when it is
+    /// still there after `limit`.
+    async fn terminate(&self, name: &str, limit: Duration) -> (Option<i32>, Duration) {
+        let mut child = {
+            let mut running = self.running.lock().expect("children");
+            let index = running
+                .iter()
+                .position(|(n, _)| n == name)
+                .expect("a child of that name");
+            running.remove(index).1
+        };
+        let started = Instant::now();
+        Self::signal(child.id().expect("running"), "TERM").await;
+        match tokio::time::timeout(limit, child.wait()).await {
+            Ok(status) => (status.expect("wait").code(), started.elapsed()),
+            Err(_) => {
+                let _ = child.start_kill();
+                panic!("child {name} still running {limit:?} after SIGTERM");
+            }
+        }
+    }
+
+    /// Sends `signal` (`STOP`, `CONT`, `TERM`) to process `pid`.
     async fn signal(pid: u32, signal: &str) {
         let status = tokio::process::Command::new("kill")
             .args([format!("-{signal}"), pid.to_string()])
@@ -190,29 +213,29 @@ async fn within_limit(body: impl Future<Output = ()>) {
         .unwrap_or_else(|_| panic!("the test ran over {WALL_CLOCK_LIMIT:?}"));
 }
 
-async fn killed_process_redelivers_exactly_once<S: ParcelStore>(store: S, kind: &str, id: &str) {
-    let children = Children::new(id);
-    within_limit(killed_process_redelivers(&children, store, kind, id)).await;
-}
-
-async fn killed_process_redelivers<S: ParcelStore>(
+/// Starts child `name` on `kind`'s store with a work delay of `delay_ms`
+/// inside each transaction, publishes 40 events to it and returns once it
+/// committed a few of them: its workers are now busy mid-stream. Returns
+/// the topology (queues under `test-{name}-{kind}-{id}.`).
+async fn busy_child<S: ParcelStore>(
     children: &Children,
-    store: S,
-    kind: &str,
-    id: &str,
-) {
-    let prefix = format!("test-kill-{kind}-{id}.");
+    store: &S,
+    name: &str,
+    (kind, id): (&str, &str),
+    delay_ms: &str,
+) -> Topology {
+    let prefix = format!("test-{name}-{kind}-{id}.");
     let schema = format!("app_test_{id}");
     let topology = Topology::new(&prefix);
     // `publish` declares the topology itself, so the messages are routed
     // whether or not the child got there first.
     let plan = Plan::new(40, 0.0, 9, &format!("P{schema}")).expect("plan");
     children.spawn(
-        "killed",
+        name,
         kind,
         (&database_url(), AMQP_URL),
         (&schema, &prefix),
-        &["--fault-work-delay-ms", "200"],
+        &["--fault-work-delay-ms", delay_ms],
     );
     publish(AMQP_URL, &topology, &plan.messages, false)
         .await
@@ -226,6 +249,21 @@ async fn killed_process_redelivers<S: ParcelStore>(
         },
     )
     .await;
+    topology
+}
+
+async fn killed_process_redelivers_exactly_once<S: ParcelStore>(store: S, kind: &str, id: &str) {
+    let children = Children::new(id);
+    within_limit(killed_process_redelivers(&children, store, kind, id)).await;
+}
+
+async fn killed_process_redelivers<S: ParcelStore>(
+    children: &Children,
+    store: S,
+    kind: &str,
+    id: &str,
+) {
+    let topology = busy_child(children, &store, "killed", (kind, id), "200").await;
     children.kill("killed").await;
     let before = store.stats().await.expect("stats");
     assert!(
@@ -233,6 +271,24 @@ async fn killed_process_redelivers<S: ParcelStore>(
         "killed mid-stream: {before}"
     );
 
+    let redelivered = drained_exactly_once(&store, &topology, id, 40).await;
+    assert!(
+        redelivered >= 1,
+        "the killed process's unacked deliveries came back"
+    );
+    clean_up(&store, &topology).await;
+}
+
+/// A second consumer (in process) drains what is left; then every one of
+/// the `n` messages has its effects exactly once. Returns how many
+/// deliveries came back to it already handled or half done (processed on
+/// a redelivery, or discarded as duplicates).
+async fn drained_exactly_once<S: ParcelStore>(
+    store: &S,
+    topology: &Topology,
+    id: &str,
+    n: u64,
+) -> u64 {
     let service = spawn(
         store.clone(),
         ServiceConfig {
@@ -251,7 +307,7 @@ async fn killed_process_redelivers<S: ParcelStore>(
             gauge_interval: None,
             availability: Default::default(),
         },
-        &topology,
+        topology,
         consumer_app::parcel::downstream::Downstreams {
             carrier: Arc::new(StubCarrier::default()),
             notifier: Arc::new(StubNotifier::default()),
@@ -264,7 +320,7 @@ async fn killed_process_redelivers<S: ParcelStore>(
         Duration::from_secs(40),
         async || {
             let stats = store.stats().await.expect("stats");
-            stats.carrier_assignments.rows >= 40 && stats.notifications.rows >= 40
+            stats.carrier_assignments.rows >= n && stats.notifications.rows >= n
         },
     )
     .await;
@@ -279,23 +335,46 @@ async fn killed_process_redelivers<S: ParcelStore>(
             get(&t.redelivered_processed) + get(&t.duplicates)
         })
         .sum();
-    assert!(
-        redelivered >= 1,
-        "the killed process's unacked deliveries came back"
-    );
     let stats = store.stats().await.expect("stats");
-    assert_exactly_once(&stats, 40);
+    assert_exactly_once(&stats, n);
+    redelivered
+}
+
+/// The bound on a graceful stop: an attempt in flight finishes within the
+/// handle timeout (30 s by default), and nothing else waits.
+const SHUTDOWN_LIMIT: Duration = Duration::from_secs(30);
+
+/// SIGTERM to the consume binary while each of its workers is inside a
+/// transaction (a 300 ms work delay): the work in flight commits and is
+/// acked, or is handed back; the process exits 0 well within
+/// [`SHUTDOWN_LIMIT`]; a second consumer then drains the rest and every
+/// message has its effects exactly once.
+async fn terminated_process_exits_0_and_loses_nothing<S: ParcelStore>(
+    children: &Children,
+    store: S,
+    kind: &str,
+    id: &str,
+) {
+    let topology = busy_child(children, &store, "terminated", (kind, id), "300").await;
+
+    let (code, took) = children.terminate("terminated", SHUTDOWN_LIMIT).await;
+
+    assert_eq!(code, Some(0), "a graceful stop exits 0 (after {took:?})");
+    eprintln!("graceful stop after SIGTERM: exit 0 in {took:?}");
+    let after = store.stats().await.expect("stats");
+    assert!(
+        after.carrier_assignments.rows < 40,
+        "stopped mid-stream: {after}"
+    );
+    assert_eq!(after.carrier_assignments.double_effects(), 0, "{after}");
+    assert_eq!(after.notifications.double_effects(), 0, "{after}");
+    drained_exactly_once(&store, &topology, id, 40).await;
     clean_up(&store, &topology).await;
 }
 
 /// Deletes the test's queues and exchanges and drops its schema.
 async fn clean_up<S: ParcelStore>(store: &S, topology: &Topology) {
-    let connection = connect(AMQP_URL, "parcel-lab test cleanup")
-        .await
-        .expect("connect");
-    let channel = connection.create_channel().await.expect("channel");
-    topology.delete(&channel).await.expect("delete topology");
-    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
+    topology.remove(AMQP_URL).await.expect("delete topology");
     store.drop_schema().await.expect("drop schema");
 }
 
@@ -524,4 +603,17 @@ async fn frozen_process_is_bounded_by_the_database_sqlx() {
 async fn frozen_process_is_bounded_by_the_database_diesel() {
     let id = unique();
     frozen_process_is_bounded_by_the_database(diesel_store(&id).await, "diesel", &id).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminated_process_exits_0_and_loses_nothing_sqlx() {
+    let id = unique();
+    let children = Children::new(&id);
+    within_limit(terminated_process_exits_0_and_loses_nothing(
+        &children,
+        sqlx_store(&id).await,
+        "sqlx",
+        &id,
+    ))
+    .await;
 }
