@@ -228,6 +228,7 @@ async fn the_service_cleanup_loops_of_two_instances_delete_the_old_rows_only() {
     age_every_row(&store).await;
     let new = processed(&store, 10).await;
     let topology = Topology::new(format!("test-cleanup-{schema}."));
+    let _remove = topology.remove_on_drop(AMQP_URL);
     let start = |n: u32| {
         let config = ServiceConfig {
             cleanup: Some(CleanupConfig {
@@ -260,7 +261,6 @@ async fn the_service_cleanup_loops_of_two_instances_delete_the_old_rows_only() {
             .expect("clean shutdown");
     }
     only_the_newer_rows_remain(&store, &old, &new).await;
-    topology.remove(AMQP_URL).await.expect("delete topology");
     store.drop_schema().await.expect("drop schema");
 }
 

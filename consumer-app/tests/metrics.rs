@@ -149,6 +149,8 @@ async fn metric_values_follow_what_the_service_did() {
     let id = uuid::Uuid::new_v4().simple().to_string()[..10].to_owned();
     let prefix = format!("test-metrics-{id}.");
     let topology = Topology::new(&prefix);
+    // The queues go when the test ends, passed or failed.
+    let _remove = topology.remove_on_drop(AMQP_URL);
     let store = MemoryStore::new();
 
     // 20 events and 10 copies of them; one more event that always fails in
@@ -282,6 +284,4 @@ async fn metric_values_follow_what_the_service_did() {
     assert_eq!(purged, 41);
     recorded.refresh();
     assert_eq!(recorded.counter(names::PURGED_ROWS, &[]), 41);
-
-    topology.remove(AMQP_URL).await.expect("delete topology");
 }

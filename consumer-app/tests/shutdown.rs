@@ -57,6 +57,8 @@ async fn shutdown_during_backoff(test: &str, retry_attempts: u32, bound: Duratio
     let exchange = format!("test-{test}-{id}.events");
     let queue = format!("test-{test}-{id}.work");
     let topology = Topology::new(&exchange).bind(&queue, "test.event");
+    // The queues go when the test ends, passed or failed.
+    let _remove = topology.remove_on_drop(AMQP_URL);
     let attempts = Arc::new(AtomicU32::new(0));
     let config = ServiceConfig {
         worker: WorkerConfig {
@@ -135,7 +137,6 @@ async fn shutdown_during_backoff(test: &str, retry_attempts: u32, bound: Duratio
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    topology.delete(&channel).await.expect("delete topology");
     consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
 }
 

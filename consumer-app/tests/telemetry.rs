@@ -17,6 +17,7 @@ use consumer_app::parcel::store::ParcelStore;
 use consumer_app::parcel::topology::Topology;
 use consumer_app::runtime::amqp::Outgoing;
 use consumer_app::runtime::telemetry::{self, Health, Running};
+use consumer_app::runtime::topology::RemoveOnDrop;
 use consumer_app::tools::publish::publish;
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Bytes;
@@ -285,6 +286,8 @@ struct Fixture {
     schema: String,
     prefix: String,
     store: SqlxStore,
+    /// The queues go when the test ends, passed or failed.
+    _remove: RemoveOnDrop,
 }
 
 impl Fixture {
@@ -295,9 +298,11 @@ impl Fixture {
             .await
             .expect("PostgreSQL reachable (bash .ci/services.sh)");
         store.migrate_all().await.expect("migrate");
+        let prefix = format!("test-{name}-{id}.");
         Self {
             schema,
-            prefix: format!("test-{name}-{id}."),
+            _remove: Topology::new(&prefix).remove_on_drop(AMQP_URL),
+            prefix,
             store,
         }
     }
@@ -325,10 +330,6 @@ impl Fixture {
     }
 
     async fn teardown(self) {
-        self.topology()
-            .remove(AMQP_URL)
-            .await
-            .expect("delete topology");
         self.store.drop_schema().await.expect("drop schema");
     }
 }

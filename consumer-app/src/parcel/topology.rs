@@ -99,6 +99,12 @@ impl Topology {
         self.runtime().remove(amqp_url).await
     }
 
+    /// Deletes it when the guard is dropped, also when a test panics (see
+    /// [`runtime::Topology::remove_on_drop`]).
+    pub fn remove_on_drop(&self, amqp_url: &str) -> runtime::topology::RemoveOnDrop {
+        self.runtime().remove_on_drop(amqp_url)
+    }
+
     /// Ready (unacknowledged ones excluded) messages in a queue, by a passive
     /// declare.
     ///

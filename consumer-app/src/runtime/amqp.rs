@@ -4,7 +4,6 @@
 //! not take is an error here, never a silent loss.
 
 use std::collections::VecDeque;
-use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::FieldTable;
@@ -16,6 +15,7 @@ use serde::Serialize;
 use crate::runtime::AppError;
 use crate::runtime::backoff::RECONNECT;
 use crate::runtime::redact::redact_url;
+use crate::runtime::shutdown::bounded;
 
 /// Opens one connection, named so that `rabbitmqctl list_connections
 /// user_provided_name` shows which instance it is.
@@ -237,11 +237,9 @@ impl Publisher {
         check_confirm(confirm).await
     }
 
-    /// Closes the channel.
+    /// Closes the channel (bounded).
     pub async fn close(self) {
-        if let Err(error) = self.channel.close(200, "bye".into()).await {
-            tracing::debug!(error = %error, "closing the publisher channel failed");
-        }
+        close_channel_bounded(&self.channel, "publisher done").await;
     }
 }
 
@@ -263,22 +261,22 @@ async fn check_confirm(confirm: PublisherConfirm) -> Result<(), AppError> {
     Ok(())
 }
 
-/// How long a teardown step (a close, a topology delete) may take before
-/// it is given up with a log line.
-pub const TEARDOWN_LIMIT: Duration = Duration::from_secs(10);
-
-/// Closes `connection`, waiting at most [`TEARDOWN_LIMIT`] for the broker's
-/// answer: lapin's close can wait forever for a close-ok that never comes
-/// once the socket is gone, and a caller that is only tidying up must not
-/// hang on it.
+/// Closes `connection`, giving up after
+/// [`crate::runtime::shutdown::TEARDOWN_LIMIT`] with a log line: lapin's
+/// close can wait for ever for a close-ok that never comes once the socket
+/// is gone, and a caller that is only tidying up must not hang on it.
 pub async fn close_bounded(connection: &Connection, reason: &str) {
     let close = connection.close(200, reason.into());
-    match tokio::time::timeout(TEARDOWN_LIMIT, close).await {
-        Ok(_) => {}
-        Err(_) => tracing::warn!(
-            reason,
-            "AMQP connection close not answered in 10 s; going on"
-        ),
+    if let Some(Err(error)) = bounded("close the AMQP connection", close).await {
+        tracing::debug!(reason, error = %error, "closing the AMQP connection failed");
+    }
+}
+
+/// Closes `channel`, bounded like [`close_bounded`].
+pub async fn close_channel_bounded(channel: &Channel, reason: &str) {
+    let close = channel.close(200, reason.into());
+    if let Some(Err(error)) = bounded("close the AMQP channel", close).await {
+        tracing::debug!(reason, error = %error, "closing the AMQP channel failed");
     }
 }
 

@@ -26,8 +26,8 @@
 //! - [`relay`]: [`Relay`], the outbox's publisher (confirms, stable ids).
 //! - [`replay`]: moving dead letters back to their queue after a fix.
 //! - [`config`], [`topology`], [`message`]: settings, queue names, decoding.
-//! - [`amqp`], [`backoff`], [`telemetry`], [`tally`], [`redact`],
-//!   [`error`]: plumbing.
+//! - [`amqp`], [`backoff`], [`shutdown`], [`telemetry`], [`tally`],
+//!   [`redact`], [`error`]: plumbing.
 
 pub mod amqp;
 pub mod availability;
@@ -41,12 +41,12 @@ pub mod relay;
 pub mod replay;
 pub mod service;
 pub mod settle;
+pub mod shutdown;
 pub mod tally;
 pub mod telemetry;
 pub mod topology;
 
 mod ack;
-mod shutdown;
 mod worker;
 
 use inbox_api::{AttemptLedger, BatchTransaction, InboxStats, InboxStore};

@@ -50,7 +50,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::runtime::AppError;
-use crate::runtime::amqp::connect_with_backoff;
+use crate::runtime::amqp::{close_bounded, close_channel_bounded, connect_with_backoff};
 use crate::runtime::backoff::Backoff;
 use crate::runtime::error::chain;
 use crate::runtime::redact::redact_url;
@@ -267,7 +267,7 @@ impl<S: OutboxStore + 'static> Relay<S> {
             match self.round(&channel).await {
                 Ok(round) => {
                     if round.channel_broken {
-                        let _ = channel.close(200, "reopening after a failure".into()).await;
+                        close_channel_bounded(&channel, "reopening after a failure").await;
                     }
                     if round.confirmed == 0 && round.failed > 0 {
                         // The broker took nothing: an outage, a blocked
@@ -306,7 +306,7 @@ impl<S: OutboxStore + 'static> Relay<S> {
             }
         };
         if let Some((connection, _)) = broker {
-            let _ = connection.close(200, "relay stopping".into()).await;
+            close_bounded(&connection, "relay stopping").await;
         }
         tracing::info!("outbox relay stopped");
         result

@@ -46,7 +46,7 @@ use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
 
 use crate::runtime::ack::{AckTracker, collect};
-use crate::runtime::amqp::{connect_with_backoff, no_args};
+use crate::runtime::amqp::{close_bounded, close_channel_bounded, connect_with_backoff, no_args};
 use crate::runtime::availability::{StoreCheck, StoreChecks, StoreCircuit, check_store};
 use crate::runtime::backoff::RECONNECT;
 use crate::runtime::config::{CleanupConfig, ServiceConfig};
@@ -446,7 +446,7 @@ impl<S: ServiceStore> Supervisor<S> {
             };
             let result = self.session(&connection, shutdown.clone()).await;
             self.broker.send_replace(false);
-            let _ = connection.close(200, "service closing".into()).await;
+            close_bounded(&connection, "service closing").await;
             match result {
                 Ok(()) => {
                     tracing::info!("consumers stopped; connection closed");
@@ -474,7 +474,7 @@ impl<S: ServiceStore> Supervisor<S> {
             .await
             .map_err(|e| AppError::broker("open channel", e))?;
         self.topology.declare(&channel).await?;
-        let _ = channel.close(200, "topology declared".into()).await;
+        close_channel_bounded(&channel, "topology declared").await;
 
         let mut loops = JoinSet::new();
         let mut started = Vec::with_capacity(self.consumers.len());
@@ -651,11 +651,8 @@ where
         }
     }
     drop(current);
-    let _ = channel.close(200, "shutdown".into()).await;
-    let _ = worker
-        .dead_letter_channel
-        .close(200, "shutdown".into())
-        .await;
+    close_channel_bounded(&channel, "shutdown").await;
+    close_channel_bounded(&worker.dead_letter_channel, "shutdown").await;
     tracing::info!(%queue, "consumer stopped");
     Ok(())
 }

@@ -24,8 +24,9 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, ExchangeKind};
 
 use crate::runtime::AppError;
-use crate::runtime::amqp::{TEARDOWN_LIMIT, close_bounded, connect};
+use crate::runtime::amqp::{close_bounded, connect};
 use crate::runtime::message::long_string;
+use crate::runtime::shutdown::TEARDOWN_LIMIT;
 
 /// The broker's own cap on deliveries of one message (`x-delivery-limit`),
 /// above any sensible `max_deliveries`: only reached if the runtime cannot
@@ -255,6 +256,16 @@ impl Topology {
         result
     }
 
+    /// A guard that, when dropped, deletes this topology as
+    /// [`Topology::remove`] does: a test's queues go whether the test
+    /// passed or panicked half-way.
+    pub fn remove_on_drop(&self, amqp_url: &str) -> RemoveOnDrop {
+        RemoveOnDrop {
+            topology: self.clone(),
+            amqp_url: amqp_url.to_owned(),
+        }
+    }
+
     /// Ready (unacknowledged ones excluded) messages in a queue, by a passive
     /// declare.
     ///
@@ -302,6 +313,37 @@ async fn bind(channel: &Channel, queue: &str, exchange: &str, key: &str) -> Resu
         )
         .await
         .map_err(|e| AppError::broker(format!("bind {queue} to {exchange}"), e))
+}
+
+/// Deletes its topology when dropped (see [`Topology::remove_on_drop`]).
+/// Drop cannot await, so the removal runs on a thread of its own with a
+/// small runtime, each step bounded; a failure only logs.
+#[derive(Debug)]
+pub struct RemoveOnDrop {
+    topology: Topology,
+    amqp_url: String,
+}
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let topology = self.topology.clone();
+        let amqp_url = std::mem::take(&mut self.amqp_url);
+        let removal = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build();
+            match runtime {
+                Ok(runtime) => {
+                    if let Err(error) = runtime.block_on(topology.remove(&amqp_url)) {
+                        tracing::warn!(exchange = %topology.exchange, error = %error,
+                            "deleting the topology failed");
+                    }
+                }
+                Err(error) => tracing::warn!(error = %error, "no runtime to delete the topology"),
+            }
+        });
+        let _ = removal.join();
+    }
 }
 
 #[cfg(test)]

@@ -247,7 +247,10 @@ where
                     }
                     (Settle::Ack, _) => {
                         bump(&self.tally.duplicates);
-                        tracing::warn!(message_id = %item.message_id, consumer = %item.key.consumer,
+                        // Normal under at-least-once (a redelivery, a producer's
+                        // retry): the duplicates counter tells the rate, the
+                        // line is for following one message.
+                        tracing::debug!(message_id = %item.message_id, consumer = %item.key.consumer,
                             redelivered = item.delivery.redelivered, "duplicate delivery discarded");
                         acks.push(i);
                     }

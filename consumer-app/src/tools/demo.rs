@@ -25,7 +25,7 @@ use crate::parcel::role::Role;
 use crate::parcel::service::{consumers, with_handlers};
 use crate::parcel::store::{ParcelStore, Stats};
 use crate::parcel::topology::Topology;
-use crate::runtime::amqp::connect;
+use crate::runtime::amqp::{close_bounded, connect};
 use crate::runtime::tally::{Tally, get};
 use crate::runtime::{AppError, ServiceConfig, WorkerConfig};
 use crate::tools::faults::Faults;
@@ -105,13 +105,7 @@ async fn cleanup<S: ParcelStore>(
     topology: &Topology,
     amqp_url: &str,
 ) -> Result<(), AppError> {
-    let connection = connect(amqp_url, "parcel-inbox demo cleanup").await?;
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(|e| AppError::broker("open channel", e))?;
-    topology.delete(&channel).await?;
-    let _ = connection.close(200, "bye".into()).await;
+    topology.remove(amqp_url).await?;
     store.drop_schema().await
 }
 
@@ -245,7 +239,7 @@ async fn queue_depths(amqp_url: &str, topology: &Topology) -> Result<Vec<(String
             depths.push((queue, ready));
         }
     }
-    let _ = connection.close(200, "bye".into()).await;
+    close_bounded(&connection, "bye").await;
     Ok(depths)
 }
 

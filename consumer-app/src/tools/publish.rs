@@ -13,7 +13,7 @@ use rand::{Rng, SeedableRng};
 use crate::parcel::events::{ParcelCreatedEvent, ROUTING_KEY, outgoing};
 use crate::parcel::topology::Topology;
 use crate::runtime::AppError;
-use crate::runtime::amqp::{Outgoing, Publisher, connect};
+use crate::runtime::amqp::{Outgoing, Publisher, close_bounded, connect};
 
 /// What will be published.
 #[derive(Clone, Debug)]
@@ -103,7 +103,7 @@ pub async fn publish(
     tracing::info!(published = total, elapsed = ?started.elapsed(), exchange = %topology.exchange(),
         "published with confirms");
     publisher.close().await;
-    let _ = connection.close(200, "published".into()).await;
+    close_bounded(&connection, "published").await;
     Ok(())
 }
 

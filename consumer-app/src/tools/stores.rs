@@ -10,6 +10,7 @@ use inbox_api::OutboxStore;
 
 use crate::parcel::store::{ParcelStore, StoreKind};
 use crate::runtime::AppError;
+use crate::runtime::shutdown::bounded;
 
 /// Where the store lives.
 #[derive(Clone)]
@@ -231,7 +232,8 @@ async fn open_sqlx(
                 )),
             })?
             .map_err(classify)?;
-        if let Err(error) = probe.close().await {
+        let closed = bounded("close the probe connection", probe.close()).await;
+        if let Some(Err(error)) = closed {
             tracing::debug!(error = %error, "closing the probe connection failed");
         }
         let pool = sqlx::postgres::PgPoolOptions::new()

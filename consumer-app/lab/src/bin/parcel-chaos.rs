@@ -52,7 +52,7 @@ use consumer_app::parcel::events::{EVENT_TYPE, ParcelCreatedEvent, ROUTING_KEY};
 use consumer_app::parcel::role::Role;
 use consumer_app::parcel::store::{ParcelStore, StoreKind};
 use consumer_app::parcel::topology::Topology;
-use consumer_app::runtime::amqp::{Outgoing, Publisher, connect};
+use consumer_app::runtime::amqp::{Outgoing, Publisher, close_bounded, connect};
 use consumer_app::runtime::error::chain;
 use consumer_app::runtime::message::{BadInputReason, header_text};
 use consumer_app::runtime::redact::redact_url;
@@ -562,30 +562,6 @@ impl<'a> Consumers<'a> {
     }
 }
 
-/// How long a connection close or a cleanup step may wait for RabbitMQ's
-/// answer: a run once sat 20 minutes in its final close after deleting the
-/// topology, its verdict already printed. Giving up costs nothing then (the
-/// broker drops the connection when the process exits).
-const TEARDOWN_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// `step`'s output, or `None` with a warning once `limit` passed.
-async fn within<T>(what: &str, limit: Duration, step: impl Future<Output = T>) -> Option<T> {
-    let output = tokio::time::timeout(limit, step).await.ok();
-    if output.is_none() {
-        tracing::warn!(what, ?limit, "no answer from RabbitMQ; moving on");
-    }
-    output
-}
-
-/// Closes `connection`, waiting at most [`TEARDOWN_TIMEOUT`] for the broker.
-async fn close(connection: &lapin::Connection, reason: &str) {
-    let closing = connection.close(200, reason.into());
-    if let Some(Err(error)) = within("closing the AMQP connection", TEARDOWN_TIMEOUT, closing).await
-    {
-        tracing::debug!(error = %error, reason, "closing the AMQP connection failed");
-    }
-}
-
 async fn run_tool(program: &str, args: &[&str]) -> Result<String, AppError> {
     let output = Command::new(program)
         .args(args)
@@ -729,7 +705,7 @@ async fn publish_plan(
         });
     }
     let results = futures::future::join_all(streams).await;
-    close(&connection, "published").await;
+    close_bounded(&connection, "published").await;
     results.into_iter().collect()
 }
 
@@ -959,7 +935,7 @@ async fn check_dead_letters(
             }
         }
     }
-    close(&connection, "bye").await;
+    close_bounded(&connection, "bye").await;
     Ok(())
 }
 
@@ -1082,7 +1058,7 @@ async fn run(cli: Cli) -> Result<bool, AppError> {
             .await
             .map_err(|e| AppError::broker("open channel", e))?;
         topology.declare(&channel).await?;
-        close(&connection, "declared").await;
+        close_bounded(&connection, "declared").await;
     }
     let work_queues: Vec<String> = Role::ALL.iter().map(|r| topology.queue(*r)).collect();
 
@@ -1157,28 +1133,10 @@ async fn run(cli: Cli) -> Result<bool, AppError> {
         ))
         .execute(&pool)
         .await;
-        let connected = within(
-            "connecting for the cleanup",
-            TEARDOWN_TIMEOUT,
-            connect(&cli.amqp_url, "parcel-chaos cleanup"),
-        )
-        .await;
-        if let Some(Ok(connection)) = connected {
-            if let Some(Ok(channel)) = within(
-                "opening the cleanup channel",
-                TEARDOWN_TIMEOUT,
-                connection.create_channel(),
-            )
-            .await
-            {
-                let _ = within(
-                    "deleting the topology",
-                    TEARDOWN_TIMEOUT,
-                    topology.delete(&channel),
-                )
-                .await;
-            }
-            close(&connection, "bye").await;
+        // Bounded (a run once sat 20 minutes in its final close after
+        // deleting the topology, its verdict already printed).
+        if let Err(error) = topology.remove(&cli.amqp_url).await {
+            tracing::warn!(error = %chain(&error), "deleting the topology failed");
         }
         if !cli.keep {
             let _ = std::fs::remove_dir_all(&names.logs);
@@ -1444,26 +1402,4 @@ fn table(
         );
     }
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn a_teardown_step_that_never_answers_is_given_up_on() {
-        let started = Instant::now();
-        let gave_up = within(
-            "a step that hangs",
-            Duration::from_millis(50),
-            std::future::pending::<()>(),
-        )
-        .await;
-        assert_eq!(gave_up, None);
-        assert!(started.elapsed() < Duration::from_secs(5));
-        assert_eq!(
-            within("a step that answers", Duration::from_secs(5), async { 7 }).await,
-            Some(7)
-        );
-    }
 }
