@@ -185,6 +185,26 @@ async fn batched_exactly_once<S: ParcelStore>(store: S, names: Names) {
         Some(&(1 + copies_of(&plan, poison))),
         "the poison (and its copies) dead-lettered at the delivery cap"
     );
+    // Batched mode charges the ledger as per-message mode does.
+    let poison_key = InboxKey::new(
+        poison,
+        ConsumerName::new(Role::Carrier.consumer_name()).expect("name"),
+    );
+    let record = store
+        .attempts(&poison_key)
+        .await
+        .expect("ledger")
+        .expect("the poison's ledger row");
+    assert_eq!(
+        record.dead.map(|d| d.reason),
+        Some("retries_exhausted".to_owned()),
+        "the poison is marked dead"
+    );
+    assert!(
+        record.last_error.contains("injected transient failure"),
+        "{}",
+        record.last_error
+    );
     let stats = store.stats().await.expect("stats");
     for (table, counts, n) in [
         ("notifications", stats.notifications, N),

@@ -1,17 +1,37 @@
 //! The app's cleanup, as `cleanup` and the service's background task run it:
 //! dashboards sum `inbox_purged_rows_total`, so one purge of N rows must add
 //! exactly N (the store's purge counts its batches; the app must not count
-//! them again), and the attempt ledger is cleaned with the inbox. Needs no
-//! service: the in-process store.
+//! them again), on the in-process store, and the attempt ledger is cleaned
+//! with the inbox. On PostgreSQL, the `cleanup` subcommand and the
+//! service's cleanup loop delete the rows older than the retention and keep
+//! the newer ones, and two of them at once neither fail nor wait for each
+//! other (`bash .ci/services.sh`).
 
 use std::num::NonZeroU32;
-use std::time::Duration;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use consumer_app::runtime::CleanupConfig;
+use consumer_app::parcel::downstream::{Downstreams, StubCarrier, StubNotifier};
+use consumer_app::parcel::service::spawn;
+use consumer_app::parcel::store::ParcelStore;
+use consumer_app::parcel::topology::Topology;
 use consumer_app::runtime::service::cleanup_once;
-use inbox_api::{ConsumerName, Handled, Inbox, InboxError, InboxKey, MessageId};
+use consumer_app::runtime::{CleanupConfig, ServiceConfig};
+use futures::StreamExt;
+use inbox_api::{
+    ConsumerName, Handled, Inbox, InboxError, InboxKey, InboxStats, InboxStore, MessageId,
+};
 use inbox_backend_memory::MemoryStore;
+use inbox_backend_sqlx::SqlxStore;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
 
 /// The values of every series of the counter `name`.
 fn counter_values(snapshotter: &metrics_util::debugging::Snapshotter, name: &str) -> Vec<u64> {
@@ -54,6 +74,194 @@ async fn one_cleanup_of_n_rows_adds_exactly_n_to_the_purged_counter() {
     assert_eq!(deleted, 5);
     let purged = counter_values(&snapshotter, inbox_api::metrics::PURGED_ROWS);
     assert_eq!(purged, [5], "one series, counting each purged row once");
+}
+
+/// A migrated schema of the test's own.
+async fn postgres_store() -> (SqlxStore, String) {
+    let id = uuid::Uuid::new_v4().simple().to_string()[..10].to_owned();
+    let schema = format!("app_test_{id}");
+    let store = SqlxStore::connect(&database_url(), &schema)
+        .await
+        .expect("PostgreSQL reachable (bash .ci/services.sh)");
+    store.migrate_all().await.expect("migrate");
+    (store, schema)
+}
+
+/// `n` messages processed by the consumer `cleanup-test`, eight at a time.
+async fn processed(store: &SqlxStore, n: usize) -> Vec<InboxKey> {
+    let inbox = Inbox::new(store.clone());
+    let consumer = ConsumerName::new("cleanup-test").expect("valid name");
+    let keys: Vec<InboxKey> = (0..n)
+        .map(|_| InboxKey::new(MessageId::new_v7(), consumer.clone()))
+        .collect();
+    futures::stream::iter(&keys)
+        .for_each_concurrent(8, |key| {
+            let inbox = &inbox;
+            async move {
+                let handled = inbox.handle(key, async |_| Ok::<_, InboxError>(())).await;
+                assert!(matches!(handled, Ok(Handled::Processed(()))), "{handled:?}");
+            }
+        })
+        .await;
+    keys
+}
+
+/// Moves every row's timestamps ten days back: past a week's retention.
+async fn age_every_row(store: &SqlxStore) {
+    sqlx::query(
+        "UPDATE inbox_messages SET received_at = received_at - interval '10 days', \
+         processed_at = processed_at - interval '10 days'",
+    )
+    .execute(store.pool())
+    .await
+    .expect("age rows");
+}
+
+async fn rows(store: &SqlxStore) -> u64 {
+    let counts = store.processed_counts().await.expect("count");
+    counts.values().sum()
+}
+
+/// Asserts that none of `old` and all of `new` are still there.
+async fn only_the_newer_rows_remain(store: &SqlxStore, old: &[InboxKey], new: &[InboxKey]) {
+    assert_eq!(rows(store).await, new.len() as u64);
+    for key in old.iter().take(20) {
+        assert!(
+            store.lookup(key).await.expect("lookup").is_none(),
+            "{key:?} kept"
+        );
+    }
+    for key in new {
+        assert!(
+            store.lookup(key).await.expect("lookup").is_some(),
+            "{key:?} gone"
+        );
+    }
+}
+
+/// Starts `parcel-inbox cleanup` (a week's retention, batches of `batch`)
+/// on `schema`.
+fn cleanup_command(schema: &str, batch: u32) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
+        .args(["--store", "sqlx", "--database-url", &database_url()])
+        .args(["--schema", schema, "cleanup", "--retention-days", "7"])
+        .args(["--cleanup-batch", &batch.to_string()])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start parcel-inbox cleanup")
+}
+
+/// Waits for `child` at most `limit` (killing it and failing otherwise);
+/// asserts it succeeded and returns how many rows it says it deleted.
+fn deleted_by(mut child: std::process::Child, limit: Duration) -> u64 {
+    let started = Instant::now();
+    while child.try_wait().expect("poll").is_none() {
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let output = child.wait_with_output().expect("output");
+            panic!(
+                "cleanup still running after {limit:?}:\n{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let output = child.wait_with_output().expect("output");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(output.status.success(), "cleanup failed:\n{text}");
+    text.split_whitespace()
+        .skip_while(|word| *word != "deleted")
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count in:\n{text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cleanup_command_deletes_what_is_past_the_retention_and_keeps_the_rest() {
+    let (store, schema) = postgres_store().await;
+    let old = processed(&store, 30).await;
+    age_every_row(&store).await;
+    let new = processed(&store, 10).await;
+
+    let child = cleanup_command(&schema, 7);
+    let deleted = tokio::task::spawn_blocking(move || deleted_by(child, Duration::from_secs(60)))
+        .await
+        .expect("wait");
+
+    assert_eq!(deleted, 30, "five batches of 7 and one of 2, counted once");
+    only_the_newer_rows_remain(&store, &old, &new).await;
+    store.drop_schema().await.expect("drop schema");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_cleanup_commands_at_once_share_the_rows_without_failing() {
+    let (store, schema) = postgres_store().await;
+    let old = processed(&store, 2000).await;
+    age_every_row(&store).await;
+    let new = processed(&store, 10).await;
+
+    // Small batches, so that the two runs overlap for many rounds.
+    let (a, b) = (cleanup_command(&schema, 20), cleanup_command(&schema, 20));
+    let limit = Duration::from_secs(60);
+    let (a, b) = tokio::join!(
+        tokio::task::spawn_blocking(move || deleted_by(a, limit)),
+        tokio::task::spawn_blocking(move || deleted_by(b, limit)),
+    );
+    let (a, b) = (a.expect("wait"), b.expect("wait"));
+
+    assert_eq!(a + b, 2000, "each row deleted once: {a} + {b}");
+    only_the_newer_rows_remain(&store, &old, &new).await;
+    store.drop_schema().await.expect("drop schema");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_service_cleanup_loops_of_two_instances_delete_the_old_rows_only() {
+    let (store, schema) = postgres_store().await;
+    let old = processed(&store, 300).await;
+    age_every_row(&store).await;
+    let new = processed(&store, 10).await;
+    let topology = Topology::new(format!("test-cleanup-{schema}."));
+    let start = |n: u32| {
+        let config = ServiceConfig {
+            cleanup: Some(CleanupConfig {
+                retention: Duration::from_secs(7 * 86_400),
+                interval: Duration::from_millis(50),
+                batch_size: NonZeroU32::new(10).expect("non-zero"),
+            }),
+            ..ServiceConfig::new(AMQP_URL, format!("parcel-inbox test cleanup {schema} {n}"))
+        };
+        let downstreams = Downstreams {
+            carrier: Arc::new(StubCarrier::default()),
+            notifier: Arc::new(StubNotifier::default()),
+        };
+        spawn(store.clone(), config, &topology, downstreams).expect("service starts")
+    };
+    let (one, two) = (start(1), start(2));
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while rows(&store).await > new.len() as u64 {
+        assert!(Instant::now() < deadline, "old rows still there after 30 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A few more rounds of both loops change nothing.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for service in [one, two] {
+        service.shutdown();
+        tokio::time::timeout(Duration::from_secs(30), service.join())
+            .await
+            .expect("stops within 30 s")
+            .expect("clean shutdown");
+    }
+    only_the_newer_rows_remain(&store, &old, &new).await;
+    topology.remove(AMQP_URL).await.expect("delete topology");
+    store.drop_schema().await.expect("drop schema");
 }
 
 /// Cleanup takes the attempt ledger's rows along: a row whose last failure

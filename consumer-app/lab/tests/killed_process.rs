@@ -433,11 +433,15 @@ async fn frozen_process_redeliveries<S: ParcelStore>(
         "{kind}: froze a process holding {held} transactions; every message processed {:.1} s later",
         frozen_at.elapsed().as_secs_f64()
     );
-    assert_eq!(
-        in_transaction().await,
-        0,
-        "PostgreSQL ended the frozen process's transactions"
-    );
+    // Its sessions all went idle at the freeze, so the server ends them
+    // within moments of each other (one still in BEGIN, holding no claim,
+    // may outlive the last message by a fraction of a second).
+    eventually(
+        "PostgreSQL ended the frozen process's transactions",
+        Duration::from_secs(10),
+        async || in_transaction().await == 0,
+    )
+    .await;
     assert_exactly_once(&store.stats().await.expect("stats"), 40);
 
     Children::signal(frozen, "CONT").await;
