@@ -16,7 +16,7 @@ use diesel_async::pooled_connection::{
     AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod,
 };
 use diesel_async::{
-    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
+    AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
     TransactionManager,
 };
 use inbox_api::{InboxError, InboxKey, InboxRecord, InboxStats, InboxStore};
@@ -56,6 +56,38 @@ impl fmt::Debug for DieselStore {
             .field("pool_size", &status.size)
             .field("pool_available", &status.available)
             .finish()
+    }
+}
+
+/// Opens one connection as diesel-async's `establish` does, keeping
+/// the cause of a failed connect: diesel-async reduces tokio-postgres'
+/// error to its top line ("error connecting to server"), which drops the
+/// "Connection refused" or "timed out" an operator needs to fix a URL. An
+/// error the server sent (starting up, no such database, authentication)
+/// keeps its message, which [`crate::classify`] reads as diesel-async's own
+/// mapping would have given it.
+async fn establish(url: &str) -> diesel::ConnectionResult<AsyncPgConnection> {
+    match tokio_postgres::connect(url, tokio_postgres::NoTls).await {
+        Ok((client, connection)) => {
+            AsyncPgConnection::try_from_client_and_connection(client, connection).await
+        }
+        Err(error) => match error.as_db_error() {
+            Some(server) => Err(diesel::ConnectionError::CouldntSetupConfiguration(
+                diesel::result::Error::DatabaseError(
+                    diesel::result::DatabaseErrorKind::Unknown,
+                    Box::new(server.message().to_owned()),
+                ),
+            )),
+            None => {
+                let mut text = error.to_string();
+                let mut source = std::error::Error::source(&error);
+                while let Some(cause) = source {
+                    text.push_str(&format!(": {cause}"));
+                    source = cause.source();
+                }
+                Err(diesel::ConnectionError::BadConnection(text))
+            }
+        },
     }
 }
 
@@ -155,7 +187,7 @@ impl DieselStoreBuilder {
         config.custom_setup = Box::new(move |url| {
             let setup = setup.clone();
             Box::pin(async move {
-                let mut conn = AsyncPgConnection::establish(url).await?;
+                let mut conn = establish(url).await?;
                 conn.batch_execute(&setup)
                     .await
                     .map_err(diesel::ConnectionError::CouldntSetupConfiguration)?;

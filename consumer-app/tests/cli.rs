@@ -179,9 +179,16 @@ fn parcel_inbox_within(args: &[&str], limit: Duration) -> (Option<i32>, String, 
 fn one_shot_commands_fail_fast_with_the_cause_on_a_refusing_database() {
     // Port 1 is closed: every connection is refused at once.
     let url = "--database-url=postgres://postgres@127.0.0.1:1/test";
-    for command in ["migrate", "stats", "cleanup"] {
+    let mut stores = vec!["--store=sqlx"];
+    if cfg!(feature = "diesel") {
+        stores.push("--store=diesel");
+    }
+    for (store, command) in stores
+        .iter()
+        .flat_map(|store| ["migrate", "stats", "cleanup"].map(|command| (*store, command)))
+    {
         let (code, text, took) =
-            parcel_inbox_within(&[url, "--store=sqlx", command], Duration::from_secs(15));
+            parcel_inbox_within(&[url, store, command], Duration::from_secs(15));
         assert!(
             code.is_some(),
             "{command} still running after {took:?}:\n{text}"

@@ -315,11 +315,17 @@ fn worker_config() -> WorkerConfig {
     }
 }
 
+/// One test's names (queue prefix, schema, connection) and broker. A test
+/// that fails leaves nothing behind on the shared servers: on a panic the
+/// drop deletes its queues and exchanges, its schema, and whatever else it
+/// registered ([`Scenario::on_failure`]).
 struct Scenario {
     prefix: String,
     schema: String,
     connection: String,
     amqp: String,
+    /// SQL run on the shared database if the test panics.
+    failure_sql: std::sync::Mutex<Vec<String>>,
 }
 
 impl Scenario {
@@ -330,7 +336,16 @@ impl Scenario {
             schema: format!("outage_{id}"),
             connection: format!("parcel-inbox test {test} {id}"),
             amqp: amqp.to_owned(),
+            failure_sql: std::sync::Mutex::new(Vec::new()),
         }
+    }
+
+    /// Runs `sql` on the shared database should the test fail.
+    fn on_failure(&self, sql: String) {
+        self.failure_sql
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(sql);
     }
 
     fn topology(&self) -> Topology {
@@ -419,6 +434,40 @@ impl Scenario {
             .await
             .expect("delete topology");
         close_bounded(&connection, "bye").await;
+    }
+}
+
+impl Drop for Scenario {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let mut sql = vec![format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema)];
+        sql.extend(
+            self.failure_sql
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .drain(..),
+        );
+        for statement in sql {
+            let _ = Command::new("psql")
+                .args([&shared_database(), "-qAtc", &statement])
+                .output();
+        }
+        let (amqp, topology) = (self.amqp.clone(), self.topology());
+        tokio::task::block_in_place(|| {
+            tokio::runtime::Handle::current().block_on(async move {
+                let attempt = async {
+                    let connection = connect(&amqp, "parcel-inbox test teardown").await.ok()?;
+                    if let Ok(channel) = connection.create_channel().await {
+                        let _ = topology.delete(&channel).await;
+                    }
+                    close_bounded(&connection, "bye").await;
+                    Some(())
+                };
+                let _ = tokio::time::timeout(Duration::from_secs(20), attempt).await;
+            });
+        });
     }
 }
 
@@ -597,6 +646,7 @@ async fn privilege_revoked_mid_run_pauses_until_granted<S: ParcelStore>(
          GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {schema} TO {role}; \
          GRANT USAGE ON ALL SEQUENCES IN SCHEMA {schema} TO {role}"
     ));
+    scenario.on_failure(format!("DROP OWNED BY {role}; DROP ROLE {role}"));
     let as_role = shared_database().replacen("postgres@", &format!("{role}@"), 1);
     assert_ne!(
         as_role,
