@@ -402,6 +402,18 @@ async fn bad_input_is_dead_lettered_with_reason<S: ParcelStore>(store: S, names:
                     .to_vec(),
             },
         ),
+        // Any other control character likewise (an escape that would
+        // forge a terminal's or a label's output).
+        (
+            BadInputReason::InvalidEvent,
+            Outgoing {
+                message_id: id(),
+                kind: event(),
+                body:
+                    br#"{"parcel_id":"P-4","tracking_number":"TN\u001b[2J","destination":"Lyon"}"#
+                        .to_vec(),
+            },
+        ),
         (
             BadInputReason::UnknownType,
             Outgoing {
@@ -488,12 +500,14 @@ async fn bad_input_is_dead_lettered_with_reason<S: ParcelStore>(store: S, names:
             reasons.insert(reason);
             details.push(detail);
         }
-        assert!(
-            details
-                .iter()
-                .any(|d| d.contains("destination") && d.contains("NUL")),
-            "{dlq}: the NUL event's detail names its field: {details:?}"
-        );
+        for (field, control) in [("destination", "U+0000"), ("tracking_number", "U+001B")] {
+            assert!(
+                details
+                    .iter()
+                    .any(|d| d.contains(field) && d.contains(control)),
+                "{dlq}: the {control} event's detail names its field: {details:?}"
+            );
+        }
         assert_eq!(
             reasons, expected,
             "{dlq}: every bad-input class with its reason"

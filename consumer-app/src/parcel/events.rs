@@ -44,13 +44,17 @@ impl ParcelCreatedEvent {
     pub const MAX_FIELD_LEN: usize = 200;
 
     /// The rules beyond the JSON shape: every field non-blank, at most
-    /// [`Self::MAX_FIELD_LEN`] bytes, and free of NUL characters (they end
-    /// up in rows and in labels).
+    /// [`Self::MAX_FIELD_LEN`] bytes, and free of control characters (they
+    /// end up in rows, labels and log lines).
     ///
     /// JSON may carry `\u0000`, but PostgreSQL's `text` cannot store it:
     /// let through, such an event would fail only in the consumers that
     /// write the field, as a store error, while the others processed it.
-    /// Refused here, it is bad input for every consumer alike.
+    /// The other control characters (tabs, line breaks, escapes, DEL, the
+    /// C1 range) PostgreSQL stores, but an identifier, a tracking number or
+    /// a place name never holds one, and a line break or an escape in a
+    /// label or a log line forges output. Refused here, any of them is bad
+    /// input for every consumer alike.
     ///
     /// # Errors
     /// Which field breaks which rule.
@@ -63,9 +67,10 @@ impl ParcelCreatedEvent {
             if value.trim().is_empty() {
                 return Err(format!("{name} is empty"));
             }
-            if value.contains('\0') {
+            if let Some(control) = value.chars().find(|c| c.is_control()) {
                 return Err(format!(
-                    "{name} contains a NUL character, which PostgreSQL text cannot store"
+                    "{name} contains the control character U+{:04X} (a text field is one line of printable text; PostgreSQL text cannot store U+0000)",
+                    u32::from(control)
                 ));
             }
             if value.len() > Self::MAX_FIELD_LEN {
@@ -173,7 +178,7 @@ mod tests {
     }
 
     #[test]
-    fn a_nul_character_in_any_text_field_is_refused_naming_the_field() {
+    fn a_control_character_in_any_text_field_is_refused_naming_the_field() {
         for (field, body) in [
             (
                 "parcel_id",
@@ -193,9 +198,22 @@ mod tests {
             assert_eq!(bad.reason, BadInputReason::InvalidEvent, "{field}");
             let said = bad.to_string();
             assert!(
-                said.contains(field) && said.contains("NUL"),
+                said.contains(field) && said.contains("U+0000"),
                 "{field}: {said}"
             );
         }
+        // Every other control character too, C0, DEL and C1 alike.
+        for control in ["\\u0009", "\\n", "\\r", "\\u001b", "\\u007f", "\\u0085"] {
+            let body = format!(
+                r#"{{"parcel_id":"P-1","tracking_number":"TN1","destination":"Ly{control}on"}}"#
+            );
+            let bad =
+                decode(raw(Some(ID), Some(EVENT_TYPE), body.as_bytes()), 1024).expect_err(control);
+            assert_eq!(bad.reason, BadInputReason::InvalidEvent, "{control}");
+            assert!(bad.to_string().contains("destination"), "{control}: {bad}");
+        }
+        // Printable text beyond ASCII stays valid.
+        let fine = br#"{"parcel_id":"P-1","tracking_number":"TN1","destination":"Gda\u0144sk"}"#;
+        assert!(decode(raw(Some(ID), Some(EVENT_TYPE), fine), 1024).is_ok());
     }
 }
