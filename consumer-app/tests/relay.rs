@@ -472,7 +472,12 @@ async fn the_relay_command_publishes_until_sigterm() {
         async || store.pending_count().await.expect("count") == 0,
     )
     .await;
-    let metrics = scrape(&metrics_addr).await;
+    let ready = scrape(&metrics_addr, "/ready").await;
+    assert!(
+        ready.starts_with("HTTP/1.1 200") && ready.ends_with("ready\n"),
+        "{ready}"
+    );
+    let metrics = scrape(&metrics_addr, "/metrics").await;
     for line in [
         "outbox_published_total 5",
         "outbox_publish_duration_seconds_count 5",
@@ -597,13 +602,16 @@ async fn a_commit_notifies_a_listening_relay_on_the_sqlx_store() {
 }
 
 /// The relay command's `/metrics` text.
-async fn scrape(addr: &str) -> String {
+/// The whole answer (status line, headers, body) to `GET path`.
+async fn scrape(addr: &str, path: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(addr)
         .await
         .expect("metrics endpoint");
     stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
         .await
         .expect("request");
     let mut text = String::new();

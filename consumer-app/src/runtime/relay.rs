@@ -175,6 +175,8 @@ pub struct Relay<S> {
     /// In a mutex only so that the relay stays `Sync` (`run` takes it
     /// out before the first round).
     wakeups: Option<std::sync::Mutex<BoxStream<'static, ()>>>,
+    /// True while it holds an open confirm-mode channel (for readiness).
+    broker: watch::Sender<bool>,
 }
 
 impl<S: OutboxStore + 'static> Relay<S> {
@@ -190,6 +192,7 @@ impl<S: OutboxStore + 'static> Relay<S> {
             config,
             tally: Arc::default(),
             wakeups: None,
+            broker: watch::Sender::new(false),
         })
     }
 
@@ -215,7 +218,9 @@ impl<S: OutboxStore + 'static> Relay<S> {
         let (shutdown, shutdown_rx) = watch::channel(false);
         let tally = self.tally();
         let (alive, running) = Running::new();
+        let broker = self.broker.subscribe();
         RelayHandle {
+            broker,
             shutdown,
             task: tokio::spawn(async move {
                 let _alive = alive;
@@ -253,9 +258,13 @@ impl<S: OutboxStore + 'static> Relay<S> {
                 }
             }
             let channel = match self.channel(&mut broker, &mut shutdown).await {
-                Ok(channel) => channel,
+                Ok(channel) => {
+                    self.broker.send_replace(true);
+                    channel
+                }
                 Err(_) if *shutdown.borrow() => break Ok(()),
                 Err(error) => {
+                    self.broker.send_replace(false);
                     broker = None;
                     failures = failures.saturating_add(1);
                     if !self.pause(&error, failures, &mut shutdown).await {
@@ -308,6 +317,7 @@ impl<S: OutboxStore + 'static> Relay<S> {
         if let Some((connection, _)) = broker {
             close_bounded(&connection, "relay stopping").await;
         }
+        self.broker.send_replace(false);
         tracing::info!("outbox relay stopped");
         result
     }
@@ -442,6 +452,7 @@ impl<S: OutboxStore + 'static> Relay<S> {
 /// A relay started by [`Relay::spawn`].
 pub struct RelayHandle {
     shutdown: watch::Sender<bool>,
+    broker: watch::Receiver<bool>,
     task: tokio::task::JoinHandle<Result<(), AppError>>,
     running: Running,
     /// What it did so far.
@@ -457,6 +468,12 @@ impl RelayHandle {
     /// A sender that stops it, for signal handlers.
     pub fn shutdown_sender(&self) -> watch::Sender<bool> {
         self.shutdown.clone()
+    }
+
+    /// True while it holds an open channel to the broker (false while
+    /// connecting, reconnecting, or stopped): for readiness.
+    pub fn broker_connected(&self) -> watch::Receiver<bool> {
+        self.broker.clone()
     }
 
     /// Whether its task still runs (for liveness).

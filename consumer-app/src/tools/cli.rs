@@ -550,7 +550,11 @@ impl WithOutbox for RelayCommand {
         }
         let relay = relay.spawn();
         if let Some((listener, metrics)) = endpoint {
-            let health = Health::new().live_while(relay.running());
+            let health = Health::new().live_while(relay.running()).ready_while(
+                "broker",
+                relay.broker_connected(),
+                "no channel to the broker (connecting or reconnecting)",
+            );
             let router = telemetry::router(metrics, health);
             telemetry::serve(listener, router, metrics_stopped);
         }
