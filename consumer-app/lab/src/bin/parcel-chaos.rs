@@ -11,7 +11,15 @@
 //! terminates its PostgreSQL backends (found by the `application_name` each
 //! process gets in its database URL) and has RabbitMQ close its connection
 //! (`rabbitmqctl close_connection`, found by the connection name, which holds
-//! the process id). Then it waits until the work queues are empty (ready and
+//! the process id), and with `--freezes` stops a consumer with SIGSTOP and
+//! resumes it with SIGCONT `--freeze-secs` later (a paused VM: its open
+//! transactions keep their claims until PostgreSQL's
+//! idle-in-transaction timeout ends them, and RabbitMQ requeues its
+//! deliveries once its heartbeat is missed), and with `--pg-restarts` stops
+//! PostgreSQL (`pg_ctl stop -m fast`, a server restart) and starts it again
+//! `--pg-down-secs` later: the run then uses a PostgreSQL cluster of its own
+//! (`--private-postgres`, implied), so the shared server is never stopped.
+//! Then it waits until the work queues are empty (ready and
 //! unacked) and every intent is dispatched, stops the consumers, and checks
 //! from the database, the stub downstreams' durable ledger and the
 //! dead-letter queues:
@@ -61,6 +69,7 @@ use consumer_app::tools::stores::{StoreConfig, WithStore, with_store};
 use inbox_api::{ConsumerName, InboxKey, InboxStats, InboxStore, MessageId};
 use inbox_backend_sqlx::SqlxStore;
 use lapin::options::BasicGetOptions;
+use private_servers::PrivatePostgres;
 use rand::rngs::StdRng;
 use rand::{Rng as _, RngCore as _, SeedableRng as _};
 use sqlx::Row;
@@ -108,6 +117,27 @@ struct Cli {
     /// rabbitmqctl close_connection of one process's connection (default: --kills).
     #[arg(long)]
     amqp_kills: Option<usize>,
+    /// SIGSTOP of a consume process, SIGCONT --freeze-secs later. With any,
+    /// every consumer runs with short database bounds (lock timeout 1 s,
+    /// idle-in-transaction timeout 4 s) and a 3 s AMQP heartbeat, so that a frozen holder's claims and
+    /// deliveries are released within seconds.
+    #[arg(long, default_value_t = 0)]
+    freezes: usize,
+    /// How long a frozen consume process stays stopped.
+    #[arg(long, default_value_t = 10)]
+    freeze_secs: u64,
+    /// PostgreSQL stopped (`pg_ctl stop -m fast`) and started again
+    /// --pg-down-secs later. Implies --private-postgres.
+    #[arg(long, default_value_t = 0)]
+    pg_restarts: usize,
+    /// How long PostgreSQL stays down in a --pg-restarts fault.
+    #[arg(long, default_value_t = 5)]
+    pg_down_secs: u64,
+    /// Run on a PostgreSQL cluster of the run's own (initdb into a temporary
+    /// directory, a free port; removed at the end) instead of
+    /// --database-url.
+    #[arg(long)]
+    private_postgres: bool,
     /// Seed of the plan and the fault schedule (default: from the clock; printed).
     #[arg(long)]
     seed: Option<u64>,
@@ -363,6 +393,8 @@ enum FaultKind {
     Kill,
     Postgres,
     Amqp,
+    Freeze,
+    PostgresRestart,
 }
 
 #[derive(Clone, Debug)]
@@ -382,6 +414,12 @@ fn schedule(cli: &Cli, window: Duration, rng: &mut Rng) -> Vec<Fault> {
     kinds.extend(std::iter::repeat_n(
         FaultKind::Amqp,
         cli.amqp_kills.unwrap_or(cli.kills),
+    ));
+    // Appended last: the schedules of runs without them stay as they were.
+    kinds.extend(std::iter::repeat_n(FaultKind::Freeze, cli.freezes));
+    kinds.extend(std::iter::repeat_n(
+        FaultKind::PostgresRestart,
+        cli.pg_restarts,
     ));
     let mut faults: Vec<Fault> = kinds
         .into_iter()
@@ -414,12 +452,33 @@ fn with_application_name(url: &str, name: &str) -> String {
     format!("{url}{separator}application_name={name}")
 }
 
+/// The consumers' bounds when a run freezes them, as in the killed-process
+/// test: a claim waits at most 1 s on a lock a frozen process holds (and is
+/// handed back uncharged); PostgreSQL ends a frozen session 4 s after its
+/// last statement, releasing its claims; the handle timeout stays below it,
+/// as the flags demand.
+const FREEZE_BOUNDS: [&str; 6] = [
+    "--lock-timeout-ms",
+    "1000",
+    "--idle-in-transaction-timeout-secs",
+    "4",
+    "--handle-timeout-secs",
+    "3",
+];
+
+/// The consumers' AMQP heartbeat (seconds) when a run freezes them:
+/// RabbitMQ closes a silent connection after about twice that and requeues
+/// its unacked deliveries (the default, 60 s, outlasts a freeze).
+const FREEZE_HEARTBEAT_SECS: u64 = 3;
+
 struct Consumers<'a> {
     cli: &'a Cli,
     names: &'a Names,
     binary: PathBuf,
     children: Vec<Child>,
     generation: Vec<usize>,
+    /// When each frozen (SIGSTOPped) process is to be resumed.
+    frozen: Vec<Option<Instant>>,
     unexpected_exits: usize,
 }
 
@@ -431,6 +490,7 @@ impl<'a> Consumers<'a> {
             binary,
             children: Vec::new(),
             generation: vec![0; cli.consumers],
+            frozen: vec![None; cli.consumers],
             unexpected_exits: 0,
         }
     }
@@ -452,6 +512,19 @@ impl<'a> Consumers<'a> {
             .cli
             .batch_size
             .map_or(8, |size| size.saturating_mul(2 * CONCURRENCY));
+        let amqp_url = if self.cli.freezes > 0 {
+            let separator = if self.cli.amqp_url.contains('?') {
+                '&'
+            } else {
+                '?'
+            };
+            format!(
+                "{}{separator}heartbeat={FREEZE_HEARTBEAT_SECS}",
+                self.cli.amqp_url
+            )
+        } else {
+            self.cli.amqp_url.clone()
+        };
         let mut command = Command::new(&self.binary);
         command
             .args([
@@ -460,7 +533,7 @@ impl<'a> Consumers<'a> {
                 "--database-url",
                 &with_application_name(&self.cli.database_url, &self.names.application_name(k)),
                 "--amqp-url",
-                &self.cli.amqp_url,
+                &amqp_url,
                 "--schema",
                 &self.names.schema,
                 "--prefix",
@@ -497,6 +570,9 @@ impl<'a> Consumers<'a> {
         if let Some(size) = self.cli.batch_size {
             command.args(["--batch-size", &size.to_string(), "--batch-wait", "20"]);
         }
+        if self.cli.freezes > 0 {
+            command.args(FREEZE_BOUNDS);
+        }
         Ok(command)
     }
 
@@ -529,6 +605,8 @@ impl<'a> Consumers<'a> {
     }
 
     async fn kill_and_restart(&mut self, k: usize) -> Result<(), AppError> {
+        // SIGKILL ends a stopped process too; its successor runs.
+        self.frozen[k] = None;
         let child = &mut self.children[k];
         let _ = child.start_kill();
         let _ = child.wait().await;
@@ -540,15 +618,48 @@ impl<'a> Consumers<'a> {
         self.children[k].id()
     }
 
+    /// Sends `signal` (`STOP`, `CONT`, `TERM`) to process `k`.
+    async fn signal(&self, k: usize, signal: &str) -> bool {
+        match self.pid(k) {
+            Some(pid) => Command::new("kill")
+                .args([&format!("-{signal}"), &pid.to_string()])
+                .status()
+                .await
+                .is_ok_and(|s| s.success()),
+            None => false,
+        }
+    }
+
+    /// SIGSTOP to process `k`, to be resumed at `until`; false when it is
+    /// frozen already (or gone).
+    async fn freeze(&mut self, k: usize, until: Instant) -> bool {
+        if self.frozen[k].is_some() || !self.signal(k, "STOP").await {
+            return false;
+        }
+        self.frozen[k] = Some(until);
+        true
+    }
+
+    /// SIGCONT to every frozen process whose time is up (all with `all`);
+    /// true while some stay frozen.
+    async fn thaw(&mut self, all: bool) -> bool {
+        let now = Instant::now();
+        for k in 0..self.frozen.len() {
+            if self.frozen[k].is_some_and(|until| all || until <= now) {
+                let resumed = self.signal(k, "CONT").await;
+                tracing::info!(consumer = k, resumed, "SIGCONT");
+                self.frozen[k] = None;
+            }
+        }
+        self.frozen.iter().any(Option::is_some)
+    }
+
     /// SIGTERM to all, then SIGKILL to what is still running after 20 s.
     async fn stop_all(&mut self) {
-        for child in &self.children {
-            if let Some(pid) = child.id() {
-                let _ = Command::new("kill")
-                    .args(["-TERM", &pid.to_string()])
-                    .status()
-                    .await;
-            }
+        // A stopped process would only see its SIGTERM once resumed.
+        self.thaw(true).await;
+        for k in 0..self.children.len() {
+            self.signal(k, "TERM").await;
         }
         for child in &mut self.children {
             if tokio::time::timeout(Duration::from_secs(20), child.wait())
@@ -983,6 +1094,17 @@ struct FaultCounts {
     pg_backends: u64,
     amqp_kills: usize,
     amqp_missed: usize,
+    freezes: usize,
+    freezes_missed: usize,
+    pg_restarts: usize,
+    pg_restarts_missed: usize,
+    pg_kills_missed: usize,
+}
+
+/// The servers of the run's own, stopped and removed when dropped.
+#[derive(Default)]
+struct Servers {
+    postgres: Option<PrivatePostgres>,
 }
 
 fn consume_binary(cli: &Cli) -> Result<PathBuf, AppError> {
@@ -1009,7 +1131,7 @@ fn consume_binary(cli: &Cli) -> Result<PathBuf, AppError> {
     )))
 }
 
-async fn run(cli: Cli) -> Result<bool, AppError> {
+async fn run(mut cli: Cli) -> Result<bool, AppError> {
     if cli.consumers < 3 {
         return Err(AppError::Config("--consumers must be at least 3".into()));
     }
@@ -1030,6 +1152,15 @@ async fn run(cli: Cli) -> Result<bool, AppError> {
         cli.broken.as_deref().unwrap_or("no")
     );
     let binary = consume_binary(&cli)?;
+    let mut servers = Servers::default();
+    if cli.private_postgres || cli.pg_restarts > 0 {
+        let postgres = tokio::task::spawn_blocking(PrivatePostgres::start)
+            .await
+            .map_err(|e| AppError::Unavailable(format!("private PostgreSQL: {e}")))?;
+        cli.database_url = postgres.url();
+        println!("a private PostgreSQL cluster: {}", cli.database_url);
+        servers.postgres = Some(postgres);
+    }
     let mut rng = Rng::new(seed);
     let plan = Plan::new(&cli, &mut rng)?;
     #[expect(clippy::cast_precision_loss, reason = "a message count")]
@@ -1090,6 +1221,7 @@ async fn run(cli: Cli) -> Result<bool, AppError> {
     consumers.start_all()?;
     let outcome = drive(
         &cli,
+        &servers,
         &names,
         &pool,
         &plan,
@@ -1141,13 +1273,14 @@ async fn run(cli: Cli) -> Result<bool, AppError> {
         println!("  {detail}");
     }
     println!(
-        "RESULT: {} lost={} doubles={} stray={} inbox_mismatch={} dead_letter_missing={} seed={seed}",
+        "RESULT: {} lost={} doubles={} stray={} inbox_mismatch={} dead_letter_missing={} valid_dead_lettered={} seed={seed}",
         if ok { "PASS" } else { "FAIL" },
         verdict.lost,
         verdict.doubles,
         verdict.stray,
         verdict.inbox_mismatch,
-        verdict.dead_letter_missing + verdict.dead_letter_wrong_reason
+        verdict.dead_letter_missing + verdict.dead_letter_wrong_reason,
+        verdict.valid_dead_lettered
     );
 
     if (ok && !cli.keep) || cli.always_clean {
@@ -1198,6 +1331,7 @@ async fn run(cli: Cli) -> Result<bool, AppError> {
 #[expect(clippy::too_many_arguments, reason = "one call site, the run's parts")]
 async fn drive(
     cli: &Cli,
+    servers: &Servers,
     names: &Names,
     pool: &PgPool,
     plan: &Plan,
@@ -1216,8 +1350,19 @@ async fn drive(
     let mut published = false;
     let mut counts = FaultCounts::default();
     let mut next = 0;
-    while !published || next < faults.len() {
+    let mut frozen = false;
+    // When the stopped PostgreSQL is to be started again.
+    let mut pg_down: Option<Instant> = None;
+    while !published || next < faults.len() || frozen || pg_down.is_some() {
         consumers.supervise()?;
+        frozen = consumers.thaw(false).await;
+        if let (Some(until), Some(postgres)) = (pg_down, &servers.postgres)
+            && until <= Instant::now()
+        {
+            tokio::task::block_in_place(|| postgres.resume());
+            pg_down = None;
+            tracing::info!(at = ?t0.elapsed(), "PostgreSQL started again");
+        }
         if !published && publisher.is_finished() {
             match (&mut publisher).await {
                 Ok(Ok(())) => {
@@ -1240,6 +1385,9 @@ async fn drive(
                     counts.kills += 1;
                     tracing::info!(consumer = k, at = ?t0.elapsed(), "kill -9 and restart");
                 }
+                FaultKind::Postgres if pg_down.is_some() => {
+                    counts.pg_kills_missed += 1;
+                }
                 FaultKind::Postgres => {
                     let n = terminate_backends(pool, &names.application_name(k)).await?;
                     counts.pg_kills += 1;
@@ -1257,6 +1405,25 @@ async fn drive(
                         counts.amqp_missed += 1;
                     }
                     tracing::info!(consumer = k, closed, at = ?t0.elapsed(), "rabbitmqctl close_connection");
+                }
+                FaultKind::PostgresRestart => match &servers.postgres {
+                    Some(postgres) if pg_down.is_none() => {
+                        tokio::task::block_in_place(|| postgres.halt());
+                        pg_down = Some(Instant::now() + Duration::from_secs(cli.pg_down_secs));
+                        counts.pg_restarts += 1;
+                        tracing::info!(at = ?t0.elapsed(), "PostgreSQL stopped (pg_ctl stop -m fast)");
+                    }
+                    _ => counts.pg_restarts_missed += 1,
+                },
+                FaultKind::Freeze => {
+                    let until = Instant::now() + Duration::from_secs(cli.freeze_secs);
+                    if consumers.freeze(k, until).await {
+                        counts.freezes += 1;
+                        frozen = true;
+                    } else {
+                        counts.freezes_missed += 1;
+                    }
+                    tracing::info!(consumer = k, at = ?t0.elapsed(), "SIGSTOP");
                 }
             }
         }
@@ -1333,7 +1500,23 @@ fn table(
         ),
         (
             "pg kills (terminate_backend)".into(),
-            format!("{} ({} backends)", counts.pg_kills, counts.pg_backends),
+            if counts.pg_kills_missed == 0 {
+                format!("{} ({} backends)", counts.pg_kills, counts.pg_backends)
+            } else {
+                format!(
+                    "{} ({} b., {} while down)",
+                    counts.pg_kills, counts.pg_backends, counts.pg_kills_missed
+                )
+            },
+            String::new(),
+            "",
+        ),
+        (
+            format!("pg restarts (down {} s)", cli.pg_down_secs),
+            format!(
+                "{} ({} while down)",
+                counts.pg_restarts, counts.pg_restarts_missed
+            ),
             String::new(),
             "",
         ),
@@ -1342,6 +1525,15 @@ fn table(
             format!(
                 "{} ({} not connected)",
                 counts.amqp_kills, counts.amqp_missed
+            ),
+            String::new(),
+            "",
+        ),
+        (
+            format!("freezes (SIGSTOP, {} s)", cli.freeze_secs),
+            format!(
+                "{} ({} already frozen)",
+                counts.freezes, counts.freezes_missed
             ),
             String::new(),
             "",
@@ -1403,6 +1595,12 @@ fn table(
                     && v.dead_letter_wrong_reason == 0
                     && v.valid_dead_lettered == 0,
             ),
+        ),
+        (
+            "valid dead-lettered".into(),
+            v.valid_dead_lettered.to_string(),
+            "0".into(),
+            mark(v.valid_dead_lettered == 0),
         ),
         (
             "consumer crashes".into(),
