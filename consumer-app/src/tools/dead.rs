@@ -19,7 +19,7 @@ use std::num::NonZeroU32;
 use inbox_api::{AttemptRecord, ConsumerName};
 
 use crate::parcel::role::Role;
-use crate::parcel::store::ParcelStore;
+use crate::parcel::store::{ParcelStore, StoreKind};
 use crate::parcel::topology::Topology;
 use crate::runtime::amqp::connect;
 use crate::runtime::replay::{Replayed, replay};
@@ -75,6 +75,9 @@ impl WithStore for ListDead {
         let dead = store
             .dead_messages(self.consumer.as_ref(), self.limit)
             .await?;
+        if store.kind() == StoreKind::Memory {
+            println!("(memory store: a fresh, empty store in this process)");
+        }
         print!("{}", dead_table(&dead));
         Ok(())
     }

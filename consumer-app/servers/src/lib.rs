@@ -1,0 +1,272 @@
+//! A PostgreSQL cluster and a RabbitMQ node of a test's own, for the faults
+//! that stop a server: `initdb`/`pg_ctl` into a temporary directory on a
+//! free port, and a RabbitMQ node with its own name, ports and files. The
+//! shared servers (127.0.0.1:5432, 127.0.0.1:5672) that other tests use are
+//! never touched; each guard stops its server and removes its directory on
+//! drop, also when the caller panics.
+//!
+//! Used by consumer-app's outage tests and by parcel-lab's chaos harness
+//! (`parcel-chaos --private-postgres/--private-rabbit`); a crate of its own
+//! because parcel-lab depends on consumer-app, so neither can hold it for
+//! both. Test support: a missing binary or a server that does not come up
+//! panics with the command's output, nothing is skipped.
+#![deny(missing_docs)]
+
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use lapin::{Connection, ConnectionProperties};
+
+fn id() -> String {
+    uuid::Uuid::new_v4().simple().to_string()[..10].to_owned()
+}
+
+/// Runs `program args` to its end and fails the test, with its output,
+/// unless it succeeds.
+///
+/// # Panics
+/// When the program cannot run or fails.
+pub fn run(program: &str, args: &[&str]) -> Output {
+    let output = Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {program}: {e}"));
+    assert!(
+        output.status.success(),
+        "{program} {args:?} failed:\n{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+/// A TCP port nobody listens on right now.
+pub fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    listener.local_addr().expect("its address").port()
+}
+
+fn is_root() -> bool {
+    let output = run("id", &["-u"]);
+    String::from_utf8_lossy(&output.stdout).trim() == "0"
+}
+
+/// Waits until `127.0.0.1:port` accepts connections, or panics.
+pub async fn listening(port: u16, what: &str, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "{what} not listening on {port} after {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+// ------------------------------------------------------- private PostgreSQL
+
+/// A PostgreSQL cluster of the test's own: `initdb` into a temporary
+/// directory, started on a free port, stopped and removed on drop (also when
+/// the test panics). Run as user `postgres` when the tests run as root
+/// (PostgreSQL refuses to run as root).
+pub struct PrivatePostgres {
+    dir: PathBuf,
+    port: u16,
+    as_postgres: bool,
+}
+
+impl PrivatePostgres {
+    /// Creates the cluster and starts it.
+    #[must_use]
+    pub fn start() -> Self {
+        let dir = std::env::temp_dir().join(format!("inbox-private-pg-{}", id()));
+        let cluster = Self {
+            dir,
+            port: free_port(),
+            as_postgres: is_root(),
+        };
+        let data = cluster.data();
+        cluster.pg(
+            "initdb",
+            &["-D", &data, "-A", "trust", "-U", "postgres", "--no-sync"],
+        );
+        cluster.resume();
+        cluster
+    }
+
+    fn data(&self) -> String {
+        self.dir.display().to_string()
+    }
+
+    /// Runs a PostgreSQL binary (`PG_BIN` or the PATH) as the cluster's user.
+    fn pg(&self, binary: &str, args: &[&str]) -> Output {
+        let binary = match std::env::var("PG_BIN") {
+            Ok(dir) => format!("{dir}/{binary}"),
+            Err(_) => binary.to_owned(),
+        };
+        if self.as_postgres {
+            let mut all = vec!["-u", "postgres", "--", binary.as_str()];
+            all.extend_from_slice(args);
+            run("runuser", &all)
+        } else {
+            run(&binary, args)
+        }
+    }
+
+    /// The URL of its `postgres` database, as user `postgres`.
+    #[must_use]
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Starts the server (again) and waits until it accepts connections.
+    pub fn resume(&self) {
+        let options = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
+            self.port,
+            self.data()
+        );
+        let log = format!("{}/server.log", self.data());
+        self.pg(
+            "pg_ctl",
+            &[
+                "-D",
+                &self.data(),
+                "-o",
+                &options,
+                "-l",
+                &log,
+                "-w",
+                "start",
+            ],
+        );
+    }
+
+    /// Stops the server as an operator's restart would (`-m fast`: open
+    /// sessions are terminated, 57P01).
+    pub fn halt(&self) {
+        self.pg("pg_ctl", &["-D", &self.data(), "-m", "fast", "-w", "stop"]);
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        // Best effort, never a second panic: stopped already is fine.
+        let mut args = vec!["-D".to_owned(), self.data()];
+        args.extend(["-m", "immediate", "stop"].map(str::to_owned));
+        let mut command = if self.as_postgres {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--", "pg_ctl"]);
+            c
+        } else {
+            Command::new("pg_ctl")
+        };
+        let _ = command.args(&args).output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+// --------------------------------------------------------- private RabbitMQ
+
+/// A RabbitMQ node of the test's own (its name, ports, data, logs and
+/// config in a temporary directory), so that `rabbitmqctl stop_app`
+/// disturbs no other test; halted and removed on drop. The shared node's
+/// config file names port 5672, hence a config file of its own.
+pub struct PrivateRabbit {
+    dir: PathBuf,
+    node: String,
+    port: u16,
+}
+
+impl PrivateRabbit {
+    /// Starts the node and waits until it takes AMQP connections.
+    pub async fn start() -> Self {
+        let id = id();
+        let dir = std::env::temp_dir().join(format!("inbox-private-rmq-{id}"));
+        std::fs::create_dir_all(&dir).expect("node directory");
+        let rabbit = Self {
+            node: format!("inbox-test-{id}@localhost"),
+            port: free_port(),
+            dir,
+        };
+        let file = |name: &str| rabbit.dir.join(name).display().to_string();
+        std::fs::write(
+            file("rabbitmq.conf"),
+            format!("listeners.tcp.local = 127.0.0.1:{}\n", rabbit.port),
+        )
+        .expect("config file");
+        std::fs::write(file("enabled_plugins"), "[].\n").expect("plugins file");
+        if is_root() {
+            // The server drops to the rabbitmq user, which must own its files.
+            run(
+                "chown",
+                &["-R", "rabbitmq:rabbitmq", &rabbit.dir.display().to_string()],
+            );
+        }
+        let status = Command::new("rabbitmq-server")
+            .arg("-detached")
+            .env("RABBITMQ_NODENAME", &rabbit.node)
+            .env("RABBITMQ_NODE_PORT", rabbit.port.to_string())
+            .env("RABBITMQ_DIST_PORT", free_port().to_string())
+            .env("RABBITMQ_CONFIG_FILE", file("rabbitmq.conf"))
+            .env("RABBITMQ_ENABLED_PLUGINS_FILE", file("enabled_plugins"))
+            .env("RABBITMQ_MNESIA_BASE", file("mnesia"))
+            .env("RABBITMQ_LOG_BASE", file("log"))
+            .env("RABBITMQ_PID_FILE", file("pid"))
+            .env("ERL_CRASH_DUMP", file("erl_crash.dump"))
+            .stdin(Stdio::null())
+            .status()
+            .expect("run rabbitmq-server");
+        assert!(status.success(), "rabbitmq-server -detached: {status}");
+        rabbit.up().await;
+        rabbit
+    }
+
+    /// Its AMQP URL (user guest, vhost /).
+    #[must_use]
+    pub fn url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+
+    /// Waits until the node takes AMQP connections (a booting node listens
+    /// a moment before it answers).
+    pub async fn up(&self) {
+        listening(self.port, "the private RabbitMQ", Duration::from_secs(120)).await;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let url = self.url();
+        let probe = || {
+            Connection::connect(
+                &url,
+                ConnectionProperties::default()
+                    .with_connection_name("private-servers probe".into()),
+            )
+        };
+        while let Err(error) = probe().await {
+            assert!(Instant::now() < deadline, "private RabbitMQ: {error}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Runs `rabbitmqctl -n <node> command` (`stop_app`, `start_app`).
+    pub fn ctl(&self, command: &str) {
+        run("rabbitmqctl", &["-n", &self.node, command]);
+    }
+}
+
+impl Drop for PrivateRabbit {
+    fn drop(&mut self) {
+        let _ = Command::new("rabbitmqctl")
+            .args(["-n", &self.node, "stop"])
+            .output();
+        // A node that did not stop when asked is killed by its pid.
+        if let Ok(pid) = std::fs::read_to_string(self.dir.join("pid")) {
+            let _ = Command::new("kill").args(["-9", pid.trim()]).output();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
