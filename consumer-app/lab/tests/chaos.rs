@@ -131,10 +131,18 @@ const CI: &[&str] = &[
 ];
 
 /// The operational faults, added to the per-store runs at CI size: two
-/// consume processes frozen with SIGSTOP for 10 s and resumed, and one
-/// PostgreSQL restart (down 5 s; the run then uses a private cluster, so
-/// the shared server is never stopped).
-const OPERATIONS: &[&str] = &["--freezes", "2", "--pg-restarts", "1"];
+/// consume processes frozen with SIGSTOP for 10 s and resumed, one
+/// PostgreSQL restart and one RabbitMQ restart (`stop_app`/`start_app`),
+/// each down 5 s. Those run on a PostgreSQL cluster and a RabbitMQ node of
+/// the run's own, so the shared servers are never stopped.
+const OPERATIONS: &[&str] = &[
+    "--freezes",
+    "2",
+    "--pg-restarts",
+    "1",
+    "--rabbit-restarts",
+    "1",
+];
 
 /// Asserts a passing run: exit 0, PASS, and the RESULT line's counts 0.
 fn passed(code: Option<i32>, stdout: &str) {

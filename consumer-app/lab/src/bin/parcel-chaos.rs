@@ -18,7 +18,10 @@
 //! deliveries once its heartbeat is missed), and with `--pg-restarts` stops
 //! PostgreSQL (`pg_ctl stop -m fast`, a server restart) and starts it again
 //! `--pg-down-secs` later: the run then uses a PostgreSQL cluster of its own
-//! (`--private-postgres`, implied), so the shared server is never stopped.
+//! (`--private-postgres`, implied), so the shared server is never stopped;
+//! likewise `--rabbit-restarts` stops RabbitMQ (`rabbitmqctl stop_app`) once
+//! everything is published and starts it again `--rabbit-down-secs` later,
+//! on a node of the run's own (`--private-rabbitmq`, implied).
 //! Then it waits until the work queues are empty (ready and
 //! unacked) and every intent is dispatched, stops the consumers, and checks
 //! from the database, the stub downstreams' durable ledger and the
@@ -35,13 +38,16 @@
 //! gives the same publish plan (message ids included) and the same fault
 //! schedule (times, kinds, targets), so a failing run can be replayed.
 //!
-//! CI size (the `chaos` test): `parcel-chaos --events 2000 --kills 6`.
+//! CI size (the `chaos` test): `parcel-chaos --events 2000 --kills 6`, per
+//! store with `--freezes 2 --pg-restarts 1 --rabbit-restarts 1`.
 //! Full size, by hand:
 //!
 //! ```text
 //! bash .ci/services.sh
 //! cargo build -p parcel-lab --bins
 //! target/debug/parcel-chaos --store sqlx --events 10000 --kills 20
+//! target/debug/parcel-chaos --store sqlx --events 10000 --kills 20 \
+//!     --freezes 6 --pg-restarts 3 --rabbit-restarts 2
 //! ```
 //!
 //! `--broken claim-in-own-transaction` runs the consumers on the
@@ -69,7 +75,7 @@ use consumer_app::tools::stores::{StoreConfig, WithStore, with_store};
 use inbox_api::{ConsumerName, InboxKey, InboxStats, InboxStore, MessageId};
 use inbox_backend_sqlx::SqlxStore;
 use lapin::options::BasicGetOptions;
-use private_servers::PrivatePostgres;
+use private_servers::{PrivatePostgres, PrivateRabbit};
 use rand::rngs::StdRng;
 use rand::{Rng as _, RngCore as _, SeedableRng as _};
 use sqlx::Row;
@@ -88,8 +94,10 @@ const CONCURRENCY: u16 = 4;
 /// Exit status: 0 all checks held, 1 a violation (lost, doubled, missing
 /// dead letter…), 2 the run could not be carried out.
 ///
-/// CI size: `parcel-chaos --events 2000 --kills 6`. Full size:
-/// `parcel-chaos --events 10000 --kills 20`. Replay: add `--seed <printed seed>`.
+/// CI size: `parcel-chaos --events 2000 --kills 6 --freezes 2 --pg-restarts 1
+/// --rabbit-restarts 1`. Full size: `parcel-chaos --events 10000 --kills 20
+/// --freezes 6 --pg-restarts 3 --rabbit-restarts 2`. Replay: add `--seed
+/// <printed seed>`.
 #[derive(Parser, Debug)]
 #[command(name = "parcel-chaos", version, about, long_about)]
 struct Cli {
@@ -138,6 +146,19 @@ struct Cli {
     /// --database-url.
     #[arg(long)]
     private_postgres: bool,
+    /// RabbitMQ stopped (`rabbitmqctl stop_app`) and started again
+    /// --rabbit-down-secs later; held until everything is published (the
+    /// harness's publisher does not reconnect). Implies --private-rabbitmq.
+    #[arg(long, default_value_t = 0)]
+    rabbit_restarts: usize,
+    /// How long RabbitMQ stays down in a --rabbit-restarts fault.
+    #[arg(long, default_value_t = 5)]
+    rabbit_down_secs: u64,
+    /// Run on a RabbitMQ node of the run's own (its own name, ports and
+    /// files in a temporary directory; removed at the end) instead of
+    /// --amqp-url.
+    #[arg(long)]
+    private_rabbitmq: bool,
     /// Seed of the plan and the fault schedule (default: from the clock; printed).
     #[arg(long)]
     seed: Option<u64>,
@@ -395,6 +416,7 @@ enum FaultKind {
     Amqp,
     Freeze,
     PostgresRestart,
+    RabbitRestart,
 }
 
 #[derive(Clone, Debug)]
@@ -420,6 +442,10 @@ fn schedule(cli: &Cli, window: Duration, rng: &mut Rng) -> Vec<Fault> {
     kinds.extend(std::iter::repeat_n(
         FaultKind::PostgresRestart,
         cli.pg_restarts,
+    ));
+    kinds.extend(std::iter::repeat_n(
+        FaultKind::RabbitRestart,
+        cli.rabbit_restarts,
     ));
     let mut faults: Vec<Fault> = kinds
         .into_iter()
@@ -715,11 +741,25 @@ async fn run_tool(program: &str, args: &[&str]) -> Result<String, AppError> {
     Ok(String::from_utf8_lossy(&output.stdout).into_owned())
 }
 
+/// Runs `rabbitmqctl` against `node` (`None`: its default node).
+async fn rabbitmqctl(node: Option<&str>, args: &[&str]) -> Result<String, AppError> {
+    let mut all = Vec::with_capacity(args.len() + 2);
+    if let Some(node) = node {
+        all.extend(["-n", node]);
+    }
+    all.extend_from_slice(args);
+    run_tool("rabbitmqctl", &all).await
+}
+
 /// Has RabbitMQ close the AMQP connection of the process `pid`; false when it
 /// has none right now (e.g. just restarted, not yet connected).
-async fn close_amqp_connection(prefix: &str, pid: u32) -> Result<bool, AppError> {
-    let listed = run_tool(
-        "rabbitmqctl",
+async fn close_amqp_connection(
+    node: Option<&str>,
+    prefix: &str,
+    pid: u32,
+) -> Result<bool, AppError> {
+    let listed = rabbitmqctl(
+        node,
         &[
             "list_connections",
             "--quiet",
@@ -736,8 +776,8 @@ async fn close_amqp_connection(prefix: &str, pid: u32) -> Result<bool, AppError>
     }) else {
         return Ok(false);
     };
-    run_tool(
-        "rabbitmqctl",
+    rabbitmqctl(
+        node,
         &[
             "close_connection",
             &connection,
@@ -766,9 +806,9 @@ fn db(error: sqlx::Error) -> AppError {
 }
 
 /// Messages (ready + unacknowledged) per queue name, from rabbitmqctl.
-async fn queue_depths(queues: &[String]) -> Result<Vec<u64>, AppError> {
-    let listed = run_tool(
-        "rabbitmqctl",
+async fn queue_depths(node: Option<&str>, queues: &[String]) -> Result<Vec<u64>, AppError> {
+    let listed = rabbitmqctl(
+        node,
         &[
             "list_queues",
             "--quiet",
@@ -1099,12 +1139,23 @@ struct FaultCounts {
     pg_restarts: usize,
     pg_restarts_missed: usize,
     pg_kills_missed: usize,
+    rabbit_restarts: usize,
+    rabbit_restarts_missed: usize,
 }
 
 /// The servers of the run's own, stopped and removed when dropped.
 #[derive(Default)]
 struct Servers {
     postgres: Option<PrivatePostgres>,
+    rabbit: Option<PrivateRabbit>,
+}
+
+impl Servers {
+    /// The node `rabbitmqctl` is to talk to (`None`: its default, the
+    /// shared one).
+    fn rabbit_node(&self) -> Option<&str> {
+        self.rabbit.as_ref().map(PrivateRabbit::node)
+    }
 }
 
 fn consume_binary(cli: &Cli) -> Result<PathBuf, AppError> {
@@ -1160,6 +1211,16 @@ async fn run(mut cli: Cli) -> Result<bool, AppError> {
         cli.database_url = postgres.url();
         println!("a private PostgreSQL cluster: {}", cli.database_url);
         servers.postgres = Some(postgres);
+    }
+    if cli.private_rabbitmq || cli.rabbit_restarts > 0 {
+        let rabbit = PrivateRabbit::start().await;
+        cli.amqp_url = rabbit.url();
+        println!(
+            "a private RabbitMQ node: {} ({})",
+            rabbit.node(),
+            cli.amqp_url
+        );
+        servers.rabbit = Some(rabbit);
     }
     let mut rng = Rng::new(seed);
     let plan = Plan::new(&cli, &mut rng)?;
@@ -1353,7 +1414,17 @@ async fn drive(
     let mut frozen = false;
     // When the stopped PostgreSQL is to be started again.
     let mut pg_down: Option<Instant> = None;
-    while !published || next < faults.len() || frozen || pg_down.is_some() {
+    // RabbitMQ restarts due before everything was published, and when the
+    // stopped RabbitMQ is to be started again.
+    let mut rabbit_held = 0;
+    let mut rabbit_down: Option<Instant> = None;
+    while !published
+        || next < faults.len()
+        || frozen
+        || pg_down.is_some()
+        || rabbit_held > 0
+        || rabbit_down.is_some()
+    {
         consumers.supervise()?;
         frozen = consumers.thaw(false).await;
         if let (Some(until), Some(postgres)) = (pg_down, &servers.postgres)
@@ -1362,6 +1433,20 @@ async fn drive(
             tokio::task::block_in_place(|| postgres.resume());
             pg_down = None;
             tracing::info!(at = ?t0.elapsed(), "PostgreSQL started again");
+        }
+        if let Some(rabbit) = &servers.rabbit {
+            if rabbit_down.is_some_and(|until| until <= Instant::now()) {
+                tokio::task::block_in_place(|| rabbit.ctl("start_app"));
+                rabbit.up().await;
+                rabbit_down = None;
+                tracing::info!(at = ?t0.elapsed(), "RabbitMQ started again (start_app)");
+            } else if published && rabbit_held > 0 && rabbit_down.is_none() {
+                rabbit_held -= 1;
+                tokio::task::block_in_place(|| rabbit.ctl("stop_app"));
+                rabbit_down = Some(Instant::now() + Duration::from_secs(cli.rabbit_down_secs));
+                counts.rabbit_restarts += 1;
+                tracing::info!(at = ?t0.elapsed(), "RabbitMQ stopped (stop_app)");
+            }
         }
         if !published && publisher.is_finished() {
             match (&mut publisher).await {
@@ -1396,7 +1481,10 @@ async fn drive(
                 }
                 FaultKind::Amqp => {
                     let closed = match consumers.pid(k) {
-                        Some(pid) => close_amqp_connection(&names.prefix, pid).await?,
+                        Some(pid) if rabbit_down.is_none() => {
+                            close_amqp_connection(servers.rabbit_node(), &names.prefix, pid).await?
+                        }
+                        Some(_) => false,
                         None => false,
                     };
                     if closed {
@@ -1415,6 +1503,8 @@ async fn drive(
                     }
                     _ => counts.pg_restarts_missed += 1,
                 },
+                FaultKind::RabbitRestart if servers.rabbit.is_some() => rabbit_held += 1,
+                FaultKind::RabbitRestart => counts.rabbit_restarts_missed += 1,
                 FaultKind::Freeze => {
                     let until = Instant::now() + Duration::from_secs(cli.freeze_secs);
                     if consumers.freeze(k, until).await {
@@ -1435,7 +1525,7 @@ async fn drive(
     let mut quiet_rounds = 0;
     while Instant::now() < deadline {
         consumers.supervise()?;
-        let depths = queue_depths(work_queues).await?;
+        let depths = queue_depths(servers.rabbit_node(), work_queues).await?;
         let pending = undispatched(pool, &names.schema).await?;
         if depths.iter().all(|d| *d == 0) && pending == 0 {
             quiet_rounds += 1;
@@ -1516,6 +1606,15 @@ fn table(
             format!(
                 "{} ({} while down)",
                 counts.pg_restarts, counts.pg_restarts_missed
+            ),
+            String::new(),
+            "",
+        ),
+        (
+            format!("rabbit restarts (down {} s)", cli.rabbit_down_secs),
+            format!(
+                "{} ({} not run)",
+                counts.rabbit_restarts, counts.rabbit_restarts_missed
             ),
             String::new(),
             "",
