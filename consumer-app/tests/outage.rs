@@ -270,6 +270,30 @@ async fn store_is(service: &ServiceHandle, up: bool, limit: Duration) {
         .expect("service running");
 }
 
+/// The service pauses (availability and gauge 0) and stays paused for a
+/// while without dead-lettering anything: paused, not spinning through the
+/// messages.
+async fn stays_paused(service: &ServiceHandle) {
+    store_is(service, false, Duration::from_secs(20)).await;
+    assert_eq!(store_gauge(), Some(0.0));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    nothing_dead_lettered(&service.tally);
+    assert!(!service.store_available(), "still paused");
+}
+
+/// The service resumes (availability and gauge 1), every consumer processes
+/// `total` messages, and it shuts down cleanly with nothing dead-lettered.
+async fn resumes_and_processes(service: ServiceHandle, total: u64) -> Arc<Tally> {
+    store_is(&service, true, Duration::from_secs(20)).await;
+    assert_eq!(store_gauge(), Some(1.0));
+    processed(&service.tally, total, Duration::from_secs(60)).await;
+    let tally = Arc::clone(&service.tally);
+    service.shutdown();
+    service.join().await.expect("clean shutdown");
+    nothing_dead_lettered(&tally);
+    tally
+}
+
 fn nothing_dead_lettered(tally: &Tally) {
     for role in Role::ALL {
         let t = tally.consumer(role.consumer_name());
@@ -362,21 +386,10 @@ async fn schema_dropped_mid_run_pauses_until_migrated<S: ParcelStore>(
 
     store.drop_schema().await.expect("drop the schema");
     scenario.publish(AFTER as usize, 2).await;
-    store_is(&service, false, Duration::from_secs(20)).await;
-    assert_eq!(store_gauge(), Some(0.0));
-    // Paused, not spinning through the messages: give it time to do harm.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    nothing_dead_lettered(&service.tally);
-    assert!(!service.store_available());
+    stays_paused(&service).await;
 
     store.migrate_all().await.expect("migrate again");
-    store_is(&service, true, Duration::from_secs(20)).await;
-    assert_eq!(store_gauge(), Some(1.0));
-    processed(&service.tally, BEFORE + AFTER, Duration::from_secs(60)).await;
-    let tally = Arc::clone(&service.tally);
-    service.shutdown();
-    service.join().await.expect("clean shutdown");
-    nothing_dead_lettered(&tally);
+    let tally = resumes_and_processes(service, BEFORE + AFTER).await;
     let released: u64 = Role::ALL
         .iter()
         .map(|r| get(&tally.consumer(r.consumer_name()).released))
@@ -431,21 +444,11 @@ async fn privilege_revoked_mid_run_pauses_until_granted<S: ParcelStore>(
         "REVOKE INSERT ON {schema}.notifications FROM {role}"
     ));
     scenario.publish(AFTER as usize, 2).await;
-    store_is(&service, false, Duration::from_secs(20)).await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    nothing_dead_lettered(&service.tally);
-    assert!(
-        !service.store_available(),
-        "the probe sees the privilege missing"
-    );
+    // The probe sees the privilege missing, so the pause lasts.
+    stays_paused(&service).await;
 
     psql(&format!("GRANT INSERT ON {schema}.notifications TO {role}"));
-    store_is(&service, true, Duration::from_secs(20)).await;
-    processed(&service.tally, BEFORE + AFTER, Duration::from_secs(60)).await;
-    let tally = Arc::clone(&service.tally);
-    service.shutdown();
-    service.join().await.expect("clean shutdown");
-    nothing_dead_lettered(&tally);
+    resumes_and_processes(service, BEFORE + AFTER).await;
     scenario.dead_letter_queues_are_empty().await;
     once_each(&admin.stats().await.expect("stats"), BEFORE + AFTER);
     drop(store);

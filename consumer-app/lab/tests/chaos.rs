@@ -130,6 +130,29 @@ const CI: &[&str] = &[
     "20261202",
 ];
 
+/// The operational faults, added to the per-store runs at CI size: two
+/// consume processes frozen with SIGSTOP for 10 s and resumed, one
+/// PostgreSQL restart and one RabbitMQ restart (`stop_app`/`start_app`),
+/// each down 5 s. Those run on a PostgreSQL cluster and a RabbitMQ node of
+/// the run's own, so the shared servers are never stopped.
+const OPERATIONS: &[&str] = &[
+    "--freezes",
+    "2",
+    "--pg-restarts",
+    "1",
+    "--rabbit-restarts",
+    "1",
+];
+
+/// Asserts a passing run: exit 0, PASS, and the RESULT line's counts 0.
+fn passed(code: Option<i32>, stdout: &str) {
+    assert_eq!(code, Some(0), "{stdout}");
+    assert!(stdout.contains("RESULT: PASS"), "{stdout}");
+    for name in ["lost", "doubles", "valid_dead_lettered"] {
+        assert_eq!(field(stdout, name), 0, "{name}:\n{stdout}");
+    }
+}
+
 fn field(stdout: &str, name: &str) -> u64 {
     let result = stdout
         .lines()
@@ -144,9 +167,8 @@ fn field(stdout: &str, name: &str) -> u64 {
 
 #[test]
 fn chaos_sqlx_exactly_once() {
-    let (code, stdout) = chaos(&[&["--store", "sqlx"], CI].concat());
-    assert_eq!(code, Some(0), "{stdout}");
-    assert!(stdout.contains("RESULT: PASS"), "{stdout}");
+    let (code, stdout) = chaos(&[&["--store", "sqlx"], CI, OPERATIONS].concat());
+    passed(code, &stdout);
 }
 
 /// Batched mode under the same faults: a kill -9, a terminated backend or a
@@ -155,15 +177,13 @@ fn chaos_sqlx_exactly_once() {
 #[test]
 fn chaos_sqlx_batched_exactly_once() {
     let (code, stdout) = chaos(&[&["--store", "sqlx", "--batch-size", "50"], CI].concat());
-    assert_eq!(code, Some(0), "{stdout}");
-    assert!(stdout.contains("RESULT: PASS"), "{stdout}");
+    passed(code, &stdout);
 }
 
 #[test]
 fn chaos_diesel_exactly_once() {
-    let (code, stdout) = chaos(&[&["--store", "diesel"], CI].concat());
-    assert_eq!(code, Some(0), "{stdout}");
-    assert!(stdout.contains("RESULT: PASS"), "{stdout}");
+    let (code, stdout) = chaos(&[&["--store", "diesel"], CI, OPERATIONS].concat());
+    passed(code, &stdout);
 }
 
 /// The harness can fail: with the claim committed in its own transaction, a

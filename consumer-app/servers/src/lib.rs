@@ -6,7 +6,7 @@
 //! drop, also when the caller panics.
 //!
 //! Used by consumer-app's outage tests and by parcel-lab's chaos harness
-//! (`parcel-chaos --private-postgres/--private-rabbit`); a crate of its own
+//! (`parcel-chaos --private-postgres`, `--private-rabbitmq`); a crate of its own
 //! because parcel-lab depends on consumer-app, so neither can hold it for
 //! both. Test support: a missing binary or a server that does not come up
 //! panics with the command's output, nothing is skipped.
@@ -250,6 +250,12 @@ impl PrivateRabbit {
             assert!(Instant::now() < deadline, "private RabbitMQ: {error}");
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+    }
+
+    /// Its node name, for `rabbitmqctl -n`.
+    #[must_use]
+    pub fn node(&self) -> &str {
+        &self.node
     }
 
     /// Runs `rabbitmqctl -n <node> command` (`stop_app`, `start_app`).

@@ -172,16 +172,21 @@ impl StoreCircuit {
     /// Opens the circuit (once per outage: only the caller that flips it
     /// logs and counts).
     pub(crate) fn open(&self, cause: &AppError) {
+        // The gauge and the outage's start are set under the watch's lock,
+        // before any receiver can see the change: whoever reads the state
+        // reads the gauge that goes with it.
         let opened = self.available.send_if_modified(|available| {
-            let flip = *available;
+            if !*available {
+                return false;
+            }
             *available = false;
-            flip
+            *self.lock_since() = Some(Instant::now());
+            metrics::gauge!(names::STORE_AVAILABLE).set(0.0);
+            true
         });
         if !opened {
             return;
         }
-        *self.lock_since() = Some(Instant::now());
-        metrics::gauge!(names::STORE_AVAILABLE).set(0.0);
         metrics::counter!(names::STORE_OUTAGES).increment(1);
         tracing::warn!(cause = %chain(cause), "store unavailable, consumption paused");
     }
@@ -190,16 +195,19 @@ impl StoreCircuit {
     fn close(&self) {
         self.consecutive.store(0, Ordering::Relaxed);
         self.succeeded.store(false, Ordering::Relaxed);
+        let mut outage = None;
         let closed = self.available.send_if_modified(|available| {
-            let flip = !*available;
+            if *available {
+                return false;
+            }
             *available = true;
-            flip
+            outage = self.lock_since().take().map(|since| since.elapsed());
+            metrics::gauge!(names::STORE_AVAILABLE).set(1.0);
+            true
         });
         if !closed {
             return;
         }
-        let outage = self.lock_since().take().map(|since| since.elapsed());
-        metrics::gauge!(names::STORE_AVAILABLE).set(1.0);
         tracing::info!(outage = ?outage.unwrap_or_default(),
             "store available again, consumption resumed");
     }

@@ -11,7 +11,18 @@
 //! terminates its PostgreSQL backends (found by the `application_name` each
 //! process gets in its database URL) and has RabbitMQ close its connection
 //! (`rabbitmqctl close_connection`, found by the connection name, which holds
-//! the process id). Then it waits until the work queues are empty (ready and
+//! the process id), and with `--freezes` stops a consumer with SIGSTOP and
+//! resumes it with SIGCONT `--freeze-secs` later (a paused VM: its open
+//! transactions keep their claims until PostgreSQL's
+//! idle-in-transaction timeout ends them, and RabbitMQ requeues its
+//! deliveries once its heartbeat is missed), and with `--pg-restarts` stops
+//! PostgreSQL (`pg_ctl stop -m fast`, a server restart) and starts it again
+//! `--pg-down-secs` later: the run then uses a PostgreSQL cluster of its own
+//! (`--private-postgres`, implied), so the shared server is never stopped;
+//! likewise `--rabbit-restarts` stops RabbitMQ (`rabbitmqctl stop_app`) once
+//! everything is published and starts it again `--rabbit-down-secs` later,
+//! on a node of the run's own (`--private-rabbitmq`, implied).
+//! Then it waits until the work queues are empty (ready and
 //! unacked) and every intent is dispatched, stops the consumers, and checks
 //! from the database, the stub downstreams' durable ledger and the
 //! dead-letter queues:
@@ -27,13 +38,16 @@
 //! gives the same publish plan (message ids included) and the same fault
 //! schedule (times, kinds, targets), so a failing run can be replayed.
 //!
-//! CI size (the `chaos` test): `parcel-chaos --events 2000 --kills 6`.
+//! CI size (the `chaos` test): `parcel-chaos --events 2000 --kills 6`, per
+//! store with `--freezes 2 --pg-restarts 1 --rabbit-restarts 1`.
 //! Full size, by hand:
 //!
 //! ```text
 //! bash .ci/services.sh
 //! cargo build -p parcel-lab --bins
 //! target/debug/parcel-chaos --store sqlx --events 10000 --kills 20
+//! target/debug/parcel-chaos --store sqlx --events 10000 --kills 20 \
+//!     --freezes 6 --pg-restarts 3 --rabbit-restarts 2
 //! ```
 //!
 //! `--broken claim-in-own-transaction` runs the consumers on the
@@ -61,6 +75,7 @@ use consumer_app::tools::stores::{StoreConfig, WithStore, with_store};
 use inbox_api::{ConsumerName, InboxKey, InboxStats, InboxStore, MessageId};
 use inbox_backend_sqlx::SqlxStore;
 use lapin::options::BasicGetOptions;
+use private_servers::{PrivatePostgres, PrivateRabbit};
 use rand::rngs::StdRng;
 use rand::{Rng as _, RngCore as _, SeedableRng as _};
 use sqlx::Row;
@@ -79,8 +94,10 @@ const CONCURRENCY: u16 = 4;
 /// Exit status: 0 all checks held, 1 a violation (lost, doubled, missing
 /// dead letter…), 2 the run could not be carried out.
 ///
-/// CI size: `parcel-chaos --events 2000 --kills 6`. Full size:
-/// `parcel-chaos --events 10000 --kills 20`. Replay: add `--seed <printed seed>`.
+/// CI size: `parcel-chaos --events 2000 --kills 6 --freezes 2 --pg-restarts 1
+/// --rabbit-restarts 1`. Full size: `parcel-chaos --events 10000 --kills 20
+/// --freezes 6 --pg-restarts 3 --rabbit-restarts 2`. Replay: add `--seed
+/// <printed seed>`.
 #[derive(Parser, Debug)]
 #[command(name = "parcel-chaos", version, about, long_about)]
 struct Cli {
@@ -108,6 +125,40 @@ struct Cli {
     /// rabbitmqctl close_connection of one process's connection (default: --kills).
     #[arg(long)]
     amqp_kills: Option<usize>,
+    /// SIGSTOP of a consume process, SIGCONT --freeze-secs later. With any,
+    /// every consumer runs with short database bounds (lock timeout 1 s,
+    /// idle-in-transaction timeout 4 s) and a 3 s AMQP heartbeat, so that a frozen holder's claims and
+    /// deliveries are released within seconds.
+    #[arg(long, default_value_t = 0)]
+    freezes: usize,
+    /// How long a frozen consume process stays stopped.
+    #[arg(long, default_value_t = 10)]
+    freeze_secs: u64,
+    /// PostgreSQL stopped (`pg_ctl stop -m fast`) and started again
+    /// --pg-down-secs later. Implies --private-postgres.
+    #[arg(long, default_value_t = 0)]
+    pg_restarts: usize,
+    /// How long PostgreSQL stays down in a --pg-restarts fault.
+    #[arg(long, default_value_t = 5)]
+    pg_down_secs: u64,
+    /// Run on a PostgreSQL cluster of the run's own (initdb into a temporary
+    /// directory, a free port; removed at the end) instead of
+    /// --database-url.
+    #[arg(long)]
+    private_postgres: bool,
+    /// RabbitMQ stopped (`rabbitmqctl stop_app`) and started again
+    /// --rabbit-down-secs later; held until everything is published (the
+    /// harness's publisher does not reconnect). Implies --private-rabbitmq.
+    #[arg(long, default_value_t = 0)]
+    rabbit_restarts: usize,
+    /// How long RabbitMQ stays down in a --rabbit-restarts fault.
+    #[arg(long, default_value_t = 5)]
+    rabbit_down_secs: u64,
+    /// Run on a RabbitMQ node of the run's own (its own name, ports and
+    /// files in a temporary directory; removed at the end) instead of
+    /// --amqp-url.
+    #[arg(long)]
+    private_rabbitmq: bool,
     /// Seed of the plan and the fault schedule (default: from the clock; printed).
     #[arg(long)]
     seed: Option<u64>,
@@ -363,6 +414,9 @@ enum FaultKind {
     Kill,
     Postgres,
     Amqp,
+    Freeze,
+    PostgresRestart,
+    RabbitRestart,
 }
 
 #[derive(Clone, Debug)]
@@ -382,6 +436,16 @@ fn schedule(cli: &Cli, window: Duration, rng: &mut Rng) -> Vec<Fault> {
     kinds.extend(std::iter::repeat_n(
         FaultKind::Amqp,
         cli.amqp_kills.unwrap_or(cli.kills),
+    ));
+    // Appended last: the schedules of runs without them stay as they were.
+    kinds.extend(std::iter::repeat_n(FaultKind::Freeze, cli.freezes));
+    kinds.extend(std::iter::repeat_n(
+        FaultKind::PostgresRestart,
+        cli.pg_restarts,
+    ));
+    kinds.extend(std::iter::repeat_n(
+        FaultKind::RabbitRestart,
+        cli.rabbit_restarts,
     ));
     let mut faults: Vec<Fault> = kinds
         .into_iter()
@@ -414,12 +478,33 @@ fn with_application_name(url: &str, name: &str) -> String {
     format!("{url}{separator}application_name={name}")
 }
 
+/// The consumers' bounds when a run freezes them, as in the killed-process
+/// test: a claim waits at most 1 s on a lock a frozen process holds (and is
+/// handed back uncharged); PostgreSQL ends a frozen session 4 s after its
+/// last statement, releasing its claims; the handle timeout stays below it,
+/// as the flags demand.
+const FREEZE_BOUNDS: [&str; 6] = [
+    "--lock-timeout-ms",
+    "1000",
+    "--idle-in-transaction-timeout-secs",
+    "4",
+    "--handle-timeout-secs",
+    "3",
+];
+
+/// The consumers' AMQP heartbeat (seconds) when a run freezes them:
+/// RabbitMQ closes a silent connection after about twice that and requeues
+/// its unacked deliveries (the default, 60 s, outlasts a freeze).
+const FREEZE_HEARTBEAT_SECS: u64 = 3;
+
 struct Consumers<'a> {
     cli: &'a Cli,
     names: &'a Names,
     binary: PathBuf,
     children: Vec<Child>,
     generation: Vec<usize>,
+    /// When each frozen (SIGSTOPped) process is to be resumed.
+    frozen: Vec<Option<Instant>>,
     unexpected_exits: usize,
 }
 
@@ -431,6 +516,7 @@ impl<'a> Consumers<'a> {
             binary,
             children: Vec::new(),
             generation: vec![0; cli.consumers],
+            frozen: vec![None; cli.consumers],
             unexpected_exits: 0,
         }
     }
@@ -452,6 +538,19 @@ impl<'a> Consumers<'a> {
             .cli
             .batch_size
             .map_or(8, |size| size.saturating_mul(2 * CONCURRENCY));
+        let amqp_url = if self.cli.freezes > 0 {
+            let separator = if self.cli.amqp_url.contains('?') {
+                '&'
+            } else {
+                '?'
+            };
+            format!(
+                "{}{separator}heartbeat={FREEZE_HEARTBEAT_SECS}",
+                self.cli.amqp_url
+            )
+        } else {
+            self.cli.amqp_url.clone()
+        };
         let mut command = Command::new(&self.binary);
         command
             .args([
@@ -460,7 +559,7 @@ impl<'a> Consumers<'a> {
                 "--database-url",
                 &with_application_name(&self.cli.database_url, &self.names.application_name(k)),
                 "--amqp-url",
-                &self.cli.amqp_url,
+                &amqp_url,
                 "--schema",
                 &self.names.schema,
                 "--prefix",
@@ -497,6 +596,9 @@ impl<'a> Consumers<'a> {
         if let Some(size) = self.cli.batch_size {
             command.args(["--batch-size", &size.to_string(), "--batch-wait", "20"]);
         }
+        if self.cli.freezes > 0 {
+            command.args(FREEZE_BOUNDS);
+        }
         Ok(command)
     }
 
@@ -529,6 +631,8 @@ impl<'a> Consumers<'a> {
     }
 
     async fn kill_and_restart(&mut self, k: usize) -> Result<(), AppError> {
+        // SIGKILL ends a stopped process too; its successor runs.
+        self.frozen[k] = None;
         let child = &mut self.children[k];
         let _ = child.start_kill();
         let _ = child.wait().await;
@@ -540,15 +644,48 @@ impl<'a> Consumers<'a> {
         self.children[k].id()
     }
 
+    /// Sends `signal` (`STOP`, `CONT`, `TERM`) to process `k`.
+    async fn signal(&self, k: usize, signal: &str) -> bool {
+        match self.pid(k) {
+            Some(pid) => Command::new("kill")
+                .args([&format!("-{signal}"), &pid.to_string()])
+                .status()
+                .await
+                .is_ok_and(|s| s.success()),
+            None => false,
+        }
+    }
+
+    /// SIGSTOP to process `k`, to be resumed at `until`; false when it is
+    /// frozen already (or gone).
+    async fn freeze(&mut self, k: usize, until: Instant) -> bool {
+        if self.frozen[k].is_some() || !self.signal(k, "STOP").await {
+            return false;
+        }
+        self.frozen[k] = Some(until);
+        true
+    }
+
+    /// SIGCONT to every frozen process whose time is up (all with `all`);
+    /// true while some stay frozen.
+    async fn thaw(&mut self, all: bool) -> bool {
+        let now = Instant::now();
+        for k in 0..self.frozen.len() {
+            if self.frozen[k].is_some_and(|until| all || until <= now) {
+                let resumed = self.signal(k, "CONT").await;
+                tracing::info!(consumer = k, resumed, "SIGCONT");
+                self.frozen[k] = None;
+            }
+        }
+        self.frozen.iter().any(Option::is_some)
+    }
+
     /// SIGTERM to all, then SIGKILL to what is still running after 20 s.
     async fn stop_all(&mut self) {
-        for child in &self.children {
-            if let Some(pid) = child.id() {
-                let _ = Command::new("kill")
-                    .args(["-TERM", &pid.to_string()])
-                    .status()
-                    .await;
-            }
+        // A stopped process would only see its SIGTERM once resumed.
+        self.thaw(true).await;
+        for k in 0..self.children.len() {
+            self.signal(k, "TERM").await;
         }
         for child in &mut self.children {
             if tokio::time::timeout(Duration::from_secs(20), child.wait())
@@ -580,11 +717,25 @@ async fn run_tool(program: &str, args: &[&str]) -> Result<String, AppError> {
     Ok(String::from_utf8_lossy(&output.stdout).into_owned())
 }
 
+/// Runs `rabbitmqctl` against `node` (`None`: its default node).
+async fn rabbitmqctl(node: Option<&str>, args: &[&str]) -> Result<String, AppError> {
+    let mut all = Vec::with_capacity(args.len() + 2);
+    if let Some(node) = node {
+        all.extend(["-n", node]);
+    }
+    all.extend_from_slice(args);
+    run_tool("rabbitmqctl", &all).await
+}
+
 /// Has RabbitMQ close the AMQP connection of the process `pid`; false when it
 /// has none right now (e.g. just restarted, not yet connected).
-async fn close_amqp_connection(prefix: &str, pid: u32) -> Result<bool, AppError> {
-    let listed = run_tool(
-        "rabbitmqctl",
+async fn close_amqp_connection(
+    node: Option<&str>,
+    prefix: &str,
+    pid: u32,
+) -> Result<bool, AppError> {
+    let listed = rabbitmqctl(
+        node,
         &[
             "list_connections",
             "--quiet",
@@ -601,8 +752,8 @@ async fn close_amqp_connection(prefix: &str, pid: u32) -> Result<bool, AppError>
     }) else {
         return Ok(false);
     };
-    run_tool(
-        "rabbitmqctl",
+    rabbitmqctl(
+        node,
         &[
             "close_connection",
             &connection,
@@ -631,9 +782,9 @@ fn db(error: sqlx::Error) -> AppError {
 }
 
 /// Messages (ready + unacknowledged) per queue name, from rabbitmqctl.
-async fn queue_depths(queues: &[String]) -> Result<Vec<u64>, AppError> {
-    let listed = run_tool(
-        "rabbitmqctl",
+async fn queue_depths(node: Option<&str>, queues: &[String]) -> Result<Vec<u64>, AppError> {
+    let listed = rabbitmqctl(
+        node,
         &[
             "list_queues",
             "--quiet",
@@ -959,6 +1110,28 @@ struct FaultCounts {
     pg_backends: u64,
     amqp_kills: usize,
     amqp_missed: usize,
+    freezes: usize,
+    freezes_missed: usize,
+    pg_restarts: usize,
+    pg_restarts_missed: usize,
+    pg_kills_missed: usize,
+    rabbit_restarts: usize,
+    rabbit_restarts_missed: usize,
+}
+
+/// The servers of the run's own, stopped and removed when dropped.
+#[derive(Default)]
+struct Servers {
+    postgres: Option<PrivatePostgres>,
+    rabbit: Option<PrivateRabbit>,
+}
+
+impl Servers {
+    /// The node `rabbitmqctl` is to talk to (`None`: its default, the
+    /// shared one).
+    fn rabbit_node(&self) -> Option<&str> {
+        self.rabbit.as_ref().map(PrivateRabbit::node)
+    }
 }
 
 fn consume_binary(cli: &Cli) -> Result<PathBuf, AppError> {
@@ -985,7 +1158,7 @@ fn consume_binary(cli: &Cli) -> Result<PathBuf, AppError> {
     )))
 }
 
-async fn run(cli: Cli) -> Result<bool, AppError> {
+async fn run(mut cli: Cli) -> Result<bool, AppError> {
     if cli.consumers < 3 {
         return Err(AppError::Config("--consumers must be at least 3".into()));
     }
@@ -1006,6 +1179,25 @@ async fn run(cli: Cli) -> Result<bool, AppError> {
         cli.broken.as_deref().unwrap_or("no")
     );
     let binary = consume_binary(&cli)?;
+    let mut servers = Servers::default();
+    if cli.private_postgres || cli.pg_restarts > 0 {
+        let postgres = tokio::task::spawn_blocking(PrivatePostgres::start)
+            .await
+            .map_err(|e| AppError::Unavailable(format!("private PostgreSQL: {e}")))?;
+        cli.database_url = postgres.url();
+        println!("a private PostgreSQL cluster: {}", cli.database_url);
+        servers.postgres = Some(postgres);
+    }
+    if cli.private_rabbitmq || cli.rabbit_restarts > 0 {
+        let rabbit = PrivateRabbit::start().await;
+        cli.amqp_url = rabbit.url();
+        println!(
+            "a private RabbitMQ node: {} ({})",
+            rabbit.node(),
+            cli.amqp_url
+        );
+        servers.rabbit = Some(rabbit);
+    }
     let mut rng = Rng::new(seed);
     let plan = Plan::new(&cli, &mut rng)?;
     #[expect(clippy::cast_precision_loss, reason = "a message count")]
@@ -1066,6 +1258,7 @@ async fn run(cli: Cli) -> Result<bool, AppError> {
     consumers.start_all()?;
     let outcome = drive(
         &cli,
+        &servers,
         &names,
         &pool,
         &plan,
@@ -1117,13 +1310,14 @@ async fn run(cli: Cli) -> Result<bool, AppError> {
         println!("  {detail}");
     }
     println!(
-        "RESULT: {} lost={} doubles={} stray={} inbox_mismatch={} dead_letter_missing={} seed={seed}",
+        "RESULT: {} lost={} doubles={} stray={} inbox_mismatch={} dead_letter_missing={} valid_dead_lettered={} seed={seed}",
         if ok { "PASS" } else { "FAIL" },
         verdict.lost,
         verdict.doubles,
         verdict.stray,
         verdict.inbox_mismatch,
-        verdict.dead_letter_missing + verdict.dead_letter_wrong_reason
+        verdict.dead_letter_missing + verdict.dead_letter_wrong_reason,
+        verdict.valid_dead_lettered
     );
 
     if (ok && !cli.keep) || cli.always_clean {
@@ -1156,6 +1350,7 @@ async fn run(cli: Cli) -> Result<bool, AppError> {
 #[expect(clippy::too_many_arguments, reason = "one call site, the run's parts")]
 async fn drive(
     cli: &Cli,
+    servers: &Servers,
     names: &Names,
     pool: &PgPool,
     plan: &Plan,
@@ -1174,8 +1369,43 @@ async fn drive(
     let mut published = false;
     let mut counts = FaultCounts::default();
     let mut next = 0;
-    while !published || next < faults.len() {
+    let mut frozen = false;
+    // When the stopped PostgreSQL is to be started again.
+    let mut pg_down: Option<Instant> = None;
+    // RabbitMQ restarts due before everything was published, and when the
+    // stopped RabbitMQ is to be started again.
+    let mut rabbit_held = 0;
+    let mut rabbit_down: Option<Instant> = None;
+    while !published
+        || next < faults.len()
+        || frozen
+        || pg_down.is_some()
+        || rabbit_held > 0
+        || rabbit_down.is_some()
+    {
         consumers.supervise()?;
+        frozen = consumers.thaw(false).await;
+        if let (Some(until), Some(postgres)) = (pg_down, &servers.postgres)
+            && until <= Instant::now()
+        {
+            tokio::task::block_in_place(|| postgres.resume());
+            pg_down = None;
+            tracing::info!(at = ?t0.elapsed(), "PostgreSQL started again");
+        }
+        if let Some(rabbit) = &servers.rabbit {
+            if rabbit_down.is_some_and(|until| until <= Instant::now()) {
+                tokio::task::block_in_place(|| rabbit.ctl("start_app"));
+                rabbit.up().await;
+                rabbit_down = None;
+                tracing::info!(at = ?t0.elapsed(), "RabbitMQ started again (start_app)");
+            } else if published && rabbit_held > 0 && rabbit_down.is_none() {
+                rabbit_held -= 1;
+                tokio::task::block_in_place(|| rabbit.ctl("stop_app"));
+                rabbit_down = Some(Instant::now() + Duration::from_secs(cli.rabbit_down_secs));
+                counts.rabbit_restarts += 1;
+                tracing::info!(at = ?t0.elapsed(), "RabbitMQ stopped (stop_app)");
+            }
+        }
         if !published && publisher.is_finished() {
             match (&mut publisher).await {
                 Ok(Ok(())) => {
@@ -1198,6 +1428,9 @@ async fn drive(
                     counts.kills += 1;
                     tracing::info!(consumer = k, at = ?t0.elapsed(), "kill -9 and restart");
                 }
+                FaultKind::Postgres if pg_down.is_some() => {
+                    counts.pg_kills_missed += 1;
+                }
                 FaultKind::Postgres => {
                     let n = terminate_backends(pool, &names.application_name(k)).await?;
                     counts.pg_kills += 1;
@@ -1206,7 +1439,10 @@ async fn drive(
                 }
                 FaultKind::Amqp => {
                     let closed = match consumers.pid(k) {
-                        Some(pid) => close_amqp_connection(&names.prefix, pid).await?,
+                        Some(pid) if rabbit_down.is_none() => {
+                            close_amqp_connection(servers.rabbit_node(), &names.prefix, pid).await?
+                        }
+                        Some(_) => false,
                         None => false,
                     };
                     if closed {
@@ -1215,6 +1451,27 @@ async fn drive(
                         counts.amqp_missed += 1;
                     }
                     tracing::info!(consumer = k, closed, at = ?t0.elapsed(), "rabbitmqctl close_connection");
+                }
+                FaultKind::PostgresRestart => match &servers.postgres {
+                    Some(postgres) if pg_down.is_none() => {
+                        tokio::task::block_in_place(|| postgres.halt());
+                        pg_down = Some(Instant::now() + Duration::from_secs(cli.pg_down_secs));
+                        counts.pg_restarts += 1;
+                        tracing::info!(at = ?t0.elapsed(), "PostgreSQL stopped (pg_ctl stop -m fast)");
+                    }
+                    _ => counts.pg_restarts_missed += 1,
+                },
+                FaultKind::RabbitRestart if servers.rabbit.is_some() => rabbit_held += 1,
+                FaultKind::RabbitRestart => counts.rabbit_restarts_missed += 1,
+                FaultKind::Freeze => {
+                    let until = Instant::now() + Duration::from_secs(cli.freeze_secs);
+                    if consumers.freeze(k, until).await {
+                        counts.freezes += 1;
+                        frozen = true;
+                    } else {
+                        counts.freezes_missed += 1;
+                    }
+                    tracing::info!(consumer = k, at = ?t0.elapsed(), "SIGSTOP");
                 }
             }
         }
@@ -1226,7 +1483,7 @@ async fn drive(
     let mut quiet_rounds = 0;
     while Instant::now() < deadline {
         consumers.supervise()?;
-        let depths = queue_depths(work_queues).await?;
+        let depths = queue_depths(servers.rabbit_node(), work_queues).await?;
         let pending = undispatched(pool, &names.schema).await?;
         if depths.iter().all(|d| *d == 0) && pending == 0 {
             quiet_rounds += 1;
@@ -1291,7 +1548,32 @@ fn table(
         ),
         (
             "pg kills (terminate_backend)".into(),
-            format!("{} ({} backends)", counts.pg_kills, counts.pg_backends),
+            if counts.pg_kills_missed == 0 {
+                format!("{} ({} backends)", counts.pg_kills, counts.pg_backends)
+            } else {
+                format!(
+                    "{} ({} b., {} while down)",
+                    counts.pg_kills, counts.pg_backends, counts.pg_kills_missed
+                )
+            },
+            String::new(),
+            "",
+        ),
+        (
+            format!("pg restarts (down {} s)", cli.pg_down_secs),
+            format!(
+                "{} ({} while down)",
+                counts.pg_restarts, counts.pg_restarts_missed
+            ),
+            String::new(),
+            "",
+        ),
+        (
+            format!("rabbit restarts (down {} s)", cli.rabbit_down_secs),
+            format!(
+                "{} ({} not run)",
+                counts.rabbit_restarts, counts.rabbit_restarts_missed
+            ),
             String::new(),
             "",
         ),
@@ -1300,6 +1582,15 @@ fn table(
             format!(
                 "{} ({} not connected)",
                 counts.amqp_kills, counts.amqp_missed
+            ),
+            String::new(),
+            "",
+        ),
+        (
+            format!("freezes (SIGSTOP, {} s)", cli.freeze_secs),
+            format!(
+                "{} ({} already frozen)",
+                counts.freezes, counts.freezes_missed
             ),
             String::new(),
             "",
@@ -1361,6 +1652,12 @@ fn table(
                     && v.dead_letter_wrong_reason == 0
                     && v.valid_dead_lettered == 0,
             ),
+        ),
+        (
+            "valid dead-lettered".into(),
+            v.valid_dead_lettered.to_string(),
+            "0".into(),
+            mark(v.valid_dead_lettered == 0),
         ),
         (
             "consumer crashes".into(),
