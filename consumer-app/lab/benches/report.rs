@@ -870,7 +870,7 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
         &tasks,
         &chart_rows,
     )?;
-    bench.pool.close().await;
+    consumer_app::runtime::shutdown::bounded("close the benchmark pool", bench.pool.close()).await;
     Ok((format!("{out}\n{cleanup_md}"), svg))
 }
 

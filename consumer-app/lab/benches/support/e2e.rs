@@ -23,7 +23,7 @@ use consumer_app::parcel::role::Role;
 use consumer_app::parcel::service::spawn;
 use consumer_app::parcel::store::ParcelStore;
 use consumer_app::parcel::topology::Topology;
-use consumer_app::runtime::amqp::{Outgoing, Publisher, connect};
+use consumer_app::runtime::amqp::{Outgoing, Publisher, close_bounded, connect};
 use consumer_app::runtime::{BatchConfig, ServiceConfig, WorkerConfig};
 use futures::StreamExt as _;
 use inbox_api::MessageId;
@@ -113,10 +113,10 @@ pub(crate) async fn cell(
             for worker in workers {
                 worker.abort();
             }
-            let _ = consumer_conn.close(200, "bye".into()).await;
+            close_bounded(&consumer_conn, "bye").await;
             let rate = deliveries as f64 / elapsed.as_secs_f64();
             finish(&publisher, &topology).await;
-            let _ = connection.close(200, "bye".into()).await;
+            close_bounded(&connection, "bye").await;
             Ok(rate)
         }
         E2e::PerMessage | E2e::Batched(_) => {
@@ -164,7 +164,7 @@ pub(crate) async fn cell(
             service.join().await?;
             let rate = deliveries as f64 / elapsed.as_secs_f64();
             finish(&publisher, &topology).await;
-            let _ = connection.close(200, "bye".into()).await;
+            close_bounded(&connection, "bye").await;
             Ok(rate)
         }
     }
