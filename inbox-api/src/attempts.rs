@@ -8,7 +8,10 @@
 //! the broker's number alone lets a failing message loop for ever. The
 //! ledger counts failures per `(message, consumer)` in the store itself
 //! (MassTransit keeps a receive count, reliar-inbox attempts, last error and
-//! a dead state), and the consumer caps on the larger of the two counts.
+//! a dead state), and the consumer caps on it, falling back on the
+//! broker's count only when the ledger could not be written: the ledger
+//! counts the message's own failures, while a broker before 4.3 counts the
+//! uncharged hand-backs of an outage too.
 //!
 //! **Outside the handler's transaction.** A failure is recorded after the
 //! handler's transaction has rolled back, in a short write of its own: a

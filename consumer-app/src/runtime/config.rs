@@ -21,9 +21,11 @@ pub struct WorkerConfig {
     /// Backoff before the second attempt; doubled each time.
     pub retry_base_delay: Duration,
     /// Failed deliveries of one message before it is dead-lettered as
-    /// `retries_exhausted`: the larger of the broker's `x-delivery-count`
-    /// and the store's attempt ledger, so the cap holds on queues that
-    /// count nothing (classic queues, nacks on RabbitMQ 4.3).
+    /// `retries_exhausted`, by the store's attempt ledger (the broker's
+    /// `x-delivery-count` only when the ledger could not be written), so
+    /// the cap holds on queues that count nothing (classic queues, nacks
+    /// on RabbitMQ 4.3) and spares hand-backs that were not the message's
+    /// fault on brokers that count them.
     pub max_deliveries: u32,
     /// The largest body accepted.
     pub max_body_bytes: usize,

@@ -25,17 +25,20 @@
 //! the message has failed `max_deliveries` times it is dead-lettered as
 //! `retries_exhausted`.
 //!
-//! **Whose count.** A message's failures are counted twice, and the cap
-//! takes the larger ([`Deliveries::failed`]): the broker's
-//! `x-delivery-count`, and the store's attempt ledger
+//! **Whose count.** The cap counts the message's own failures
+//! ([`Deliveries::failed`]). The store's attempt ledger
 //! ([`inbox_api::AttemptLedger`]), which the worker writes when a delivery
-//! fails for good ([`SettlePolicy::charges`]). The broker's count alone is
-//! not dependable: RabbitMQ 4.3 stopped counting `basic.nack` in a quorum
-//! queue's `x-delivery-count` (so the runtime hands a failed message back
-//! with `basic.reject`, which every version counts), and classic queues and
-//! other brokers count nothing. A requeue that is not the message's fault
-//! (an abandoned attempt, a shutdown, an outage) is a `nack`, recorded
-//! nowhere, and spends none of the budget.
+//! fails for good ([`SettlePolicy::charges`]), holds exactly those; the
+//! broker's `x-delivery-count` is only the fallback for a store whose ledger
+//! could not be written. The broker's count is not dependable either way:
+//! RabbitMQ 4.3 stopped counting `basic.nack` in a quorum queue's
+//! `x-delivery-count` (so the runtime hands a failed message back with
+//! `basic.reject`, which every version counts), earlier versions count
+//! every hand-back, the uncharged ones too, and classic queues and other
+//! brokers count nothing. A requeue that is not the message's fault (an
+//! abandoned attempt, a held key, a shutdown, an outage) is a `nack`,
+//! recorded nowhere, and spends none of the budget, whatever the broker
+//! counts.
 //!
 //! **An outage is not the message's fault.** A failure of the store itself
 //! (unreachable, or its schema unusable: [`crate::runtime::AppError::is_store_unavailable`])
@@ -105,12 +108,17 @@ pub struct Deliveries {
 }
 
 impl Deliveries {
-    /// Failed deliveries of the message, this one included: the larger of
-    /// the two counts, so the cap holds wherever either one counts.
+    /// Failed deliveries of the message, this one included: the ledger's
+    /// count when it has one, which counts the message's own failures only;
+    /// otherwise the broker's (plus this delivery). Not the larger of the
+    /// two: a broker before RabbitMQ 4.3 counts the uncharged hand-backs of
+    /// an outage too, and a message is charged only for its own failures.
     pub fn failed(&self) -> u64 {
-        self.broker_earlier
-            .saturating_add(1)
-            .max(u64::from(self.ledger_failures))
+        if self.ledger_failures > 0 {
+            u64::from(self.ledger_failures)
+        } else {
+            self.broker_earlier.saturating_add(1)
+        }
     }
 }
 
@@ -236,11 +244,15 @@ mod tests {
     const LEDGER: [u32; 5] = [0, 1, 9, 10, 11];
 
     /// What the table says, case by case, written out as the rules read:
-    /// the cap counts the larger of the broker's count (plus this
-    /// delivery) and the ledger's.
+    /// the cap counts the ledger's count, or the broker's (plus this
+    /// delivery) when the ledger recorded nothing.
     fn expected(outcome: Outcome, attempt: u32, earlier: u64, ledger: u32) -> Settle {
         use ErrorDisposition as D;
-        let failed = (earlier + 1).max(u64::from(ledger));
+        let failed = if ledger > 0 {
+            u64::from(ledger)
+        } else {
+            earlier + 1
+        };
         match (outcome, attempt, failed) {
             (Outcome::Processed | Outcome::Duplicate, _, _) => Settle::Ack,
             (Outcome::Failed(D::DeadLetter), _, _) => {
@@ -355,6 +367,36 @@ mod tests {
         );
     }
 
+    /// RabbitMQ before 4.3 counts every hand-back, the uncharged releases
+    /// of an outage too: with the ledger's count at hand, a message
+    /// released nine times and failed once is one failure from its start,
+    /// not at the cap.
+    #[test]
+    fn uncharged_redeliveries_the_broker_counted_spend_no_budget() {
+        let released_often = Deliveries {
+            broker_earlier: 9,
+            ledger_failures: 1,
+        };
+        assert_eq!(released_often.failed(), 1);
+        assert!(matches!(
+            POLICY.decide(Outcome::Failed(ErrorDisposition::Retry), 3, released_often),
+            Settle::Requeue {
+                exhausted: true,
+                ..
+            }
+        ));
+        // Without a ledger entry (it could not be written) the broker's
+        // count is all there is, and it caps.
+        let no_ledger = Deliveries {
+            broker_earlier: 9,
+            ledger_failures: 0,
+        };
+        assert_eq!(
+            POLICY.decide(Outcome::Failed(ErrorDisposition::Retry), 3, no_ledger),
+            Settle::DeadLetter(DeadLetterReason::RetriesExhausted)
+        );
+    }
+
     #[test]
     fn one_attempt_means_no_in_process_retry() {
         let policy = SettlePolicy {
@@ -395,7 +437,7 @@ mod tests {
             broker_earlier: u64::MAX,
             ledger_failures: u32::MAX,
         };
-        assert_eq!(beyond.failed(), u64::MAX);
+        assert_eq!(beyond.failed(), u64::from(u32::MAX));
         assert_eq!(
             policy.decide(Outcome::Failed(ErrorDisposition::Retry), 3, beyond),
             Settle::DeadLetter(DeadLetterReason::RetriesExhausted)

@@ -20,8 +20,8 @@
 //! **The poison count.** When a delivery fails for good (its handler failed
 //! retryably or timed out in every in-process attempt), the failure is
 //! recorded in the store's attempt ledger, outside the rolled-back
-//! transaction, and the cap is checked against the larger of that count and
-//! the broker's `x-delivery-count`; the delivery goes back with
+//! transaction, and the cap is checked against that count (the broker's
+//! `x-delivery-count` only when the ledger could not be written); the delivery goes back with
 //! `basic.reject(requeue)`, which every RabbitMQ version counts (4.3 stopped
 //! counting `nack`). So the cap holds on classic queues and brokers that
 //! count nothing. Hand-backs that are not the message's fault (an abandoned

@@ -140,8 +140,8 @@ pub struct WorkerArgs {
     #[arg(long, env = "PARCEL_RETRY_ATTEMPTS", default_value_t = 3)]
     pub retry_attempts: u32,
     /// Failed deliveries of one message before it is dead-lettered as
-    /// retries_exhausted (the larger of the broker's x-delivery-count and
-    /// the store's attempt ledger).
+    /// retries_exhausted (by the store's attempt ledger; the broker's
+    /// x-delivery-count only when the ledger could not be written).
     #[arg(long, env = "PARCEL_MAX_DELIVERIES", default_value_t = 10)]
     pub max_deliveries: u32,
     /// Largest accepted body, in bytes.
