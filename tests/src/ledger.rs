@@ -43,18 +43,7 @@ macro_rules! ledger_conformance_tests {
         $crate::__with_ledger_contract_tests!([tests $setup]);
     };
     (@tests $setup:path; $($name:ident),+ $(,)?) => {
-        $(
-            #[test]
-            fn $name() {
-                let rt = $crate::runtime();
-                rt.block_on(async {
-                    let harness = $setup().await;
-                    if let Err(failure) = $crate::ledger::$name(&harness).await {
-                        panic!("{}", failure);
-                    }
-                });
-            }
-        )+
+        $crate::__contract_test_fns!(ledger; $setup; $($name),+);
     };
 }
 

@@ -164,13 +164,32 @@ macro_rules! conformance_tests {
         }
     };
     (@tests $setup:path; $($name:ident),+ $(,)?) => {
+        $crate::__contract_test_fns!(contract; $setup; $($name),+);
+    };
+}
+
+/// The outbox contract tests under one identifier, for
+/// [`__contract_test_fns!`].
+#[doc(hidden)]
+pub use outbox::contract as outbox_contract;
+
+/// One `#[test]` per named test of the suite module `$module`, each
+/// building its harness with `$setup` on its own runtime and failing with
+/// the test's own message: the runner the inbox, outbox and ledger suites'
+/// macros all expand to. (`$module` is one identifier, a limit of
+/// `macro_rules!`: the outbox suite names its contract module through
+/// [`outbox_contract`].)
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __contract_test_fns {
+    ($module:ident; $setup:path; $($name:ident),+ $(,)?) => {
         $(
             #[test]
             fn $name() {
                 let rt = $crate::runtime();
                 rt.block_on(async {
                     let harness = $setup().await;
-                    if let Err(failure) = $crate::contract::$name(&harness).await {
+                    if let Err(failure) = $crate::$module::$name(&harness).await {
                         panic!("{}", failure);
                     }
                 });

@@ -59,18 +59,7 @@ macro_rules! outbox_conformance_tests {
         }
     };
     (@tests $setup:path; $($name:ident),+ $(,)?) => {
-        $(
-            #[test]
-            fn $name() {
-                let rt = $crate::runtime();
-                rt.block_on(async {
-                    let harness = $setup().await;
-                    if let Err(failure) = $crate::outbox::contract::$name(&harness).await {
-                        panic!("{}", failure);
-                    }
-                });
-            }
-        )+
+        $crate::__contract_test_fns!(outbox_contract; $setup; $($name),+);
     };
 }
 
