@@ -213,30 +213,36 @@ async fn within_limit(body: impl Future<Output = ()>) {
         .unwrap_or_else(|_| panic!("the test ran over {WALL_CLOCK_LIMIT:?}"));
 }
 
-/// Starts child `name` on `kind`'s store with a work delay of `delay_ms`
-/// inside each transaction, publishes 40 events to it and returns once it
-/// committed a few of them: its workers are now busy mid-stream. Returns
-/// the topology (queues under `test-{name}-{kind}-{id}.`).
+/// A child started by [`busy_child`], mid-stream.
+struct Busy {
+    /// Its queues, under `test-{name}-{kind}-{id}.`.
+    topology: Topology,
+    /// Its pid.
+    pid: u32,
+    /// The app schema and the queue prefix, for a second child on the same
+    /// stream.
+    names: (String, String),
+}
+
+/// Starts child `name` on `kind`'s store over `urls` (database, broker)
+/// with `extra` flags (a work delay inside each transaction, at least),
+/// publishes 40 events to it and returns once it committed a few of them:
+/// its workers are now busy mid-stream.
 async fn busy_child<S: ParcelStore>(
     children: &Children,
     store: &S,
     name: &str,
     (kind, id): (&str, &str),
-    delay_ms: &str,
-) -> Topology {
+    urls: (&str, &str),
+    extra: &[&str],
+) -> Busy {
     let prefix = format!("test-{name}-{kind}-{id}.");
     let schema = format!("app_test_{id}");
     let topology = Topology::new(&prefix);
     // `publish` declares the topology itself, so the messages are routed
     // whether or not the child got there first.
     let plan = Plan::new(40, 0.0, 9, &format!("P{schema}")).expect("plan");
-    children.spawn(
-        name,
-        kind,
-        (&database_url(), AMQP_URL),
-        (&schema, &prefix),
-        &["--fault-work-delay-ms", delay_ms],
-    );
+    let pid = children.spawn(name, kind, urls, (&schema, &prefix), extra);
     publish(AMQP_URL, &topology, &plan.messages, false)
         .await
         .expect("publish");
@@ -249,7 +255,11 @@ async fn busy_child<S: ParcelStore>(
         },
     )
     .await;
-    topology
+    Busy {
+        topology,
+        pid,
+        names: (schema, prefix),
+    }
 }
 
 async fn killed_process_redelivers_exactly_once<S: ParcelStore>(store: S, kind: &str, id: &str) {
@@ -263,7 +273,16 @@ async fn killed_process_redelivers<S: ParcelStore>(
     kind: &str,
     id: &str,
 ) {
-    let topology = busy_child(children, &store, "killed", (kind, id), "200").await;
+    let topology = busy_child(
+        children,
+        &store,
+        "killed",
+        (kind, id),
+        (&database_url(), AMQP_URL),
+        &["--fault-work-delay-ms", "200"],
+    )
+    .await
+    .topology;
     children.kill("killed").await;
     let before = store.stats().await.expect("stats");
     assert!(
@@ -355,7 +374,16 @@ async fn terminated_process_exits_0_and_loses_nothing<S: ParcelStore>(
     kind: &str,
     id: &str,
 ) {
-    let topology = busy_child(children, &store, "terminated", (kind, id), "300").await;
+    let topology = busy_child(
+        children,
+        &store,
+        "terminated",
+        (kind, id),
+        (&database_url(), AMQP_URL),
+        &["--fault-work-delay-ms", "300"],
+    )
+    .await
+    .topology;
 
     let (code, took) = children.terminate("terminated", SHUTDOWN_LIMIT).await;
 
@@ -429,34 +457,24 @@ async fn frozen_process_redeliveries<S: ParcelStore>(
     kind: &str,
     id: &str,
 ) {
-    let prefix = format!("test-freeze-{kind}-{id}.");
-    let schema = format!("app_test_{id}");
-    let topology = Topology::new(&prefix);
-    let plan = Plan::new(40, 0.0, 9, &format!("P{schema}")).expect("plan");
     let frozen_name = format!("frozen_{id}");
     let frozen_amqp = format!("{AMQP_URL}?heartbeat={FROZEN_HEARTBEAT_SECS}");
     let mut frozen_flags = FREEZE_BOUNDS.to_vec();
     frozen_flags.extend(["--fault-work-delay-ms", "500"]);
-    let frozen = children.spawn(
+    let Busy {
+        topology,
+        pid: frozen,
+        names: (schema, prefix),
+    } = busy_child(
+        children,
+        &store,
         "frozen",
-        kind,
+        (kind, id),
         (
             &with_application_name(&database_url(), &frozen_name),
             &frozen_amqp,
         ),
-        (&schema, &prefix),
         &frozen_flags,
-    );
-    publish(AMQP_URL, &topology, &plan.messages, false)
-        .await
-        .expect("publish");
-    eventually(
-        "the process to freeze did some work",
-        Duration::from_secs(30),
-        async || {
-            let stats = store.stats().await.expect("stats");
-            stats.carrier_assignments.rows >= 4 && stats.notifications.rows >= 4
-        },
     )
     .await;
 
