@@ -509,6 +509,47 @@ async fn the_relay_command_publishes_until_sigterm() {
     drop_schema(&store).await;
 }
 
+/// The relay's background purge deletes what it published once the
+/// retention is past, batch by batch, and never a pending row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_purges_published_rows_after_their_retention() {
+    let id = test_id();
+    let broker = Broker::declare(&id).await;
+    let store = MemoryStore::new();
+    let published: Vec<OutgoingMessage> = (0..5).map(|n| broker.message(&broker.good, n)).collect();
+    enqueue_committed(&store, &published).await;
+    let relay = Relay::new(
+        store.clone(),
+        RelayConfig {
+            purge: Some(consumer_app::runtime::CleanupConfig {
+                retention: Duration::from_millis(200),
+                interval: Duration::from_millis(50),
+                batch_size: std::num::NonZeroU32::new(2).expect("non-zero"),
+            }),
+            ..config(&id, 10)
+        },
+    )
+    .expect("valid config")
+    .spawn();
+    wait_until("every published row is purged", async || {
+        for message in &published {
+            if store
+                .lookup_outgoing(&message.id())
+                .await
+                .expect("lookup")
+                .is_some()
+            {
+                return false;
+            }
+        }
+        true
+    })
+    .await;
+    stop(relay).await;
+    assert_eq!(broker.drain().await.len(), 5, "published before purged");
+    broker.remove().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wake_up_starts_a_round_before_the_poll_interval() {
     let id = test_id();
