@@ -645,19 +645,21 @@ async fn a_commit_notifies_a_listening_relay_on_the_sqlx_store() {
 /// The relay command's `/metrics` text.
 /// The whole answer (status line, headers, body) to `GET path`.
 async fn scrape(addr: &str, path: &str) -> String {
+    try_scrape(addr, path).await.expect("metrics endpoint")
+}
+
+/// As [`scrape`], or the error (the endpoint is not listening yet).
+async fn try_scrape(addr: &str, path: &str) -> std::io::Result<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr)
-        .await
-        .expect("metrics endpoint");
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
     stream
         .write_all(
             format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
         )
-        .await
-        .expect("request");
+        .await?;
     let mut text = String::new();
-    stream.read_to_string(&mut text).await.expect("response");
-    text
+    stream.read_to_string(&mut text).await?;
+    Ok(text)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -765,4 +767,77 @@ async fn a_commit_notifies_a_listening_relay_on_the_diesel_store() {
 
     broker.remove().await;
     drop_schema(&migrated).await;
+}
+
+/// Waits until `GET /ready` answers with `status` ("200" or "503") and
+/// returns the answer.
+async fn ready_is(addr: &str, status: &str, limit: Duration) -> String {
+    let deadline = Instant::now() + limit;
+    loop {
+        let answer = try_scrape(addr, "/ready")
+            .await
+            .unwrap_or_else(|error| error.to_string());
+        if answer.starts_with(&format!("HTTP/1.1 {status}")) {
+            return answer;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/ready not {status} within {limit:?}: {answer}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The relay command is not ready while its store is unreachable (a
+/// PostgreSQL of the test's own, stopped), names the store in the 503, is
+/// ready again once the server is back, and publishes what is committed
+/// then: the outage ended nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_is_not_ready_while_its_store_is_down() {
+    let id = test_id();
+    let broker = Broker::declare(&id).await;
+    let pg = private_servers::PrivatePostgres::start();
+    let store = SqlxStore::connect(&pg.url(), &format!("relay_test_{id}"))
+        .await
+        .expect("private PostgreSQL");
+    store.migrate().await.expect("migrate");
+    let metrics_addr = {
+        let free = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+        free.local_addr().expect("its address").to_string()
+    };
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
+        .args(["--store", "sqlx", "--schema", store.schema()])
+        .args(["--database-url", &pg.url(), "--amqp-url", AMQP_URL])
+        .args(["relay", "--metrics-addr", &metrics_addr])
+        .args(["--poll-interval-ms", "50"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("parcel-inbox starts");
+    ready_is(&metrics_addr, "200", Duration::from_secs(30)).await;
+
+    store.pool().close().await;
+    pg.halt();
+    let down = ready_is(&metrics_addr, "503", Duration::from_secs(30)).await;
+    assert!(down.contains("store probe: "), "{down}");
+    assert!(!down.contains("broker: "), "the broker is fine: {down}");
+
+    pg.resume();
+    ready_is(&metrics_addr, "200", Duration::from_secs(30)).await;
+    let store = SqlxStore::connect(&pg.url(), store.schema())
+        .await
+        .expect("private PostgreSQL again");
+    let messages: Vec<OutgoingMessage> = (0..3).map(|n| broker.message(&broker.good, n)).collect();
+    enqueue_committed(&store, &messages).await;
+    wait_until("the relay publishes after the outage", async || {
+        store.pending_count().await.expect("count") == 0
+    })
+    .await;
+    assert!(child.try_wait().expect("poll").is_none(), "still running");
+    let _ = child.kill().await;
+    let got: BTreeSet<String> = broker.drain().await.into_iter().map(|m| m.0).collect();
+    let ids: BTreeSet<String> = messages.iter().map(|m| m.id().to_string()).collect();
+    assert_eq!(got, ids);
+    broker.remove().await;
 }

@@ -586,17 +586,22 @@ impl WithOutbox for RelayCommand {
             )),
             None => None,
         };
-        let mut relay = Relay::new(store, self.config)?;
+        let mut relay = Relay::new(store.clone(), self.config)?;
         if let Some(wakeups) = wakeups {
             relay = relay.wake_on(wakeups);
         }
         let relay = relay.spawn();
         if let Some((listener, metrics)) = endpoint {
-            let health = Health::new().live_while(relay.running()).ready_while(
-                "broker",
-                relay.broker_connected(),
-                "no channel to the broker (connecting or reconnecting)",
-            );
+            // Ready = a channel to the broker and a store that answers now:
+            // a relay that can reach only one of them publishes nothing.
+            let health = Health::new()
+                .live_while(relay.running())
+                .ready_while(
+                    "broker",
+                    relay.broker_connected(),
+                    "no channel to the broker (connecting or reconnecting)",
+                )
+                .ready_when("store probe", telemetry::store_reachable(store));
             let router = telemetry::router(metrics, health);
             telemetry::serve(listener, router, metrics_stopped);
         }
