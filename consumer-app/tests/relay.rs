@@ -841,3 +841,117 @@ async fn the_relay_is_not_ready_while_its_store_is_down() {
     assert_eq!(got, ids);
     broker.remove().await;
 }
+
+/// The backends LISTENing on `schema`'s outbox channel: (pid,
+/// application_name).
+async fn listeners(admin: &SqlxStore) -> Vec<(i32, String)> {
+    let channel = inbox_postgres::SchemaName::new(admin.schema())
+        .expect("valid schema")
+        .outbox_channel();
+    sqlx::query_as(
+        "SELECT pid, application_name FROM pg_stat_activity \
+         WHERE query ILIKE 'LISTEN%' AND position($1 in query) > 0 \
+         AND pid <> pg_backend_pid() ORDER BY pid",
+    )
+    .bind(channel)
+    .fetch_all(admin.pool())
+    .await
+    .expect("pg_stat_activity")
+}
+
+/// A relay's LISTEN connection killed by the database
+/// (`pg_terminate_backend`, as on a restart or a failover) comes back by
+/// itself, and a commit after that still wakes a relay whose poll interval
+/// is ten minutes: no fallback to polling for the rest of its life.
+async fn a_killed_listener_reconnects_and_wakes_the_relay<S>(
+    id: &str,
+    broker: &Broker,
+    admin: &SqlxStore,
+    store: S,
+    wakeups: futures::stream::BoxStream<'static, ()>,
+) -> Vec<(i32, String)>
+where
+    S: OutboxStore + Clone + 'static,
+{
+    let relay = Relay::new(
+        store.clone(),
+        RelayConfig {
+            poll_interval: Duration::from_secs(600),
+            ..config(id, 10)
+        },
+    )
+    .expect("valid config")
+    .wake_on(wakeups)
+    .spawn();
+    let tally = std::sync::Arc::clone(&relay.tally);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = listeners(admin).await;
+    assert_eq!(before.len(), 1, "one listener: {before:?}");
+    let (killed, _): (bool, i32) = sqlx::query_as("SELECT pg_terminate_backend($1), 0")
+        .bind(before[0].0)
+        .fetch_one(admin.pool())
+        .await
+        .expect("terminate");
+    assert!(killed);
+    wait_until("the listener reconnects", async || {
+        let now = listeners(admin).await;
+        now.len() == 1 && now[0].0 != before[0].0
+    })
+    .await;
+
+    let messages: Vec<OutgoingMessage> = (0..3).map(|n| broker.message(&broker.good, n)).collect();
+    enqueue_committed(&store, &messages).await;
+    let committed = Instant::now();
+    wait_until("the notified relay publishes", async || {
+        get(&tally.published) == 3
+    })
+    .await;
+    assert!(
+        committed.elapsed() < Duration::from_secs(10),
+        "woken, not polled: {:?}",
+        committed.elapsed()
+    );
+    stop(relay).await;
+    let got: BTreeSet<String> = broker.drain().await.into_iter().map(|m| m.0).collect();
+    let ids: BTreeSet<String> = messages.iter().map(|m| m.id().to_string()).collect();
+    assert_eq!(got, ids);
+    before
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_sqlx_listener_reconnects_and_wakes_the_relay() {
+    let id = test_id();
+    let (broker, store) = (Broker::declare(&id).await, sqlx_store(&id).await);
+    let wakeups = consumer_app::tools::stores::sqlx_wakeups(&store)
+        .await
+        .expect("LISTEN on the outbox channel");
+    a_killed_listener_reconnects_and_wakes_the_relay(&id, &broker, &store, store.clone(), wakeups)
+        .await;
+    broker.remove().await;
+    drop_schema(&store).await;
+}
+
+#[cfg(feature = "diesel")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_diesel_listener_reconnects_and_wakes_the_relay() {
+    let id = test_id();
+    let (broker, migrated) = (Broker::declare(&id).await, sqlx_store(&id).await);
+    let database_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let store = inbox_backend_diesel::DieselStore::connect(&database_url, migrated.schema(), 4)
+        .await
+        .expect("diesel store");
+    let wakeups = consumer_app::tools::stores::diesel_wakeups(&database_url, store.schema())
+        .await
+        .expect("LISTEN on the outbox channel");
+    let killed =
+        a_killed_listener_reconnects_and_wakes_the_relay(&id, &broker, &migrated, store, wakeups)
+            .await;
+    assert_eq!(
+        killed[0].1,
+        inbox_backend_diesel::LISTENER_APPLICATION_NAME,
+        "found by its application_name"
+    );
+    broker.remove().await;
+    drop_schema(&migrated).await;
+}

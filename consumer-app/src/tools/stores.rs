@@ -194,8 +194,9 @@ pub async fn sqlx_wakeups(store: &inbox_backend_sqlx::SqlxStore) -> Option<BoxSt
 }
 
 /// The diesel store's outbox notifications as wake-ups, through a
-/// connection of their own, or `None` (polling only) when LISTEN fails. The
-/// stream ends if that connection is lost; the relay then polls.
+/// connection of their own, or `None` (polling only) when LISTEN fails.
+/// The listener reconnects by itself after a lost connection (and wakes
+/// the relay once then).
 #[cfg(feature = "diesel")]
 pub async fn diesel_wakeups(
     url: &str,
