@@ -11,16 +11,16 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use diesel::OptionalExtension;
-use diesel::sql_types::{Array, BigInt, Uuid};
+use diesel::sql_types::{Array, BigInt, Double, Integer, Text, Uuid};
 use diesel_async::RunQueryDsl;
 use inbox_api::{
     EnqueueOutcome, InboxError, LeaseId, MessageId, OutboxLease, OutboxRecord, OutboxStore,
-    OutboxTransaction, OutgoingMessage,
+    OutboxTransaction, OutgoingMessage, PublishRetry, Refused,
 };
 use inbox_postgres::{OutboxColumns, OutboxRow, sql};
 
 use crate::error::classify_pool;
-use crate::statements::{Enqueue, LookupOutgoing, TakePending};
+use crate::statements::{DeadOutgoing, Enqueue, LookupOutgoing, TakePending};
 use crate::transaction::{Pooled, refine};
 use crate::{DieselStore, DieselTransaction};
 
@@ -127,4 +127,62 @@ impl OutboxStore for DieselStore {
         self.purge_batch(sql::PURGE_PUBLISHED_BATCH, cutoff, limit, "outbox")
             .await
     }
+
+    async fn record_refusals(
+        &self,
+        lease: &LeaseId,
+        refusals: &[(MessageId, String)],
+        retry: &PublishRetry,
+    ) -> Result<Refused, InboxError> {
+        let (ids, errors) = inbox_postgres::refusal_columns(refusals);
+        let (base, max, attempts) = inbox_postgres::retry_columns(retry);
+        let mut conn = self.relay_connection().await?;
+        let rows = diesel::sql_query(sql::RECORD_REFUSALS)
+            .bind::<Array<Uuid>, _>(ids)
+            .bind::<Array<Text>, _>(errors)
+            .bind::<Uuid, _>(lease.as_uuid())
+            .bind::<Double, _>(base)
+            .bind::<Double, _>(max)
+            .bind::<Integer, _>(attempts)
+            .load::<RefusedRow>(&mut *conn)
+            .await;
+        match rows {
+            Ok(rows) => Ok(inbox_postgres::refused(
+                rows.into_iter().map(|r| (r.message_id, r.dead)).collect(),
+            )),
+            Err(error) => Err(refine(&mut conn, error).await),
+        }
+    }
+
+    async fn dead_outgoing(&self, limit: NonZeroU32) -> Result<Vec<OutboxRecord>, InboxError> {
+        let mut conn = self.relay_connection().await?;
+        let rows = DeadOutgoing(i64::from(limit.get()))
+            .load::<OutboxColumns>(&mut *conn)
+            .await;
+        match rows {
+            Ok(rows) => inbox_postgres::records(rows),
+            Err(error) => Err(refine(&mut conn, error).await),
+        }
+    }
+
+    async fn requeue_dead(&self, ids: &[MessageId]) -> Result<u64, InboxError> {
+        let mut conn = self.relay_connection().await?;
+        let requeued = diesel::sql_query(sql::REQUEUE_DEAD)
+            .bind::<Array<Uuid>, _>(inbox_postgres::id_column(ids))
+            .execute(&mut *conn)
+            .await;
+        match requeued {
+            Ok(rows) => Ok(affected(rows)),
+            Err(error) => Err(refine(&mut conn, error).await),
+        }
+    }
+}
+
+/// A row of [`sql::RECORD_REFUSALS`].
+#[derive(diesel::QueryableByName)]
+struct RefusedRow {
+    #[diesel(sql_type = Uuid)]
+    message_id: uuid::Uuid,
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    dead: bool,
 }

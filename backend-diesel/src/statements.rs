@@ -107,6 +107,10 @@ type OutboxSqlType = (
     Nullable<Timestamptz>,
     Nullable<Timestamptz>,
     Integer,
+    Integer,
+    Nullable<Text>,
+    Nullable<Timestamptz>,
+    Nullable<Timestamptz>,
 );
 
 /// [`sql::ENQUEUE`] for one message, in the producer's transaction (its
@@ -198,6 +202,28 @@ impl QueryFragment<Pg> for LookupOutgoing {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         walk(sql::LOOKUP_OUTGOING, &mut out, |n, out| match n {
             1 => out.push_bind_param::<Uuid, _>(&self.0),
+            n => Err(no_such_parameter(n)),
+        })
+    }
+}
+
+/// [`sql::DEAD_OUTGOING`]: `.0` is the limit; loads
+/// [`inbox_postgres::OutboxColumns`].
+pub(crate) struct DeadOutgoing(pub(crate) i64);
+
+impl QueryId for DeadOutgoing {
+    type QueryId = DeadOutgoing;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl Query for DeadOutgoing {
+    type SqlType = OutboxSqlType;
+}
+
+impl QueryFragment<Pg> for DeadOutgoing {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        walk(sql::DEAD_OUTGOING, &mut out, |n, out| match n {
+            1 => out.push_bind_param::<BigInt, _>(&self.0),
             n => Err(no_such_parameter(n)),
         })
     }

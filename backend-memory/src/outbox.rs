@@ -18,6 +18,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, TimeDelta, Utc};
 use inbox_api::{
     InboxError, LeaseId, MessageId, OutboxLease, OutboxRecord, OutboxStore, OutgoingMessage,
+    PublishRetry, Refused,
 };
 
 use tokio_sync::sync::Notify;
@@ -36,6 +37,12 @@ struct Row {
     /// The lease holding it, and until when.
     lease: Option<(LeaseId, DateTime<Utc>)>,
     attempts: u32,
+    /// The broker's refusals, its last answer, the backoff's end, and when
+    /// it died (then it is out of `pending`, as the SQL filters it out).
+    failures: u32,
+    last_error: Option<String>,
+    next_attempt_at: Option<DateTime<Utc>>,
+    dead_at: Option<DateTime<Utc>>,
 }
 
 /// An id an open transaction enqueued: the memory twin of the uncommitted
@@ -143,6 +150,10 @@ impl Outbox {
                 published_at: None,
                 lease: None,
                 attempts: 0,
+                failures: 0,
+                last_error: None,
+                next_attempt_at: None,
+                dead_at: None,
             },
         );
         waiters
@@ -163,7 +174,9 @@ impl Outbox {
             let Some(row) = self.rows.get_mut(id) else {
                 continue;
             };
-            if row.lease.is_some_and(|(_, until)| until > now) {
+            if row.lease.is_some_and(|(_, until)| until > now)
+                || row.next_attempt_at.is_some_and(|next| next > now)
+            {
                 continue;
             }
             row.lease = Some((lease, until));
@@ -205,6 +218,72 @@ impl Outbox {
         released
     }
 
+    fn record_refusals(
+        &mut self,
+        lease: &LeaseId,
+        refusals: &[(MessageId, String)],
+        retry: &PublishRetry,
+        now: DateTime<Utc>,
+    ) -> Refused {
+        let mut refused = Refused::default();
+        for (id, error) in refusals {
+            let Some(row) = self.rows.get_mut(id) else {
+                continue;
+            };
+            if row.published_at.is_some()
+                || row.dead_at.is_some()
+                || row.lease.is_none_or(|(holder, _)| holder != *lease)
+            {
+                continue;
+            }
+            row.failures = row.failures.saturating_add(1);
+            row.last_error = Some(error.clone());
+            row.lease = None;
+            refused.recorded += 1;
+            if retry.is_dead(row.failures) {
+                row.next_attempt_at = None;
+                row.dead_at = Some(now);
+                self.pending.remove(&row.position);
+                refused.dead.push(*id);
+            } else {
+                let delay =
+                    TimeDelta::from_std(retry.delay(row.failures)).unwrap_or(TimeDelta::MAX);
+                row.next_attempt_at = Some(
+                    now.checked_add_signed(delay)
+                        .unwrap_or(DateTime::<Utc>::MAX_UTC),
+                );
+            }
+        }
+        refused
+    }
+
+    fn dead(&self, limit: usize) -> Vec<OutboxRecord> {
+        let mut dead: Vec<&Row> = self.rows.values().filter(|r| r.dead_at.is_some()).collect();
+        dead.sort_by_key(|r| std::cmp::Reverse((r.dead_at, r.position)));
+        dead.into_iter()
+            .take(limit)
+            .filter_map(|row| self.record(&row.message.id()))
+            .collect()
+    }
+
+    fn requeue_dead(&mut self, ids: &[MessageId]) -> u64 {
+        let mut requeued = 0;
+        for id in ids {
+            if let Some(row) = self.rows.get_mut(id)
+                && row.dead_at.is_some()
+                && row.published_at.is_none()
+            {
+                row.dead_at = None;
+                row.failures = 0;
+                row.next_attempt_at = None;
+                row.lease = None;
+                self.pending.insert(row.position, *id);
+                requeued += 1;
+            }
+        }
+        requeued
+    }
+
     fn purge(&mut self, cutoff: DateTime<Utc>, limit: usize) -> u64 {
         let mut deleted = 0;
         while deleted < limit {
@@ -226,6 +305,10 @@ impl Outbox {
             created_at: row.created_at,
             published_at: row.published_at,
             attempts: row.attempts,
+            failures: row.failures,
+            last_error: row.last_error.clone(),
+            next_attempt_at: row.next_attempt_at,
+            dead_at: row.dead_at,
         })
     }
 }
@@ -277,6 +360,28 @@ impl OutboxStore for MemoryStore {
     ) -> Result<u64, InboxError> {
         let limit = usize::try_from(limit.get()).unwrap_or(usize::MAX);
         Ok(self.shared.lock_outbox().purge(cutoff, limit))
+    }
+
+    async fn record_refusals(
+        &self,
+        lease: &LeaseId,
+        refusals: &[(MessageId, String)],
+        retry: &PublishRetry,
+    ) -> Result<Refused, InboxError> {
+        let now = self.shared.clock.now();
+        Ok(self
+            .shared
+            .lock_outbox()
+            .record_refusals(lease, refusals, retry, now))
+    }
+
+    async fn dead_outgoing(&self, limit: NonZeroU32) -> Result<Vec<OutboxRecord>, InboxError> {
+        let limit = usize::try_from(limit.get()).unwrap_or(usize::MAX);
+        Ok(self.shared.lock_outbox().dead(limit))
+    }
+
+    async fn requeue_dead(&self, ids: &[MessageId]) -> Result<u64, InboxError> {
+        Ok(self.shared.lock_outbox().requeue_dead(ids))
     }
 }
 

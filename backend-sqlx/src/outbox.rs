@@ -11,7 +11,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use inbox_api::{
     EnqueueOutcome, InboxError, LeaseId, MessageId, OutboxLease, OutboxRecord, OutboxStore,
-    OutboxTransaction, OutgoingMessage,
+    OutboxTransaction, OutgoingMessage, PublishRetry, Refused,
 };
 use inbox_postgres::{OutboxColumns, OutboxRow, sql};
 
@@ -99,5 +99,44 @@ impl OutboxStore for SqlxStore {
     ) -> Result<u64, InboxError> {
         self.purge_batch(sql::PURGE_PUBLISHED_BATCH, cutoff, limit, "outbox")
             .await
+    }
+
+    async fn record_refusals(
+        &self,
+        lease: &LeaseId,
+        refusals: &[(MessageId, String)],
+        retry: &PublishRetry,
+    ) -> Result<Refused, InboxError> {
+        let (ids, errors) = inbox_postgres::refusal_columns(refusals);
+        let (base, max, attempts) = inbox_postgres::retry_columns(retry);
+        let rows = sqlx::query_as::<_, (sqlx::types::Uuid, bool)>(sql::RECORD_REFUSALS)
+            .bind(ids)
+            .bind(errors)
+            .bind(lease.as_uuid())
+            .bind(base)
+            .bind(max)
+            .bind(attempts)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(classify)?;
+        Ok(inbox_postgres::refused(rows))
+    }
+
+    async fn dead_outgoing(&self, limit: NonZeroU32) -> Result<Vec<OutboxRecord>, InboxError> {
+        let rows = sqlx::query_as::<_, OutboxColumns>(sql::DEAD_OUTGOING)
+            .bind(i64::from(limit.get()))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(classify)?;
+        inbox_postgres::records(rows)
+    }
+
+    async fn requeue_dead(&self, ids: &[MessageId]) -> Result<u64, InboxError> {
+        Ok(sqlx::query(sql::REQUEUE_DEAD)
+            .bind(inbox_postgres::id_column(ids))
+            .execute(&self.pool)
+            .await
+            .map_err(classify)?
+            .rows_affected())
     }
 }

@@ -13,12 +13,14 @@ use consumer_app::runtime::{AppError, CleanupConfig};
 use consumer_app::tools::cli::{
     CleanupArgs, ConsumeArgs, Global, OutboxPurgeArgs, Plain, RelayArgs, WorkerArgs, run_main,
 };
-use consumer_app::tools::dead::{ListDead, replay_dead_letters, role_of};
+use consumer_app::tools::dead::{
+    ListDead, ListDeadOutgoing, RequeueDeadOutgoing, replay_dead_letters, role_of,
+};
 use consumer_app::tools::demo::{self, DemoConfig};
 use consumer_app::tools::publish::{Plan, publish};
 use consumer_app::tools::stores::{WithOutbox, WithStore, with_outbox, with_store};
 use futures::stream::BoxStream;
-use inbox_api::{ConsumerName, OutboxStore};
+use inbox_api::{ConsumerName, MessageId, OutboxStore};
 
 /// Parcel Tracking: RabbitMQ consumers with exactly-once effects through the inbox.
 // No Debug: the URLs may hold passwords.
@@ -88,6 +90,24 @@ enum Command {
         #[arg(long, conflicts_with = "message_ids")]
         all: bool,
     },
+    /// List outgoing messages dead in the outbox (the broker refused each of them
+    /// --max-publish-attempts times), newest first: message id, exchange, routing key,
+    /// refusals, when, last error.
+    OutboxDead {
+        /// At most this many rows.
+        #[arg(long, default_value = "100")]
+        limit: NonZeroU32,
+    },
+    /// Make dead outgoing messages pending again, after the fix, each with a fresh count:
+    /// the relay publishes them under their ids.
+    OutboxRequeue {
+        /// Only these message ids (repeatable); without it, --all is required.
+        #[arg(long = "message-id", required_unless_present = "all")]
+        message_ids: Vec<String>,
+        /// Every dead outgoing message.
+        #[arg(long, conflicts_with = "message_ids")]
+        all: bool,
+    },
     /// Migrate, consume, publish with copies and a crash, and prove exactly-once effects.
     Demo {
         /// Distinct events.
@@ -149,6 +169,19 @@ async fn run(cli: Cli) -> Result<(), AppError> {
                 replayed.kept
             );
             Ok(())
+        }
+        Command::OutboxDead { limit } => {
+            with_outbox(&store, ONE_SHOT, ListDeadOutgoing { limit }).await
+        }
+        Command::OutboxRequeue {
+            message_ids,
+            all: _,
+        } => {
+            let ids = message_ids
+                .iter()
+                .map(|id| MessageId::parse(id))
+                .collect::<Result<Vec<_>, _>>()?;
+            with_outbox(&store, ONE_SHOT, RequeueDeadOutgoing { ids }).await
         }
         Command::Cleanup { cleanup, purge } => {
             let (config, purge) = (

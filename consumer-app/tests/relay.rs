@@ -156,13 +156,18 @@ impl Broker {
     }
 }
 
+/// The shared PostgreSQL (`DATABASE_URL`, or the CI service's).
+fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
 fn test_id() -> String {
     uuid::Uuid::new_v4().simple().to_string()[..10].to_owned()
 }
 
 async fn sqlx_store(id: &str) -> SqlxStore {
-    let database_url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let database_url = database_url();
     let store = SqlxStore::connect(&database_url, &format!("relay_test_{id}"))
         .await
         .expect("PostgreSQL reachable (bash .ci/services.sh)");
@@ -451,8 +456,7 @@ async fn the_relay_command_publishes_until_sigterm() {
     let committed: Vec<OutgoingMessage> = (0..5).map(|n| broker.message(&broker.good, n)).collect();
     enqueue_committed(&store, &committed).await;
 
-    let database_url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let database_url = database_url();
     let metrics_addr = {
         let free = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
         free.local_addr().expect("its address").to_string()
@@ -733,8 +737,7 @@ async fn a_commit_notifies_a_listening_relay_on_the_diesel_store() {
     let id = test_id();
     // Migrated through sqlx, used through diesel: one schema, one ledger.
     let (broker, migrated) = (Broker::declare(&id).await, sqlx_store(&id).await);
-    let database_url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let database_url = database_url();
     let store = inbox_backend_diesel::DieselStore::connect(&database_url, migrated.schema(), 4)
         .await
         .expect("diesel store");
@@ -936,8 +939,7 @@ async fn a_killed_sqlx_listener_reconnects_and_wakes_the_relay() {
 async fn a_killed_diesel_listener_reconnects_and_wakes_the_relay() {
     let id = test_id();
     let (broker, migrated) = (Broker::declare(&id).await, sqlx_store(&id).await);
-    let database_url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let database_url = database_url();
     let store = inbox_backend_diesel::DieselStore::connect(&database_url, migrated.schema(), 4)
         .await
         .expect("diesel store");
@@ -954,4 +956,215 @@ async fn a_killed_diesel_listener_reconnects_and_wakes_the_relay() {
     );
     broker.remove().await;
     drop_schema(&migrated).await;
+}
+
+/// A message the broker always refuses (a nack from a queue that rejects
+/// every publish; returned unroutable, with `mandatory`) backs off on its
+/// own and ends dead after `max_attempts` refusals, kept and listed, while
+/// the others flow; `outbox-dead` lists it and `outbox-requeue` makes it
+/// pending again with a fresh count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_the_broker_always_refuses_ends_dead_while_the_others_flow() {
+    let id = test_id();
+    let (broker, store) = (Broker::declare(&id).await, sqlx_store(&id).await);
+    let good: Vec<OutgoingMessage> = (0..5).map(|n| broker.message(&broker.good, n)).collect();
+    let nacked = broker.message(&broker.full, 0);
+    let unroutable = broker.message("bound-to-nothing", 0);
+    let mut all = good.clone();
+    all.extend([nacked.clone(), unroutable.clone()]);
+    enqueue_committed(&store, &all).await;
+
+    let relay = Relay::new(
+        store.clone(),
+        RelayConfig {
+            retry: inbox_api::PublishRetry {
+                base_delay: Duration::from_millis(50),
+                max_delay: Duration::from_millis(200),
+                max_attempts: std::num::NonZeroU32::new(3).expect("non-zero"),
+            },
+            ..config(&id, 10)
+        },
+    )
+    .expect("valid config")
+    .spawn();
+    let tally = std::sync::Arc::clone(&relay.tally);
+    wait_until("both refused messages are dead", async || {
+        get(&tally.dead) == 2
+    })
+    .await;
+    wait_until("the good ones are published", async || {
+        store.pending_count().await.expect("count") == 0
+    })
+    .await;
+    stop(relay).await;
+
+    assert_eq!(get(&tally.published), 5);
+    assert_eq!(get(&tally.refused), 6, "three refusals each, no more");
+    for (message, answer) in [(&nacked, "nacked"), (&unroutable, "returned unroutable")] {
+        let record = store
+            .lookup_outgoing(&message.id())
+            .await
+            .expect("lookup")
+            .expect("kept");
+        assert!(record.dead_at.is_some() && record.published_at.is_none());
+        assert_eq!(record.failures, 3);
+        assert!(
+            record
+                .last_error
+                .as_deref()
+                .is_some_and(|e| e.contains(answer)),
+            "{record:?}"
+        );
+    }
+    let got: BTreeSet<String> = broker.drain().await.into_iter().map(|m| m.0).collect();
+    let good_ids: BTreeSet<String> = good.iter().map(|m| m.id().to_string()).collect();
+    assert_eq!(got, good_ids);
+
+    let database_url = database_url();
+    let command = |args: &[&str]| {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
+            .args(["--store", "sqlx", "--schema", store.schema()])
+            .args(["--database-url", &database_url])
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .output()
+            .expect("parcel-inbox runs");
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        assert!(output.status.success(), "{args:?}: {stdout}");
+        stdout
+    };
+    let listed = command(&["outbox-dead"]);
+    for message in [&nacked, &unroutable] {
+        assert!(listed.contains(&message.id().to_string()), "{listed}");
+    }
+    assert!(listed.contains("2 dead outgoing message(s)"), "{listed}");
+    let requeued = command(&[
+        "outbox-requeue",
+        "--message-id",
+        &unroutable.id().to_string(),
+    ]);
+    assert!(requeued.contains("requeued 1 dead"), "{requeued}");
+    let record = store
+        .lookup_outgoing(&unroutable.id())
+        .await
+        .expect("lookup")
+        .expect("kept");
+    assert_eq!((record.failures, record.dead_at), (0, None));
+    assert_eq!(store.pending_count().await.expect("count"), 1);
+    assert!(command(&["outbox-requeue", "--all"]).contains("requeued 1 dead"));
+
+    broker.remove().await;
+    drop_schema(&store).await;
+}
+
+/// An outage charges no message: on a RabbitMQ node of the test's own,
+/// a memory alarm blocks every publish (no confirm comes), then the
+/// broker closes the relay's connection while confirms are outstanding.
+/// The relay sees failures, yet no row counts a refusal, none is dead,
+/// and all go out once the alarm clears.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_outage_and_a_lost_connection_charge_no_message() {
+    let id = test_id();
+    let rabbit = private_servers::PrivateRabbit::start().await;
+    let connection = connect(&rabbit.url(), "relay outage test setup")
+        .await
+        .expect("private RabbitMQ");
+    let channel = connection.create_channel().await.expect("channel");
+    let queue = format!("test-relay-{id}.outage");
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::default(),
+            no_args(),
+        )
+        .await
+        .expect("queue");
+    let store = MemoryStore::new();
+    let name = format!("relay outage test {id}");
+    let relay = Relay::new(
+        store.clone(),
+        RelayConfig {
+            lease: Duration::from_secs(2),
+            confirm_timeout: Duration::from_secs(1),
+            // One refusal would make it dead: any charge shows.
+            retry: inbox_api::PublishRetry {
+                max_attempts: std::num::NonZeroU32::MIN,
+                ..inbox_api::PublishRetry::default()
+            },
+            ..RelayConfig {
+                amqp_url: rabbit.url(),
+                connection_name: name.clone(),
+                ..config(&id, 10)
+            }
+        },
+    )
+    .expect("valid config")
+    .spawn();
+    let tally = std::sync::Arc::clone(&relay.tally);
+    let ctl = |args: &[&str]| {
+        let mut all = vec!["-n", rabbit.node()];
+        all.extend_from_slice(args);
+        private_servers::run("rabbitmqctl", &all)
+    };
+    ctl(&["set_vm_memory_high_watermark", "0"]);
+    let messages: Vec<OutgoingMessage> = (0..4_u8)
+        .map(|n| {
+            OutgoingMessage::new(MessageId::new_v7(), "", queue.as_str(), "T", vec![n])
+                .expect("valid message")
+        })
+        .collect();
+    enqueue_committed(&store, &messages).await;
+    wait_until("the blocked broker confirms nothing", async || {
+        get(&tally.failed) >= 4
+    })
+    .await;
+    // The broker drops the connection while the relay waits for confirms.
+    let listed = ctl(&[
+        "list_connections",
+        "--quiet",
+        "--no-table-headers",
+        "pid",
+        "client_properties",
+    ]);
+    let needle = format!("{{\"connection_name\",\"{name}\"}}");
+    for pid in String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .filter_map(|line| {
+            let (pid, properties) = line.split_once('\t')?;
+            properties.contains(&needle).then(|| pid.trim().to_owned())
+        })
+    {
+        let _ = ctl(&["close_connection", &pid, "relay test: connection lost"]);
+    }
+    wait_until("the relay reconnects", async || {
+        get(&tally.connections) >= 2
+    })
+    .await;
+    ctl(&["set_vm_memory_high_watermark", "0.4"]);
+    wait_until("every message goes out after the outage", async || {
+        store.pending_count().await.expect("count") == 0
+    })
+    .await;
+    stop(relay).await;
+
+    assert_eq!(get(&tally.refused), 0, "nothing charged");
+    assert_eq!(get(&tally.dead), 0);
+    for message in &messages {
+        let record = store
+            .lookup_outgoing(&message.id())
+            .await
+            .expect("lookup")
+            .expect("row");
+        assert_eq!(
+            (record.failures, record.dead_at.is_none()),
+            (0, true),
+            "{record:?}"
+        );
+        assert!(record.published_at.is_some());
+    }
+    close_bounded_quietly(connection).await;
+}
+
+async fn close_bounded_quietly(connection: Connection) {
+    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
 }

@@ -42,7 +42,7 @@ pub use inbox::{AsyncWork, AsyncWorkMut, Handled, Inbox};
 pub use key::{ConsumerName, InboxKey, MessageId};
 pub use outbox::{
     EnqueueOutcome, LeaseId, OutboxLease, OutboxRecord, OutboxStore, OutboxStoreExt,
-    OutboxTransaction, OutgoingMessage,
+    OutboxTransaction, OutgoingMessage, PublishRetry, Refused,
 };
 pub use store::{
     BatchTransaction, Claim, InboxRecord, InboxStats, InboxStore, InboxStoreExt, InboxTransaction,

@@ -59,6 +59,10 @@ pub const OUTBOX_PUBLISHED: &str = "outbox_published_total";
 /// Publishes the broker did not confirm: the message stays pending and is
 /// published again, under its id, once its lease runs out.
 pub const OUTBOX_PUBLISH_FAILURES: &str = "outbox_publish_failures_total";
+/// Outgoing messages dead-lettered in the outbox after the broker refused
+/// them [`crate::PublishRetry::max_attempts`] times: kept, never published
+/// until requeued.
+pub const OUTBOX_DEAD_LETTERED: &str = "outbox_dead_lettered_total";
 /// Time from handing one outgoing message to the broker to its confirm.
 pub const OUTBOX_PUBLISH_DURATION: &str = "outbox_publish_duration_seconds";
 
@@ -114,6 +118,10 @@ pub fn describe() {
         OUTBOX_PUBLISH_FAILURES,
         "Outgoing messages the broker did not confirm, per reason"
     );
+    describe_counter!(
+        OUTBOX_DEAD_LETTERED,
+        "Outgoing messages dead in the outbox after the broker refused them too often"
+    );
     describe_histogram!(
         OUTBOX_PUBLISH_DURATION,
         Unit::Seconds,
@@ -146,6 +154,7 @@ mod tests {
                 OUTBOX_PURGED_ROWS,
                 OUTBOX_PUBLISHED,
                 OUTBOX_PUBLISH_FAILURES,
+                OUTBOX_DEAD_LETTERED,
                 STORE_OUTAGES,
             ] {
                 metrics::counter!(name).increment(1);
@@ -165,7 +174,7 @@ mod tests {
                 (key.key().name().to_owned(), unit, help)
             })
             .collect();
-        assert_eq!(described.len(), 16, "{described:?}");
+        assert_eq!(described.len(), 17, "{described:?}");
         for (name, unit, help) in &described {
             assert!(help.len() > 10, "{name} has no help text: {help:?}");
             let expected = [HANDLE_DURATION, OUTBOX_PUBLISH_DURATION]

@@ -356,6 +356,73 @@ pub struct OutboxRecord {
     /// How many times a relay took it: more than one means a relay died,
     /// lost its broker or gave it back.
     pub attempts: u32,
+    /// How many times the broker refused this message itself (a nack, or
+    /// returned unroutable): what its backoff and dead-letter limit count
+    /// ([`OutboxStore::record_refusals`]). An outage or a lost connection
+    /// adds nothing.
+    pub failures: u32,
+    /// The broker's answer to the last refusal.
+    pub last_error: Option<String>,
+    /// Not taken before this (store clock): the backoff after a refusal.
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    /// When it was dead-lettered after [`PublishRetry::max_attempts`]
+    /// refusals: kept, never taken, not counted pending, until
+    /// [`OutboxStore::requeue_dead`].
+    pub dead_at: Option<DateTime<Utc>>,
+}
+
+/// How a relay retries a message the broker refuses for its own sake (a
+/// nack, returned unroutable): the `n`th refusal in a row waits
+/// `base_delay × 2^(n−1)`, at most `max_delay`, and the `max_attempts`th
+/// makes it dead. A pure value: the memory store applies
+/// [`PublishRetry::delay`], the Postgres statement the same formula.
+///
+/// Per message, so that one message its exchange refuses neither blocks
+/// the others nor comes back every round forever.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PublishRetry {
+    /// The pause after the first refusal.
+    pub base_delay: Duration,
+    /// The longest pause.
+    pub max_delay: Duration,
+    /// Refusals after which the message is dead.
+    pub max_attempts: NonZeroU32,
+}
+
+impl PublishRetry {
+    /// The pause after the `failures`th refusal (counting from one).
+    pub fn delay(&self, failures: u32) -> Duration {
+        let doublings = failures.saturating_sub(1).min(40);
+        self.base_delay
+            .saturating_mul(2_u32.saturating_pow(doublings.min(31)))
+            .min(self.max_delay)
+    }
+
+    /// Whether `failures` refusals make a message dead.
+    pub fn is_dead(&self, failures: u32) -> bool {
+        failures >= self.max_attempts.get()
+    }
+}
+
+impl Default for PublishRetry {
+    /// 1 s doubling to 5 min, dead after 10 refusals (about 15 minutes of
+    /// refusals in all).
+    fn default() -> Self {
+        Self {
+            base_delay: Duration::from_secs(1),
+            max_delay: Duration::from_secs(300),
+            max_attempts: NonZeroU32::new(10).unwrap_or(NonZeroU32::MIN),
+        }
+    }
+}
+
+/// What [`OutboxStore::record_refusals`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Refused {
+    /// Refusals recorded (rows still held by the lease, unpublished, alive).
+    pub recorded: u64,
+    /// The messages that reached the limit with this refusal: dead now.
+    pub dead: Vec<MessageId>,
 }
 
 /// The outgoing rows of a store, as a relay sees them: take a batch, mark
@@ -371,6 +438,9 @@ pub struct OutboxRecord {
 ///    back; a message marked published is never taken again.
 /// 4. Cleanup deletes published rows older than a cutoff, in bounded
 ///    batches, never a pending one.
+/// 5. A refused message is not taken again before its backoff, and is
+///    dead (kept, never taken, not pending) after the retry limit, until
+///    requeued.
 #[async_trait]
 pub trait OutboxStore: InboxStore<Transaction: OutboxTransaction> {
     /// Leases at most `limit` pending messages whose lease (if any) has
@@ -433,6 +503,40 @@ pub trait OutboxStore: InboxStore<Transaction: OutboxTransaction> {
         cutoff: DateTime<Utc>,
         limit: NonZeroU32,
     ) -> Result<u64, InboxError>;
+
+    /// Records that the broker refused these messages of `lease` (id and
+    /// the broker's answer each): their refusal count goes up by one, the
+    /// lease lets go of them, and they are not taken again before the
+    /// backoff `retry` gives (or never, dead, at its limit). Rows no longer
+    /// held by `lease` (taken by another relay since), published or dead
+    /// are left alone, so a repeated call charges nothing twice.
+    ///
+    /// Call it only for the message's own refusals (nack, returned): a
+    /// broker outage or a lost channel must charge nothing, so those
+    /// messages are left to their lease.
+    ///
+    /// # Errors
+    /// Store failures; the lease then simply expires, uncharged.
+    async fn record_refusals(
+        &self,
+        lease: &LeaseId,
+        refusals: &[(MessageId, String)],
+        retry: &PublishRetry,
+    ) -> Result<Refused, InboxError>;
+
+    /// The dead messages, the most recently dead first, at most `limit`.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn dead_outgoing(&self, limit: NonZeroU32) -> Result<Vec<OutboxRecord>, InboxError>;
+
+    /// Makes these dead messages pending again, with a fresh refusal count
+    /// (after the fix: the exchange exists now, say). Returns how many were
+    /// dead; other ids are ignored.
+    ///
+    /// # Errors
+    /// Store failures.
+    async fn requeue_dead(&self, ids: &[MessageId]) -> Result<u64, InboxError>;
 }
 
 #[async_trait]
@@ -467,6 +571,23 @@ impl<S: OutboxStore> OutboxStore for Arc<S> {
         limit: NonZeroU32,
     ) -> Result<u64, InboxError> {
         (**self).purge_published_batch(cutoff, limit).await
+    }
+
+    async fn record_refusals(
+        &self,
+        lease: &LeaseId,
+        refusals: &[(MessageId, String)],
+        retry: &PublishRetry,
+    ) -> Result<Refused, InboxError> {
+        (**self).record_refusals(lease, refusals, retry).await
+    }
+
+    async fn dead_outgoing(&self, limit: NonZeroU32) -> Result<Vec<OutboxRecord>, InboxError> {
+        (**self).dead_outgoing(limit).await
+    }
+
+    async fn requeue_dead(&self, ids: &[MessageId]) -> Result<u64, InboxError> {
+        (**self).requeue_dead(ids).await
     }
 }
 
@@ -650,6 +771,20 @@ mod tests {
         assert!(!error.is_retryable());
         assert_eq!(error.kind(), "invalid_outgoing_message");
         assert!(error.to_string().len() < 200, "{error}");
+    }
+
+    #[test]
+    fn the_publish_backoff_doubles_up_to_its_cap_and_ends_dead() {
+        let retry = PublishRetry {
+            base_delay: Duration::from_millis(100),
+            max_delay: Duration::from_secs(1),
+            max_attempts: NonZeroU32::new(3).unwrap(),
+        };
+        let delays: Vec<u128> = (1..=6).map(|n| retry.delay(n).as_millis()).collect();
+        assert_eq!(delays, [100, 200, 400, 800, 1000, 1000]);
+        assert_eq!(retry.delay(u32::MAX), Duration::from_secs(1));
+        assert!(!retry.is_dead(2) && retry.is_dead(3) && retry.is_dead(4));
+        assert!(PublishRetry::default().delay(1) <= PublishRetry::default().max_delay);
     }
 
     #[test]

@@ -52,6 +52,7 @@ pub use migrate::{
 };
 pub use outbox::{
     OutboxColumns, OutboxRow, enqueued, header_columns, id_column, lease_from_rows, lease_millis,
+    records, refusal_columns, refused, retry_columns,
 };
 pub use schema_name::SchemaName;
 pub use session::SessionTimeouts;

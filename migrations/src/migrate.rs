@@ -14,7 +14,8 @@
 //! `inbox_diesel_migrations`. The runner reads neither: on such a schema it
 //! finds [`LEDGER_TABLE`] missing and applies every migration again. That is
 //! harmless because every migration is idempotent (`CREATE … IF NOT
-//! EXISTS`, `CREATE OR REPLACE`, `COMMENT ON`), which the test `migrations_are_idempotent`
+//! EXISTS`, `ADD COLUMN IF NOT EXISTS`, `CREATE OR REPLACE`, `COMMENT
+//! ON`), which the test `migrations_are_idempotent`
 //! holds each file to; the old ledger tables are left alone.
 
 use async_trait::async_trait;
@@ -73,6 +74,11 @@ pub static MIGRATIONS: &[Migration] = &[
         version: 20261205000001,
         description: "create inbox attempts",
         sql: include_str!("../20261205000001_create_inbox_attempts.sql"),
+    },
+    Migration {
+        version: 20261206000001,
+        description: "outbox publish refusals",
+        sql: include_str!("../20261206000001_outbox_publish_refusals.sql"),
     },
 ];
 
@@ -321,9 +327,18 @@ mod tests {
                 .collect();
             for statement in code.split(';').map(str::trim).filter(|s| !s.is_empty()) {
                 let upper = statement.to_ascii_uppercase();
+                let words = upper.split_whitespace().collect::<Vec<_>>().join(" ");
+                // An ALTER TABLE that only adds columns, each IF NOT EXISTS.
+                let adds_columns = words.starts_with("ALTER TABLE ")
+                    && words.matches(" ADD ").count()
+                        == words.matches(" ADD COLUMN IF NOT EXISTS ").count()
+                    && [" DROP ", " RENAME ", " ALTER COLUMN ", " TYPE "]
+                        .iter()
+                        .all(|clause| !words.contains(clause));
                 let ok = upper.starts_with("COMMENT ON ")
                     || upper.starts_with("CREATE OR REPLACE ")
-                    || (upper.starts_with("CREATE ") && upper.contains(" IF NOT EXISTS "));
+                    || (upper.starts_with("CREATE ") && upper.contains(" IF NOT EXISTS "))
+                    || adds_columns;
                 assert!(ok, "migration {} is not idempotent: {statement}", m.version);
             }
         }

@@ -12,6 +12,7 @@ use std::time::Duration;
 use chrono::{DateTime, TimeDelta, Utc};
 use inbox_api::{
     EnqueueOutcome, InboxError, LeaseId, MessageId, OutboxLease, OutboxRecord, OutgoingMessage,
+    PublishRetry, Refused,
 };
 
 /// One outgoing row as the statements return it (see
@@ -42,6 +43,14 @@ pub struct OutboxRow {
     pub locked_until: Option<DateTime<Utc>>,
     /// `attempts`.
     pub attempts: i32,
+    /// `failures`.
+    pub failures: i32,
+    /// `last_error`.
+    pub last_error: Option<String>,
+    /// `next_attempt_at`.
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    /// `dead_at`.
+    pub dead_at: Option<DateTime<Utc>>,
 }
 
 /// An outgoing row's columns as a tuple, in the order of [`OutboxRow`]'s
@@ -60,6 +69,10 @@ pub type OutboxColumns = (
     Option<DateTime<Utc>>,
     Option<DateTime<Utc>>,
     i32,
+    i32,
+    Option<String>,
+    Option<DateTime<Utc>>,
+    Option<DateTime<Utc>>,
 );
 
 impl From<OutboxColumns> for OutboxRow {
@@ -77,6 +90,10 @@ impl From<OutboxColumns> for OutboxRow {
             published_at: c.9,
             locked_until: c.10,
             attempts: c.11,
+            failures: c.12,
+            last_error: c.13,
+            next_attempt_at: c.14,
+            dead_at: c.15,
         }
     }
 }
@@ -101,6 +118,10 @@ impl OutboxRow {
             created_at: rest.created_at,
             published_at: rest.published_at,
             attempts: u32::try_from(rest.attempts).unwrap_or(0),
+            failures: u32::try_from(rest.failures).unwrap_or(0),
+            last_error: rest.last_error,
+            next_attempt_at: rest.next_attempt_at,
+            dead_at: rest.dead_at,
         })
     }
 
@@ -168,6 +189,51 @@ pub fn lease_millis(lease: Duration) -> i64 {
     i64::try_from(lease.as_millis()).unwrap_or(i64::MAX).max(1)
 }
 
+/// The parameters of [`crate::sql::RECORD_REFUSALS`] after the lease id:
+/// base and longest delay in milliseconds (`$4`, `$5`) and the retry limit
+/// (`$6`), saturating.
+pub fn retry_columns(retry: &PublishRetry) -> (f64, f64, i32) {
+    // Milliseconds as float8: the statement multiplies by powers of two.
+    #[allow(clippy::cast_precision_loss)]
+    let millis = |d: Duration| d.as_millis() as f64;
+    (
+        millis(retry.base_delay),
+        millis(retry.max_delay),
+        i32::try_from(retry.max_attempts.get()).unwrap_or(i32::MAX),
+    )
+}
+
+/// The refusals as the two parallel arrays of
+/// [`crate::sql::RECORD_REFUSALS`] (`$1` ids, `$2` the broker's answers).
+pub fn refusal_columns(refusals: &[(MessageId, String)]) -> (Vec<uuid::Uuid>, Vec<String>) {
+    refusals
+        .iter()
+        .map(|(id, error)| (*id.as_uuid(), error.clone()))
+        .unzip()
+}
+
+/// What [`crate::sql::RECORD_REFUSALS`]'s rows (id, dead) say.
+pub fn refused(rows: Vec<(uuid::Uuid, bool)>) -> Refused {
+    Refused {
+        recorded: rows.len() as u64,
+        dead: rows
+            .into_iter()
+            .filter(|(_, dead)| *dead)
+            .map(|(id, _)| MessageId::from_uuid(id))
+            .collect(),
+    }
+}
+
+/// Dead rows for [`inbox_api::OutboxStore::dead_outgoing`].
+///
+/// # Errors
+/// As [`OutboxRow::into_message`].
+pub fn records(rows: Vec<OutboxColumns>) -> Result<Vec<OutboxRecord>, InboxError> {
+    rows.into_iter()
+        .map(|columns| OutboxRow::from(columns).into_record())
+        .collect()
+}
+
 /// The message ids as the `uuid[]` parameter of
 /// [`crate::sql::MARK_PUBLISHED`] and [`crate::sql::RELEASE`].
 pub fn id_column(ids: &[MessageId]) -> Vec<uuid::Uuid> {
@@ -221,6 +287,10 @@ mod tests {
             published_at: None,
             locked_until: Some(Utc::now()),
             attempts: 2,
+            failures: 1,
+            last_error: Some("nack".into()),
+            next_attempt_at: None,
+            dead_at: None,
         }
     }
 
@@ -239,6 +309,10 @@ mod tests {
             r.published_at,
             r.locked_until,
             r.attempts,
+            r.failures,
+            r.last_error,
+            r.next_attempt_at,
+            r.dead_at,
         )
     }
 

@@ -143,7 +143,8 @@ macro_rules! outbox_row_columns {
          o.routing_key::text AS routing_key, o.message_type::text AS message_type, \
          ARRAY(SELECT h.key FROM jsonb_each_text(o.headers) AS h ORDER BY h.key) AS header_names, \
          ARRAY(SELECT h.value FROM jsonb_each_text(o.headers) AS h ORDER BY h.key) AS header_values, \
-         o.body, o.created_at, o.published_at, o.locked_until, o.attempts"
+         o.body, o.created_at, o.published_at, o.locked_until, o.attempts, \
+         o.failures, o.last_error, o.next_attempt_at, o.dead_at"
     };
 }
 
@@ -180,6 +181,7 @@ pub const TAKE_PENDING: &str = concat!(
          lease_id = $2, attempts = o.attempts + 1 \
      FROM (SELECT message_id FROM outbox_messages \
            WHERE published_at IS NULL AND (locked_until IS NULL OR locked_until <= now()) \
+             AND dead_at IS NULL AND (next_attempt_at IS NULL OR next_attempt_at <= now()) \
            ORDER BY position LIMIT $3 FOR UPDATE SKIP LOCKED) AS due \
      WHERE o.message_id = due.message_id RETURNING ",
     outbox_row_columns!()
@@ -208,8 +210,51 @@ pub const LOOKUP_OUTGOING: &str = concat!(
     " FROM outbox_messages AS o WHERE o.message_id = $1"
 );
 
-/// Committed messages not yet published. Returns one int8.
-pub const PENDING_COUNT: &str = "SELECT count(*) FROM outbox_messages WHERE published_at IS NULL";
+/// Committed messages not yet published, dead ones not counted. Returns
+/// one int8.
+pub const PENDING_COUNT: &str =
+    "SELECT count(*) FROM outbox_messages WHERE published_at IS NULL AND dead_at IS NULL";
+
+/// Records the broker's refusals of messages a lease holds: `$1` message
+/// ids (uuid[]), `$2` the broker's answers (text[], parallel), `$3` lease
+/// id, `$4` base delay and `$5` longest delay (milliseconds, float8), `$6`
+/// the retry limit (int4). Returns (message_id, dead) per charged row.
+///
+/// The `n`th refusal waits `$4 × 2^(n−1)` ms, at most `$5`
+/// (`inbox_api::PublishRetry::delay`); the `$6`th sets `dead_at`. The
+/// lease lets go at once: `next_attempt_at` is the retry delay now. Only
+/// rows this lease still holds, unpublished and alive, are charged, so a
+/// repeated call charges nothing twice.
+pub const RECORD_REFUSALS: &str = "UPDATE outbox_messages AS o \
+     SET failures = o.failures + 1, last_error = r.error, \
+         locked_until = NULL, lease_id = NULL, \
+         next_attempt_at = CASE WHEN o.failures + 1 >= p.max_attempts THEN NULL \
+             ELSE now() + least(p.max_ms, p.base_ms * power(2, least(o.failures, 40))) \
+                 * interval '1 millisecond' END, \
+         dead_at = CASE WHEN o.failures + 1 >= p.max_attempts THEN now() END \
+     FROM unnest($1::uuid[], $2::text[]) AS r(message_id, error), \
+          (SELECT $3::uuid AS lease_id, $4::float8 AS base_ms, $5::float8 AS max_ms, \
+                  $6::int4 AS max_attempts) AS p \
+     WHERE o.message_id = r.message_id AND o.lease_id = p.lease_id \
+       AND o.published_at IS NULL AND o.dead_at IS NULL \
+     RETURNING o.message_id, o.dead_at IS NOT NULL AS dead";
+
+/// The dead outgoing rows, the most recently dead first: `$1` limit
+/// (int8). Returns the columns of [`crate::OutboxRow`].
+pub const DEAD_OUTGOING: &str = concat!(
+    "SELECT ",
+    outbox_row_columns!(),
+    " FROM outbox_messages AS o WHERE o.dead_at IS NOT NULL \
+     ORDER BY o.dead_at DESC, o.position DESC LIMIT $1"
+);
+
+/// Makes dead rows pending again with a fresh count: `$1` message ids
+/// (uuid[]). Affects the rows that were dead. `last_error` stays, for
+/// whoever looks at the row next.
+pub const REQUEUE_DEAD: &str = "UPDATE outbox_messages \
+     SET dead_at = NULL, failures = 0, next_attempt_at = NULL, \
+         locked_until = NULL, lease_id = NULL \
+     WHERE message_id = ANY($1) AND dead_at IS NOT NULL AND published_at IS NULL";
 
 /// One batch of outbox cleanup: `$1` cutoff (timestamptz), `$2` batch size
 /// (int8). Affects the rows deleted. The same shape as [`PURGE_BATCH`],
@@ -306,6 +351,9 @@ mod tests {
             (RELEASE, 2),
             (LOOKUP_OUTGOING, 1),
             (PENDING_COUNT, 0),
+            (RECORD_REFUSALS, 6),
+            (DEAD_OUTGOING, 1),
+            (REQUEUE_DEAD, 1),
             (PURGE_PUBLISHED_BATCH, 2),
         ] {
             let params: Vec<usize> = pieces(sql)

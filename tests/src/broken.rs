@@ -385,6 +385,26 @@ impl<S: OutboxStore + Clone> OutboxStore for BrokenStore<S> {
     ) -> Result<u64, InboxError> {
         self.inner.purge_published_batch(cutoff, limit).await
     }
+
+    async fn record_refusals(
+        &self,
+        lease: &inbox_api::LeaseId,
+        refusals: &[(MessageId, String)],
+        retry: &inbox_api::PublishRetry,
+    ) -> Result<inbox_api::Refused, InboxError> {
+        self.inner.record_refusals(lease, refusals, retry).await
+    }
+
+    async fn dead_outgoing(
+        &self,
+        limit: std::num::NonZeroU32,
+    ) -> Result<Vec<inbox_api::OutboxRecord>, InboxError> {
+        self.inner.dead_outgoing(limit).await
+    }
+
+    async fn requeue_dead(&self, ids: &[MessageId]) -> Result<u64, InboxError> {
+        self.inner.requeue_dead(ids).await
+    }
 }
 
 /// Runs any harness's backend through a broken store.

@@ -14,13 +14,20 @@
 //! discard the copy. That is what makes the whole path exactly-once in
 //! effect.
 //!
-//! Why a message the broker did not confirm (nack, returned unroutable,
-//! channel closed, no confirm in time) is left leased instead of released:
-//! the lease is its retry delay. A message the broker refuses for its own
-//! sake (its exchange is missing, its queue is full) would otherwise be
-//! taken again at once, ahead of every younger message, and could stall the
-//! relay's whole output; left leased, the next rounds publish the rest, and
-//! it comes back when its lease runs out.
+//! What the broker did not confirm splits in two:
+//!
+//! - **Refused for its own sake** (a nack: its queue is full and rejects
+//!   publishes; returned unroutable: no queue is bound for its routing
+//!   key): the refusal is charged to that message
+//!   ([`OutboxStore::record_refusals`]), which backs off on its own
+//!   ([`PublishRetry`]: doubling delays) and, at the limit, is dead: kept
+//!   in the table, never taken, counted in `outbox_dead_lettered_total`
+//!   and logged with its id, until `parcel-inbox outbox-requeue` after the
+//!   fix. It neither holds back younger messages nor comes back forever.
+//! - **Not its fault** (the channel or connection closed, no confirm in
+//!   time: an outage, a blocked broker, a missing exchange that closes the
+//!   channel for the whole batch): nothing is charged; the message is left
+//!   leased, and the lease is its retry delay.
 //!
 //! Between rounds it waits for the poll interval, or less when a wake-up
 //! source says there is something new ([`Relay::wake_on`]).
@@ -42,7 +49,7 @@ use futures::FutureExt;
 use futures::future::join_all;
 use futures::stream::{BoxStream, Stream, StreamExt};
 use inbox_api::metrics as names;
-use inbox_api::{MessageId, OutboxStore, OutboxStoreExt, OutgoingMessage};
+use inbox_api::{MessageId, OutboxStore, OutboxStoreExt, OutgoingMessage, PublishRetry};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Connection};
@@ -89,6 +96,9 @@ pub struct RelayConfig {
     /// comes back and stays pending (counted as `returned`) instead of
     /// being dropped by the broker.
     pub mandatory: bool,
+    /// The backoff and dead-letter limit of a message the broker refuses
+    /// (nack, returned).
+    pub retry: PublishRetry,
     /// Background purge of published rows (`None`: off): every `interval`,
     /// the rows published longer than `retention` ago go, `batch_size` per
     /// transaction ([`purge_published_once`]). Published rows serve only
@@ -113,6 +123,7 @@ impl RelayConfig {
             retry_max_delay: Duration::from_secs(10),
             gauge_interval: Duration::from_secs(15),
             mandatory: true,
+            retry: PublishRetry::default(),
             purge: Some(CleanupConfig::default()),
         }
     }
@@ -153,6 +164,7 @@ impl fmt::Debug for RelayConfig {
             .field("retry_max_delay", &self.retry_max_delay)
             .field("gauge_interval", &self.gauge_interval)
             .field("mandatory", &self.mandatory)
+            .field("retry", &self.retry)
             .field("purge", &self.purge)
             .finish()
     }
@@ -173,6 +185,11 @@ pub struct RelayTally {
     pub marked: AtomicU64,
     /// Messages the broker did not confirm.
     pub failed: AtomicU64,
+    /// Refusals charged to their message (nack, returned): the part of
+    /// `failed` that counts toward the dead-letter limit.
+    pub refused: AtomicU64,
+    /// Messages dead-lettered in the outbox.
+    pub dead: AtomicU64,
 }
 
 /// Publishes an [`OutboxStore`]'s pending messages until shutdown.
@@ -293,9 +310,11 @@ impl<S: OutboxStore + Clone + 'static> Relay<S> {
                     if round.channel_broken {
                         close_channel_bounded(&channel, "reopening after a failure").await;
                     }
-                    if round.confirmed == 0 && round.failed > 0 {
-                        // The broker took nothing: an outage, a blocked
-                        // connection, a refused exchange. Do not hammer it.
+                    if round.confirmed == 0 && round.failed > round.refused {
+                        // The broker took nothing and not for the messages'
+                        // own sake: an outage, a blocked connection, a
+                        // missing exchange. Do not hammer it. (Refused
+                        // messages back off on their own.)
                         failures = failures.saturating_add(1);
                         let error = AppError::NotConfirmed(format!(
                             "none of {} messages confirmed",
@@ -401,13 +420,20 @@ impl<S: OutboxStore + Clone + 'static> Relay<S> {
                 Err(failure) => failed.push((message.id(), failure)),
             }
         }
+        let refusals: Vec<(MessageId, String)> = failed
+            .iter()
+            .filter(|(_, f)| f.is_refusal())
+            .map(|(id, f)| (*id, f.to_string()))
+            .collect();
         let round = Round {
             taken,
             confirmed: confirmed.len(),
             failed: failed.len(),
+            refused: refusals.len(),
             channel_broken: failed.iter().any(|(_, f)| f.breaks_channel()),
         };
         self.count_failures(&failed, &lease.id);
+        self.charge(&lease.id, &refusals).await;
         if confirmed.is_empty() {
             return Ok(round);
         }
@@ -452,7 +478,51 @@ impl<S: OutboxStore + Clone + 'static> Relay<S> {
                 .increment(of_reason.len() as u64);
             tracing::warn!(%lease, reason, count = of_reason.len(),
                 ids = ?ids(of_reason.iter().map(|(id, _)| id)), error = %first,
-                "the broker did not confirm these messages; they stay pending and are published again, under their ids, when the lease runs out");
+                "the broker did not confirm these messages; they stay pending and are published again, under their ids, after their backoff (refused) or lease (outage)");
+        }
+    }
+
+    /// Charges the broker's refusals to their messages: each backs off on
+    /// its own, and those at the limit are dead (counted and logged by id).
+    /// A failure to record leaves them leased, uncharged: the lease is then
+    /// their retry delay, as for an outage.
+    async fn charge(&self, lease: &inbox_api::LeaseId, refusals: &[(MessageId, String)]) {
+        if refusals.is_empty() {
+            return;
+        }
+        match self
+            .store
+            .record_refusals(lease, refusals, &self.config.retry)
+            .await
+        {
+            Ok(refused) => {
+                self.tally
+                    .refused
+                    .fetch_add(refused.recorded, std::sync::atomic::Ordering::Relaxed);
+                if refused.dead.is_empty() {
+                    return;
+                }
+                metrics::counter!(names::OUTBOX_DEAD_LETTERED).increment(refused.dead.len() as u64);
+                self.tally.dead.fetch_add(
+                    refused.dead.len() as u64,
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+                for id in &refused.dead {
+                    let error = refusals
+                        .iter()
+                        .find(|(refused, _)| refused == id)
+                        .map_or("", |(_, error)| error.as_str());
+                    tracing::error!(message_id = %id, %lease, error,
+                        max_attempts = self.config.retry.max_attempts.get(),
+                        "the broker refused this outgoing message too often: dead in the outbox \
+                         (list with `parcel-inbox outbox-dead`, requeue with `outbox-requeue`)");
+                }
+            }
+            Err(error) => {
+                tracing::warn!(%lease, ids = ?ids(refusals.iter().map(|(id, _)| id)),
+                    error = %chain(&error),
+                    "recording refusals failed; the messages come back when their lease runs out");
+            }
         }
     }
 
@@ -563,6 +633,8 @@ struct Round {
     taken: u32,
     confirmed: usize,
     failed: usize,
+    /// Of `failed`, those the broker refused for their own sake.
+    refused: usize,
     /// The channel must be reopened (it closed, or confirms are stuck).
     channel_broken: bool,
 }
@@ -593,6 +665,14 @@ impl PublishFailure {
 
     fn breaks_channel(&self) -> bool {
         matches!(self, Self::Channel(_) | Self::Timeout(_))
+    }
+
+    /// Whether the broker refused this message for its own sake, so that
+    /// the refusal counts toward its dead-letter limit. A closed channel or
+    /// a missing confirm is the broker's or the network's state, shared by
+    /// every message in flight: never charged.
+    fn is_refusal(&self) -> bool {
+        matches!(self, Self::Nack | Self::Returned(_))
     }
 }
 
@@ -737,6 +817,10 @@ mod tests {
     fn failures_that_break_the_channel_reopen_it() {
         assert!(PublishFailure::Timeout(Duration::ZERO).breaks_channel());
         assert!(!PublishFailure::Nack.breaks_channel());
+        // Only the message's own refusals are charged to it.
+        assert!(PublishFailure::Nack.is_refusal());
+        assert!(PublishFailure::Returned("312 NO_ROUTE".into()).is_refusal());
+        assert!(!PublishFailure::Timeout(Duration::ZERO).is_refusal());
         assert_eq!(PublishFailure::Returned(String::new()).reason(), "returned");
     }
 }

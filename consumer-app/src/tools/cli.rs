@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use clap::Args;
 use futures::stream::BoxStream;
-use inbox_api::OutboxStore;
+use inbox_api::{OutboxStore, PublishRetry};
 use inbox_postgres::SessionTimeouts;
 use tokio::sync::watch;
 
@@ -526,6 +526,19 @@ pub struct RelayArgs {
     #[command(flatten)]
     #[allow(missing_docs, reason = "clap reads the flattened struct's docs")]
     pub purge: OutboxPurgeArgs,
+    /// Milliseconds a message waits after the broker first refused it (nack,
+    /// returned unroutable); doubled per refusal in a row.
+    #[arg(long, env = "OUTBOX_RETRY_BASE_MS", default_value_t = 1000)]
+    pub retry_base_ms: u64,
+    /// The longest wait between two publishes of a refused message, in
+    /// seconds.
+    #[arg(long, env = "OUTBOX_RETRY_MAX_SECS", default_value_t = 300)]
+    pub retry_max_secs: u64,
+    /// Refusals after which a message is dead in the outbox (listed by
+    /// `outbox-dead`, requeued by `outbox-requeue`). Outages, lost
+    /// connections and missing confirms never count.
+    #[arg(long, env = "OUTBOX_MAX_PUBLISH_ATTEMPTS", default_value = "10")]
+    pub max_publish_attempts: NonZeroU32,
     /// Seconds between background purges of published outbox rows (0: off).
     #[arg(long, env = "OUTBOX_PURGE_INTERVAL_SECS", default_value_t = 3600)]
     pub purge_interval_secs: u64,
@@ -543,6 +556,11 @@ impl RelayArgs {
                 lease: Duration::from_secs(self.lease_secs),
                 poll_interval: Duration::from_millis(self.poll_interval_ms),
                 confirm_timeout: Duration::from_secs(self.confirm_timeout_secs),
+                retry: PublishRetry {
+                    base_delay: Duration::from_millis(self.retry_base_ms),
+                    max_delay: Duration::from_secs(self.retry_max_secs),
+                    max_attempts: self.max_publish_attempts,
+                },
                 purge: match self.purge_interval_secs {
                     0 => None,
                     secs => Some(self.purge.config(Duration::from_secs(secs))?),

@@ -12,11 +12,17 @@
 //! its queue ([`crate::runtime::replay`]); each comes back with a fresh
 //! retry budget, and the inbox still makes sure it is processed at most
 //! once.
+//!
+//! `outbox-dead` and `outbox-requeue` are the producer side's pair: the
+//! outgoing messages the broker refused too often (dead in the outbox
+//! table, see [`crate::runtime::relay`]), and making them pending again,
+//! with a fresh count, once their exchange or queue is fixed.
 
 use std::fmt::Write as _;
 use std::num::NonZeroU32;
 
-use inbox_api::{AttemptRecord, ConsumerName};
+use futures::stream::BoxStream;
+use inbox_api::{AttemptRecord, ConsumerName, MessageId, OutboxRecord, OutboxStore};
 
 use crate::parcel::role::Role;
 use crate::parcel::store::{ParcelStore, StoreKind};
@@ -24,7 +30,7 @@ use crate::parcel::topology::Topology;
 use crate::runtime::amqp::connect;
 use crate::runtime::replay::{Replayed, replay};
 use crate::runtime::{AppError, message::truncate};
-use crate::tools::stores::WithStore;
+use crate::tools::stores::{WithOutbox, WithStore};
 
 /// The widest last error a table row shows (the ledger keeps up to 1000
 /// bytes; `x-inbox-last-error` in the dead letter has it all).
@@ -190,5 +196,103 @@ mod tests {
         );
         let error = role_of("carrier").unwrap_err().to_string();
         assert!(error.contains("parcel-carrier-assignment"), "{error}");
+    }
+}
+
+/// The dead outgoing messages as a table: message id, exchange, routing
+/// key, refusals, when, last error (cut to a line).
+pub fn outbox_dead_table(records: &[OutboxRecord]) -> String {
+    let mut table = format!(
+        "{:<36} {:<24} {:<24} {:>8} {:<20} last error\n",
+        "message id", "exchange", "routing key", "refusals", "dead at (UTC)"
+    );
+    for record in records {
+        let at = record
+            .dead_at
+            .map(|at| at.format("%Y-%m-%d %H:%M:%S").to_string())
+            .unwrap_or_default();
+        let _ = writeln!(
+            table,
+            "{:<36} {:<24} {:<24} {:>8} {:<20} {}",
+            record.message.id(),
+            record.message.exchange(),
+            record.message.routing_key(),
+            record.failures,
+            at,
+            truncate(record.last_error.as_deref().unwrap_or(""), SHOWN_ERROR)
+        );
+    }
+    let _ = writeln!(table, "{} dead outgoing message(s)", records.len());
+    table
+}
+
+/// `parcel-inbox outbox-dead`: prints the dead outgoing messages.
+#[derive(Debug)]
+pub struct ListDeadOutgoing {
+    /// At most this many rows, newest first.
+    pub limit: NonZeroU32,
+}
+
+impl WithOutbox for ListDeadOutgoing {
+    type Output = ();
+
+    async fn run<S: OutboxStore + Clone + 'static>(
+        self,
+        store: S,
+        _wakeups: Option<BoxStream<'static, ()>>,
+    ) -> Result<(), AppError> {
+        print!(
+            "{}",
+            outbox_dead_table(&store.dead_outgoing(self.limit).await?)
+        );
+        Ok(())
+    }
+
+    fn listens(&self) -> bool {
+        false
+    }
+}
+
+/// `parcel-inbox outbox-requeue`: makes dead outgoing messages pending
+/// again (these ids, or every dead one when `ids` is empty), each with a
+/// fresh refusal count; prints how many.
+#[derive(Debug)]
+pub struct RequeueDeadOutgoing {
+    /// Which ones; empty: all.
+    pub ids: Vec<MessageId>,
+}
+
+impl WithOutbox for RequeueDeadOutgoing {
+    type Output = ();
+
+    async fn run<S: OutboxStore + Clone + 'static>(
+        self,
+        store: S,
+        _wakeups: Option<BoxStream<'static, ()>>,
+    ) -> Result<(), AppError> {
+        let requeued = if self.ids.is_empty() {
+            let page = NonZeroU32::new(1000).unwrap_or(NonZeroU32::MIN);
+            let mut requeued = 0;
+            loop {
+                let dead: Vec<MessageId> = store
+                    .dead_outgoing(page)
+                    .await?
+                    .iter()
+                    .map(|record| record.message.id())
+                    .collect();
+                if dead.is_empty() {
+                    break requeued;
+                }
+                requeued += store.requeue_dead(&dead).await?;
+            }
+        } else {
+            store.requeue_dead(&self.ids).await?
+        };
+        println!("requeued {requeued} dead outgoing message(s); the relay publishes them next");
+        Ok(())
+    }
+
+    fn listens(&self) -> bool {
+        false
     }
 }

@@ -12,6 +12,7 @@ use futures::future::join_all;
 use inbox_api::{
     ConsumerName, EnqueueOutcome, Handled, Inbox, InboxError, InboxKey, InboxStore,
     InboxTransaction, MessageId, OutboxStore, OutboxStoreExt, OutboxTransaction, OutgoingMessage,
+    PublishRetry,
 };
 
 use super::OutboxHarness;
@@ -596,6 +597,195 @@ pub async fn outbox_a_shared_store_forwards_every_call<H: OutboxHarness>(h: &H) 
         "purge through the Arc"
     );
     check_eq!(shared.record_pending().await?, 1, "the Ext pending count");
+    let refused = shared
+        .record_refusals(&lease.id, &[(b.id(), "nack".into())], &RETRY)
+        .await?;
+    check_eq!(refused.recorded, 0, "a released lease charges nothing");
+    check!(shared.dead_outgoing(nz(10)).await?.is_empty(), "none dead");
+    check_eq!(
+        shared.requeue_dead(&[b.id()]).await?,
+        0,
+        "requeue through the Arc"
+    );
+    Ok(())
+}
+
+/// The retry policy of the refusal tests: 10 s doubling to 40 s, dead at
+/// the third refusal.
+pub const RETRY: PublishRetry = PublishRetry {
+    base_delay: Duration::from_secs(10),
+    max_delay: Duration::from_secs(40),
+    max_attempts: NonZeroU32::new(3).expect("non-zero"),
+};
+
+/// The contract's line 5: a refused message lets go of its lease and is
+/// not taken before its backoff (10 s, then 20 s), while the others are;
+/// the refusal is recorded on the row; a repeated call charges nothing.
+pub async fn outbox_a_refused_message_waits_out_its_backoff<H: OutboxHarness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let (a, b) = (new_message(), new_message());
+    enqueue_committed(h, &store, &a).await?;
+    enqueue_committed(h, &store, &b).await?;
+    let lease = store.take_pending(nz(10), LEASE).await?;
+    check_eq!(lease.ids(), vec![a.id(), b.id()], "the first lease");
+    let refusal = [(a.id(), "nacked by the broker".to_owned())];
+    let refused = store.record_refusals(&lease.id, &refusal, &RETRY).await?;
+    check_eq!(refused.recorded, 1, "refusals recorded");
+    check!(
+        refused.dead.is_empty(),
+        "dead after one: {:?}",
+        refused.dead
+    );
+    let again = store.record_refusals(&lease.id, &refusal, &RETRY).await?;
+    check_eq!(
+        again.recorded,
+        0,
+        "the lease let go: a repeat charges nothing"
+    );
+    let record = store.lookup_outgoing(&a.id()).await?;
+    check_eq!(
+        record.as_ref().map(|r| (r.failures, r.last_error.clone())),
+        Some((1, Some("nacked by the broker".to_owned()))),
+        "the refused row"
+    );
+    let now = h.store_now(&store).await;
+    check!(
+        record
+            .as_ref()
+            .and_then(|r| r.next_attempt_at)
+            .is_some_and(|next| next > now + chrono::Duration::seconds(5)
+                && next <= now + chrono::Duration::seconds(11)),
+        "its backoff ends about 10 s from {now}: {record:?}"
+    );
+    check_eq!(store.pending_count().await?, 2, "refused is still pending");
+    store.mark_published(&[b.id()]).await?;
+    let early = store.take_pending(nz(10), LEASE).await?;
+    check!(
+        early.is_empty(),
+        "taken during its backoff: {:?}",
+        early.ids()
+    );
+
+    h.age_outbox(&store, Duration::from_secs(11)).await;
+    let second = store.take_pending(nz(10), LEASE).await?;
+    check_eq!(second.ids(), vec![a.id()], "taken after its backoff");
+    store.record_refusals(&second.id, &refusal, &RETRY).await?;
+    h.age_outbox(&store, Duration::from_secs(11)).await;
+    let doubled = store.take_pending(nz(10), LEASE).await?;
+    check!(
+        doubled.is_empty(),
+        "the second backoff is 20 s: {:?}",
+        doubled.ids()
+    );
+    h.age_outbox(&store, Duration::from_secs(10)).await;
+    let third = store.take_pending(nz(10), LEASE).await?;
+    check_eq!(third.ids(), vec![a.id()], "taken after the second backoff");
+    Ok(())
+}
+
+/// At the retry limit the message is dead: kept, listed, never taken, not
+/// pending, never purged; the others flow; a requeue makes it pending again
+/// with a fresh count.
+pub async fn outbox_a_message_refused_too_often_is_dead_until_requeued<H: OutboxHarness>(
+    h: &H,
+) -> Outcome {
+    let store = h.fresh_store().await;
+    let (refused, other) = (new_message(), new_message());
+    enqueue_committed(h, &store, &refused).await?;
+    let refusal = [(refused.id(), "returned unroutable: 312 NO_ROUTE".to_owned())];
+    let mut dead = Vec::new();
+    for n in 1..=RETRY.max_attempts.get() {
+        h.age_outbox(&store, RETRY.max_delay + Duration::from_secs(1))
+            .await;
+        let lease = store.take_pending(nz(10), LEASE).await?;
+        check_eq!(lease.ids(), vec![refused.id()], "take {n}");
+        dead = store
+            .record_refusals(&lease.id, &refusal, &RETRY)
+            .await?
+            .dead;
+    }
+    check_eq!(dead, vec![refused.id()], "dead at the limit");
+    let record = store.lookup_outgoing(&refused.id()).await?;
+    check!(
+        record
+            .as_ref()
+            .is_some_and(|r| r.dead_at.is_some() && r.failures == 3 && r.published_at.is_none()),
+        "the dead row is kept: {record:?}"
+    );
+    check_eq!(store.pending_count().await?, 0, "dead is not pending");
+    enqueue_committed(h, &store, &other).await?;
+    h.age_outbox(&store, Duration::from_secs(3600)).await;
+    let lease = store.take_pending(nz(10), LEASE).await?;
+    check_eq!(lease.ids(), vec![other.id()], "only the living are taken");
+    store.mark_published(&[other.id()]).await?;
+    let listed: Vec<MessageId> = store
+        .dead_outgoing(nz(10))
+        .await?
+        .iter()
+        .map(|r| r.message.id())
+        .collect();
+    check_eq!(listed, vec![refused.id()], "the dead listed");
+    let future = h.store_now(&store).await + chrono::Duration::seconds(1);
+    check_eq!(
+        store.purge_published_batch(future, nz(10)).await?,
+        1,
+        "purge takes the published row, never the dead one"
+    );
+    check_eq!(
+        store.requeue_dead(&[refused.id(), other.id()]).await?,
+        1,
+        "requeued"
+    );
+    check_eq!(store.requeue_dead(&[refused.id()]).await?, 0, "once");
+    check_eq!(store.pending_count().await?, 1, "pending again");
+    let lease = store.take_pending(nz(10), LEASE).await?;
+    check_eq!(lease.ids(), vec![refused.id()], "taken after the requeue");
+    let record = store.lookup_outgoing(&refused.id()).await?;
+    check_eq!(
+        record.map(|r| (r.failures, r.dead_at)),
+        Some((0, None)),
+        "a fresh count"
+    );
+    Ok(())
+}
+
+/// Only the lease that holds a message can charge it: a relay whose lease
+/// ran out (another took the message since) and a published message are
+/// not charged.
+pub async fn outbox_refusals_charge_only_the_holding_lease<H: OutboxHarness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let (a, b) = (new_message(), new_message());
+    enqueue_committed(h, &store, &a).await?;
+    enqueue_committed(h, &store, &b).await?;
+    let old = store.take_pending(nz(10), LEASE).await?;
+    h.age_outbox(&store, LEASE + Duration::from_secs(1)).await;
+    let new = store.take_pending(nz(10), LEASE).await?;
+    check_eq!(new.ids(), vec![a.id(), b.id()], "retaken");
+    store.mark_published(&[b.id()]).await?;
+    let refusals = [(a.id(), "nack".to_owned()), (b.id(), "nack".to_owned())];
+    let stale = store.record_refusals(&old.id, &refusals, &RETRY).await?;
+    check_eq!(
+        stale.recorded,
+        0,
+        "an expired, retaken lease charges nothing"
+    );
+    let current = store.record_refusals(&new.id, &refusals, &RETRY).await?;
+    check_eq!(
+        current.recorded,
+        1,
+        "the holder charges its unpublished one"
+    );
+    let failures = |r: Option<inbox_api::OutboxRecord>| r.map(|r| r.failures);
+    check_eq!(
+        failures(store.lookup_outgoing(&a.id()).await?),
+        Some(1),
+        "a"
+    );
+    check_eq!(
+        failures(store.lookup_outgoing(&b.id()).await?),
+        Some(0),
+        "b"
+    );
     Ok(())
 }
 

@@ -7,7 +7,8 @@
 //!   business writes or not at all, a dropped or killed transaction
 //!   enqueues nothing, an enqueue of an id waits for an open enqueue of it,
 //!   relays never both hold one message, leases expire,
-//!   marks are final, cleanup is bounded and spares pending rows.
+//!   marks are final, cleanup is bounded and spares pending rows, a
+//!   refused message backs off and ends dead, charged by its holder only.
 //! - [`model`]: a proptest crash-point model of producer, relay, broker and
 //!   consumers (the consumers behind the real inbox of the same store).
 //!
@@ -94,6 +95,9 @@ macro_rules! __with_outbox_contract_tests {
             outbox_purge_keeps_rows_published_at_the_cutoff,
             outbox_a_shared_store_forwards_every_call,
             outbox_enqueue_in_the_handler_shares_its_fate,
+            outbox_a_refused_message_waits_out_its_backoff,
+            outbox_a_message_refused_too_often_is_dead_until_requeued,
+            outbox_refusals_charge_only_the_holding_lease,
         }
     };
 }

@@ -35,7 +35,9 @@ pub const RECORD_EFFECT: &str =
 pub const AGE_OUTBOX: &str = "UPDATE outbox_messages SET \
      created_at = created_at - make_interval(secs => $1), \
      published_at = published_at - make_interval(secs => $1), \
-     locked_until = locked_until - make_interval(secs => $1)";
+     locked_until = locked_until - make_interval(secs => $1), \
+     next_attempt_at = next_attempt_at - make_interval(secs => $1), \
+     dead_at = dead_at - make_interval(secs => $1)";
 
 /// Moves every attempt-ledger row `$1` seconds into the past, as
 /// [`AGE_OUTBOX`] does for the outbox.

@@ -85,6 +85,26 @@ impl inbox_api::OutboxStore for MemoryUnderTest {
     ) -> Result<u64, InboxError> {
         self.store.purge_published_batch(cutoff, limit).await
     }
+
+    async fn record_refusals(
+        &self,
+        lease: &inbox_api::LeaseId,
+        refusals: &[(MessageId, String)],
+        retry: &inbox_api::PublishRetry,
+    ) -> Result<inbox_api::Refused, InboxError> {
+        self.store.record_refusals(lease, refusals, retry).await
+    }
+
+    async fn dead_outgoing(
+        &self,
+        limit: std::num::NonZeroU32,
+    ) -> Result<Vec<inbox_api::OutboxRecord>, InboxError> {
+        self.store.dead_outgoing(limit).await
+    }
+
+    async fn requeue_dead(&self, ids: &[MessageId]) -> Result<u64, InboxError> {
+        self.store.requeue_dead(ids).await
+    }
 }
 
 pub(crate) struct MemoryHarness;
