@@ -36,7 +36,10 @@
 //!   no database, against the app (`consumer_app::parcel::service`) per message
 //!   and batched (K = 100), draining a pre-published queue;
 //! - cleanup at scale (`support/cleanup.rs`): 1,000,000 expired rows purged
-//!   in batches of 10,000, with the claim latency beside it.
+//!   in batches of 10,000, with the claim latency beside it;
+//! - the outbox relay's publish rate (`support/relay.rs`) over the sqlx and
+//!   the diesel outbox, against a bare lapin publisher with confirms and
+//!   the same window, in interleaved repetitions.
 //!
 //! Run: `cargo bench -p parcel-lab --bench report` (PostgreSQL
 //! and RabbitMQ up: `bash .ci/services.sh`).
@@ -44,7 +47,11 @@
 //! `INBOX_BENCH_SECS` (seconds per cell, default 2), `INBOX_BENCH_TASKS`
 //! (default `1,4,16`), `INBOX_BENCH_E2E_EVENTS` (events per end-to-end
 //! cell, default 10,000), `INBOX_BENCH_CLEANUP_ROWS` (default 1,000,000; 0
-//! skips the cleanup run).
+//! skips the cleanup run), `INBOX_BENCH_RELAY_MESSAGES` (messages per relay
+//! cell, default 10,000; 0 skips) and `INBOX_BENCH_RELAY_BATCH` (the relay's
+//! batch size and the bare publisher's window, default 100),
+//! `INBOX_BENCH_REPS` (repetitions behind each ratio's spread, at least and
+//! by default 3).
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -399,6 +406,15 @@ fn env_secs() -> f64 {
         .unwrap_or(2.0)
 }
 
+/// A count from the environment variable `name`, `default` when unset or
+/// unreadable (0 skips a section).
+fn env_count(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(default)
+}
+
 fn env_tasks() -> Vec<usize> {
     std::env::var("INBOX_BENCH_TASKS")
         .ok()
@@ -470,6 +486,10 @@ mod chart;
 mod cleanup;
 #[path = "support/e2e.rs"]
 mod e2e;
+#[path = "support/relay.rs"]
+mod relay;
+#[path = "support/spread.rs"]
+mod spread;
 
 use e2e::{BoxError, E2e};
 
@@ -837,6 +857,30 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
             b / c,
             e / b
         );
+    }
+
+    // The outbox relay against a bare publisher.
+    let relay_messages = env_count("INBOX_BENCH_RELAY_MESSAGES", 10_000);
+    if relay_messages > 0 {
+        let batch = std::num::NonZeroU32::new(
+            u32::try_from(env_count("INBOX_BENCH_RELAY_BATCH", 100)).unwrap_or(100),
+        )
+        .unwrap_or(std::num::NonZeroU32::MIN);
+        match relay::run(
+            bench.inbox.store(),
+            bench.diesel.store(),
+            &format!("{schema}."),
+            relay_messages,
+            batch,
+            spread::reps(),
+        )
+        .await
+        {
+            Ok(rates) => {
+                let _ = write!(out, "\n{}", rates.markdown());
+            }
+            Err(error) => eprintln!("relay rows skipped (is RabbitMQ running?): {error}"),
+        }
     }
 
     // Cleanup at scale.
