@@ -194,16 +194,48 @@ impl CleanupArgs {
     /// # Errors
     /// [`AppError::Config`] for a negative or non-finite retention.
     pub fn config(&self, interval: Duration) -> Result<CleanupConfig, AppError> {
-        if !(self.retention_days >= 0.0 && self.retention_days.is_finite()) {
-            return Err(AppError::Config(format!(
-                "retention of {} days is not a non-negative number",
-                self.retention_days
-            )));
-        }
         Ok(CleanupConfig {
-            retention: Duration::from_secs_f64(self.retention_days * 86_400.0),
+            retention: retention(self.retention_days, "days", 86_400.0)?,
             interval,
             batch_size: self.cleanup_batch,
+        })
+    }
+}
+
+/// A retention flag's value, `amount` of a unit of `unit_secs` seconds.
+fn retention(amount: f64, unit: &str, unit_secs: f64) -> Result<Duration, AppError> {
+    Duration::try_from_secs_f64(amount * unit_secs)
+        .ok()
+        .ok_or_else(|| {
+            AppError::Config(format!(
+                "retention of {amount} {unit} is not a non-negative number in range"
+            ))
+        })
+}
+
+/// The flags of the outbox's purge of published rows (the relay's
+/// background purge and `cleanup`'s).
+#[derive(Args, Debug, Clone)]
+pub struct OutboxPurgeArgs {
+    /// Keep published outbox rows this many hours (for diagnostics: what
+    /// was published, when, after how many attempts).
+    #[arg(long, env = "OUTBOX_RETENTION_HOURS", default_value_t = 168.0)]
+    pub published_retention_hours: f64,
+    /// Published outbox rows per delete transaction.
+    #[arg(long, env = "OUTBOX_PURGE_BATCH", default_value = "1000")]
+    pub purge_batch: NonZeroU32,
+}
+
+impl OutboxPurgeArgs {
+    /// The purge's settings, run every `interval`.
+    ///
+    /// # Errors
+    /// [`AppError::Config`] for a negative or non-finite retention.
+    pub fn config(&self, interval: Duration) -> Result<CleanupConfig, AppError> {
+        Ok(CleanupConfig {
+            retention: retention(self.published_retention_hours, "hours", 3600.0)?,
+            interval,
+            batch_size: self.purge_batch,
         })
     }
 }
@@ -491,6 +523,12 @@ pub struct RelayArgs {
     /// disable).
     #[arg(long, env = "RELAY_METRICS_ADDR", default_value = "127.0.0.1:9465")]
     pub metrics_addr: String,
+    #[command(flatten)]
+    #[allow(missing_docs, reason = "clap reads the flattened struct's docs")]
+    pub purge: OutboxPurgeArgs,
+    /// Seconds between background purges of published outbox rows (0: off).
+    #[arg(long, env = "OUTBOX_PURGE_INTERVAL_SECS", default_value_t = 3600)]
+    pub purge_interval_secs: u64,
 }
 
 impl RelayArgs {
@@ -505,6 +543,10 @@ impl RelayArgs {
                 lease: Duration::from_secs(self.lease_secs),
                 poll_interval: Duration::from_millis(self.poll_interval_ms),
                 confirm_timeout: Duration::from_secs(self.confirm_timeout_secs),
+                purge: match self.purge_interval_secs {
+                    0 => None,
+                    secs => Some(self.purge.config(Duration::from_secs(secs))?),
+                },
                 ..RelayConfig::new(
                     global.amqp_url.clone(),
                     format!("parcel-inbox relay {}{}", global.prefix, std::process::id()),
@@ -544,17 +586,22 @@ impl WithOutbox for RelayCommand {
             )),
             None => None,
         };
-        let mut relay = Relay::new(store, self.config)?;
+        let mut relay = Relay::new(store.clone(), self.config)?;
         if let Some(wakeups) = wakeups {
             relay = relay.wake_on(wakeups);
         }
         let relay = relay.spawn();
         if let Some((listener, metrics)) = endpoint {
-            let health = Health::new().live_while(relay.running()).ready_while(
-                "broker",
-                relay.broker_connected(),
-                "no channel to the broker (connecting or reconnecting)",
-            );
+            // Ready = a channel to the broker and a store that answers now:
+            // a relay that can reach only one of them publishes nothing.
+            let health = Health::new()
+                .live_while(relay.running())
+                .ready_while(
+                    "broker",
+                    relay.broker_connected(),
+                    "no channel to the broker (connecting or reconnecting)",
+                )
+                .ready_when("store probe", telemetry::store_reachable(store));
             let router = telemetry::router(metrics, health);
             telemetry::serve(listener, router, metrics_stopped);
         }
@@ -656,7 +703,7 @@ impl WithStore for ApiCommand {
         let metrics = install_recorder(METRIC_NAMES)?;
         let api = crate::parcel::api::ParcelApi::new(store.clone(), &self.topology);
         let mut health =
-            Health::new().ready_when("store", telemetry::store_reachable(store.clone()));
+            Health::new().ready_when("store probe", telemetry::store_reachable(store.clone()));
         let relay = match self.relay {
             Some(config) => {
                 let relay = Relay::new(store, config)?.wake_on(api.committed()).spawn();
