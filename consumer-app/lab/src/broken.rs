@@ -202,6 +202,23 @@ impl<S: OutboxStore + Clone> OutboxStore for BrokenParcelStore<S> {
     ) -> Result<u64, InboxError> {
         self.0.purge_published_batch(cutoff, limit).await
     }
+
+    async fn record_refusals(
+        &self,
+        lease: &inbox_api::LeaseId,
+        refusals: &[(MessageId, String)],
+        retry: &inbox_api::PublishRetry,
+    ) -> Result<inbox_api::Refused, InboxError> {
+        self.0.record_refusals(lease, refusals, retry).await
+    }
+
+    async fn dead_outgoing(&self, limit: NonZeroU32) -> Result<Vec<OutboxRecord>, InboxError> {
+        self.0.dead_outgoing(limit).await
+    }
+
+    async fn requeue_dead(&self, ids: &[MessageId]) -> Result<u64, InboxError> {
+        self.0.requeue_dead(ids).await
+    }
 }
 
 impl<S> ParcelEffects for BrokenParcelTransaction<S>
