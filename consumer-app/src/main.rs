@@ -11,7 +11,8 @@ use consumer_app::runtime::relay::purge_published_once;
 use consumer_app::runtime::service::cleanup_once;
 use consumer_app::runtime::{AppError, CleanupConfig};
 use consumer_app::tools::cli::{
-    CleanupArgs, ConsumeArgs, Global, OutboxPurgeArgs, Plain, RelayArgs, WorkerArgs, run_main,
+    ApiArgs, CleanupArgs, ConsumeArgs, Global, OutboxPurgeArgs, Plain, RelayArgs, WorkerArgs,
+    run_main,
 };
 use consumer_app::tools::dead::{ListDead, replay_dead_letters, role_of};
 use consumer_app::tools::demo::{self, DemoConfig};
@@ -40,6 +41,10 @@ enum Command {
     /// Publish the outbox's committed messages (publisher confirms, each under its own
     /// message id on every attempt) until SIGINT/SIGTERM; several may run at once.
     Relay(RelayArgs),
+    /// Serve POST /parcels (the parcel and its parcel.created event in one
+    /// transaction), GET /parcels/{id}, /metrics, /live and /ready, with an
+    /// outbox relay in the same process unless --no-relay; until SIGINT/SIGTERM.
+    Api(ApiArgs),
     /// Publish parcel events (with copies reusing message ids), with publisher confirms.
     Publish {
         /// Distinct events.
@@ -178,6 +183,10 @@ async fn run(cli: Cli) -> Result<(), AppError> {
         Command::Consume(args) => {
             let consume = args.consume(&global, Plain)?;
             with_store(&store, None, consume).await
+        }
+        Command::Api(args) => {
+            let api = args.api(&global)?;
+            with_store(&store, None, api).await
         }
         Command::Relay(args) => {
             let relay = args.relay(&global)?;

@@ -13,12 +13,14 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use consumer_app::parcel::effects::{CarrierAssignment, Intent, Notification, ParcelEffects};
+use consumer_app::parcel::events::ParcelCreatedEvent;
 use consumer_app::parcel::role::Role;
 use consumer_app::parcel::store::{EffectCounts, ParcelStore, StoreKind};
 use consumer_app::runtime::AppError;
 use inbox_api::{
-    AttemptLedger, AttemptRecord, BatchTransaction, Claim, ConsumerName, InboxError, InboxKey,
-    InboxRecord, InboxStats, InboxStore, InboxTransaction, LastError, MessageId,
+    AttemptLedger, AttemptRecord, BatchTransaction, Claim, ConsumerName, EnqueueOutcome,
+    InboxError, InboxKey, InboxRecord, InboxStats, InboxStore, InboxTransaction, LastError,
+    MessageId, OutboxLease, OutboxRecord, OutboxStore, OutboxTransaction, OutgoingMessage,
 };
 use inbox_conformance::broken::{Broken, BrokenStore, BrokenTransaction};
 
@@ -158,9 +160,53 @@ where
     }
 }
 
+/// The outbox goes to the broken store too: its outbox kinds
+/// (`PublishBeforeCommit`, `LeaseIgnored`) break it, the others pass it on.
+#[async_trait]
+impl<S: OutboxStore + Clone> OutboxTransaction for BrokenParcelTransaction<S> {
+    async fn enqueue(&mut self, message: &OutgoingMessage) -> Result<EnqueueOutcome, InboxError> {
+        self.0.enqueue(message).await
+    }
+}
+
+#[async_trait]
+impl<S: OutboxStore + Clone> OutboxStore for BrokenParcelStore<S> {
+    async fn take_pending(
+        &self,
+        limit: NonZeroU32,
+        lease: Duration,
+    ) -> Result<OutboxLease, InboxError> {
+        self.0.take_pending(limit, lease).await
+    }
+
+    async fn mark_published(&self, ids: &[MessageId]) -> Result<u64, InboxError> {
+        self.0.mark_published(ids).await
+    }
+
+    async fn release(&self, lease: &OutboxLease) -> Result<u64, InboxError> {
+        self.0.release(lease).await
+    }
+
+    async fn lookup_outgoing(&self, id: &MessageId) -> Result<Option<OutboxRecord>, InboxError> {
+        self.0.lookup_outgoing(id).await
+    }
+
+    async fn pending_count(&self) -> Result<u64, InboxError> {
+        self.0.pending_count().await
+    }
+
+    async fn purge_published_batch(
+        &self,
+        cutoff: DateTime<Utc>,
+        limit: NonZeroU32,
+    ) -> Result<u64, InboxError> {
+        self.0.purge_published_batch(cutoff, limit).await
+    }
+}
+
 impl<S> ParcelEffects for BrokenParcelTransaction<S>
 where
-    S: InboxStore + Clone,
+    S: OutboxStore + Clone,
     S::Transaction: ParcelEffects,
 {
     async fn record_notification(&mut self, n: &Notification) -> Result<(), AppError> {
@@ -169,6 +215,17 @@ where
 
     async fn reserve_carrier_slot(&mut self, a: &CarrierAssignment) -> Result<(), AppError> {
         self.0.inner_mut().reserve_carrier_slot(a).await
+    }
+
+    async fn insert_parcel(&mut self, parcel: &ParcelCreatedEvent) -> Result<bool, AppError> {
+        self.0.inner_mut().insert_parcel(parcel).await
+    }
+
+    async fn find_parcel(
+        &mut self,
+        parcel_id: &str,
+    ) -> Result<Option<ParcelCreatedEvent>, AppError> {
+        self.0.inner_mut().find_parcel(parcel_id).await
     }
 }
 
@@ -183,6 +240,10 @@ impl<S: ParcelStore> ParcelStore for BrokenParcelStore<S> {
 
     async fn effect_counts(&self) -> Result<(EffectCounts, EffectCounts), AppError> {
         self.0.inner().effect_counts().await
+    }
+
+    async fn parcel_count(&self) -> Result<u64, AppError> {
+        self.0.inner().parcel_count().await
     }
 
     async fn drop_schema(&self) -> Result<(), AppError> {

@@ -9,8 +9,9 @@
 
 use std::future::Future;
 
-use inbox_api::MessageId;
+use inbox_api::{MessageId, OutboxTransaction};
 
+use crate::parcel::events::ParcelCreatedEvent;
 use crate::runtime::AppError;
 
 /// A notification the recipient is to receive: the row written in the
@@ -52,8 +53,12 @@ pub enum Intent {
     Carrier(CarrierAssignment),
 }
 
-/// The business writes of the two consumers, inside an inbox transaction.
-pub trait ParcelEffects: Send {
+/// The Parcel domain's writes inside one store transaction: the two
+/// consumers' effects (inside their inbox transaction), and the producer's
+/// `parcels` row (inside the transaction that enqueues its event, hence the
+/// [`OutboxTransaction`] supertrait: a write and the messages it causes
+/// commit together).
+pub trait ParcelEffects: OutboxTransaction {
     /// Records a notification to send (one `notifications` row).
     fn record_notification(
         &mut self,
@@ -65,10 +70,29 @@ pub trait ParcelEffects: Send {
         &mut self,
         assignment: &CarrierAssignment,
     ) -> impl Future<Output = Result<(), AppError>> + Send;
+
+    /// Inserts the `parcels` row `parcel` describes unless a row with its
+    /// id exists (committed, or written earlier in this transaction; on
+    /// PostgreSQL one another open transaction wrote is waited for).
+    /// Returns whether it inserted.
+    fn insert_parcel(
+        &mut self,
+        parcel: &ParcelCreatedEvent,
+    ) -> impl Future<Output = Result<bool, AppError>> + Send;
+
+    /// The `parcels` row of `parcel_id`, as this transaction sees it.
+    fn find_parcel(
+        &mut self,
+        parcel_id: &str,
+    ) -> impl Future<Output = Result<Option<ParcelCreatedEvent>, AppError>> + Send;
 }
 
-/// The app's schema: its tables, in the store's schema, after the inbox's.
-pub const APP_MIGRATION: &str = include_str!("../../migrations/0001_parcel_effects.sql");
+/// The app's schema: its tables, in the store's schema, after the inbox's,
+/// in order (each script idempotent).
+pub const APP_MIGRATIONS: [&str; 2] = [
+    include_str!("../../migrations/0001_parcel_effects.sql"),
+    include_str!("../../migrations/0002_parcels.sql"),
+];
 
 /// The app's migration as one script for the simple query protocol: several
 /// statements in one simple query run as one implicit transaction, so the
@@ -77,5 +101,8 @@ pub const APP_MIGRATION: &str = include_str!("../../migrations/0001_parcel_effec
 /// catalog's unique index) until the script commits, and a failure rolls the
 /// whole script back.
 pub fn app_migration_script() -> String {
-    format!("SELECT pg_advisory_xact_lock(hashtext('parcel-inbox-app-migrate'));\n{APP_MIGRATION}")
+    format!(
+        "SELECT pg_advisory_xact_lock(hashtext('parcel-inbox-app-migrate'));\n{}",
+        APP_MIGRATIONS.join("\n")
+    )
 }

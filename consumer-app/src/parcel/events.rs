@@ -5,8 +5,9 @@
 //! transaction opens; [`ParcelCreatedEvent::validate`] adds the event's own
 //! rules, refused the same way (`invalid_event`).
 
-use inbox_api::MessageId;
+use inbox_api::{MessageId, OutgoingMessage};
 use serde::{Deserialize, Serialize};
+use uuid::Uuid;
 
 use crate::runtime::AppError;
 use crate::runtime::amqp::Outgoing;
@@ -109,6 +110,39 @@ pub fn outgoing(message_id: &MessageId, event: &ParcelCreatedEvent) -> Result<Ou
     Outgoing::json(message_id, EVENT_TYPE, event)
 }
 
+/// The UUID v5 namespace of the ids of `parcel.created` events.
+const CREATED_NAMESPACE: Uuid = Uuid::from_u128(0x18f0_666b_07d6_4c43_8e11_cdb0_2abe_1fc6);
+
+/// The message id of the `parcel.created` event of `parcel_id`: a UUID v5 of
+/// the parcel id, so one parcel has one event id however often its creation
+/// is retried. A retried request that finds the parcel enqueues nothing, and
+/// two concurrent creations of one id meet at the outbox's key, where the
+/// second waits for the first (the memory store's only lock for it).
+pub fn created_message_id(parcel_id: &str) -> MessageId {
+    MessageId::from_uuid(Uuid::new_v5(&CREATED_NAMESPACE, parcel_id.as_bytes()))
+}
+
+/// The outbox row announcing `event`: to `exchange` with [`ROUTING_KEY`],
+/// of type [`EVENT_TYPE`], under [`created_message_id`], the JSON body the
+/// consumers decode.
+///
+/// # Errors
+/// [`AppError::Inbox`] when the exchange name is not one the broker takes.
+pub fn created_outgoing(
+    exchange: &str,
+    event: &ParcelCreatedEvent,
+) -> Result<OutgoingMessage, AppError> {
+    let body = serde_json::to_vec(event)
+        .map_err(|e| AppError::Config(format!("cannot serialise the event: {e}")))?;
+    Ok(OutgoingMessage::new(
+        created_message_id(&event.parcel_id),
+        exchange,
+        ROUTING_KEY,
+        EVENT_TYPE,
+        body,
+    )?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -127,6 +161,18 @@ mod tests {
 
     fn reason(r: RawMessage<'_>) -> BadInputReason {
         decode(r, 1024).expect_err("bad input").reason
+    }
+
+    #[test]
+    fn one_parcel_has_one_event_id() {
+        assert_eq!(created_message_id("P-1"), created_message_id("P-1"));
+        assert_ne!(created_message_id("P-1"), created_message_id("P-2"));
+        let event: ParcelCreatedEvent = serde_json::from_slice(BODY).unwrap();
+        let outgoing = created_outgoing("t.parcel.events", &event).unwrap();
+        assert_eq!(outgoing.id(), created_message_id("P-1"));
+        assert_eq!(outgoing.message_type(), EVENT_TYPE);
+        let raw = raw(Some(ID), Some(EVENT_TYPE), outgoing.body());
+        assert_eq!(decode(raw, 1024).unwrap().1, event);
     }
 
     #[test]

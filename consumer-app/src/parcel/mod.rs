@@ -7,6 +7,8 @@
 //! [`crate::runtime::Handler`]s: the runtime claims the message in the
 //! transaction they write in, and acks only after the commit.
 //!
+//! - [`api`]: `POST /parcels`, the producer side: the parcel and its
+//!   `parcel.created` outbox row in one transaction.
 //! - [`events`]: the event and its rules.
 //! - [`consumers`], [`role`]: the two consumers and their names.
 //! - [`effects`]: the business writes, one trait over every store.
@@ -18,6 +20,7 @@
 //! - [`topology`], [`service`]: the queue names, and the wiring into the
 //!   runtime.
 
+pub mod api;
 pub mod consumers;
 pub mod dispatch;
 pub mod downstream;

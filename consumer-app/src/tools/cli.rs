@@ -631,6 +631,115 @@ impl WithOutbox for RelayCommand {
     }
 }
 
+/// The flags of `api`.
+#[derive(Args, Debug, Clone)]
+pub struct ApiArgs {
+    /// Where to serve POST /parcels, GET /parcels/{id}, /metrics, /live and /ready.
+    #[arg(long, env = "PARCEL_API_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Run no relay in this process: `parcel-inbox relay` processes publish
+    /// the outbox (PostgreSQL stores only; the memory store's outbox lives
+    /// in this process).
+    #[arg(long)]
+    pub no_relay: bool,
+    #[command(flatten)]
+    #[allow(missing_docs, reason = "clap reads the flattened struct's docs")]
+    pub relay: RelayArgs,
+}
+
+impl ApiArgs {
+    /// The `api` command these flags (and `global`'s) make.
+    ///
+    /// # Errors
+    /// [`AppError::Config`] for an unusable flag.
+    pub fn api(&self, global: &Global) -> Result<ApiCommand, AppError> {
+        if self.no_relay && global.store == StoreKind::Memory {
+            return Err(AppError::Config(
+                "--no-relay with the memory store: its outbox lives in this process, \
+                 so no other process could publish it"
+                    .into(),
+            ));
+        }
+        let relay = if self.no_relay {
+            None
+        } else {
+            let mut relay = self.relay.relay(global)?.config;
+            relay.connection_name =
+                format!("parcel-inbox api {}{}", global.prefix, std::process::id());
+            Some(relay)
+        };
+        Ok(ApiCommand {
+            listen: self.listen,
+            topology: global.topology(),
+            relay,
+        })
+    }
+}
+
+/// `api`: `POST /parcels` beside `/metrics`, `/live` and `/ready`, and (by
+/// default) a relay woken by each creation, until SIGINT/SIGTERM.
+///
+/// Why the relay runs in the API's process by default: it publishes a
+/// parcel's event as soon as its creation commits (no LISTEN round trip, no
+/// poll), on every store, the memory store included; and more relays may
+/// still run apart (`parcel-inbox relay`), sharing the outbox through its
+/// leases. This is also what MassTransit's and Wolverine's outboxes do: the
+/// delivery service runs in the application's host.
+#[derive(Debug)]
+pub struct ApiCommand {
+    /// Where to listen.
+    pub listen: SocketAddr,
+    /// The exchange the parcel events go to.
+    pub topology: Topology,
+    /// The in-process relay's settings (`None`: no relay here).
+    pub relay: Option<RelayConfig>,
+}
+
+impl WithStore for ApiCommand {
+    type Output = ();
+
+    async fn run<S: ParcelStore>(self, store: S) -> Result<(), AppError> {
+        let listener = telemetry::bind(self.listen).await?;
+        let metrics = install_recorder(METRIC_NAMES)?;
+        let api = crate::parcel::api::ParcelApi::new(store.clone(), &self.topology);
+        let mut health =
+            Health::new().ready_when("store probe", telemetry::store_reachable(store.clone()));
+        let relay = match self.relay {
+            Some(config) => {
+                let relay = Relay::new(store, config)?.wake_on(api.committed()).spawn();
+                health = health.live_while(relay.running()).ready_while(
+                    "broker",
+                    relay.broker_connected(),
+                    "no channel to the broker (connecting or reconnecting)",
+                );
+                Some(relay)
+            }
+            None => None,
+        };
+        let router = telemetry::router(metrics, health).merge(api.router());
+        let server = crate::parcel::api::ApiServer::serve(listener, router)?;
+        println!("listening on http://{}", server.local_addr());
+        wait_for_signal().await;
+        tracing::info!("shutting down: finishing the requests in flight");
+        server.stop().await;
+        match relay {
+            Some(relay) => {
+                relay.shutdown();
+                let tally = Arc::clone(&relay.tally);
+                let result = relay.join().await;
+                println!(
+                    "relay stopped: {} published, {} failed, in {} batches",
+                    get(&tally.published),
+                    get(&tally.failed),
+                    get(&tally.batches)
+                );
+                result
+            }
+            None => Ok(()),
+        }
+    }
+}
+
 /// Parses a `--metrics-addr` (`off` or empty: none).
 fn parse_metrics_addr(addr: &str) -> Result<Option<SocketAddr>, AppError> {
     match addr {

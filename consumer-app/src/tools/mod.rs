@@ -9,10 +9,13 @@
 //! - [`publish`]: the load generator (events plus copies reusing their ids).
 //! - [`stores`]: opening the store `--store` picks.
 //! - [`faults`]: the fault-injecting handler decorator.
+//! - [`http`]: a one-request HTTP client, the demo's and the tests' caller
+//!   of `POST /parcels`.
 
 pub mod cli;
 pub mod dead;
 pub mod demo;
 pub mod faults;
+pub mod http;
 pub mod publish;
 pub mod stores;

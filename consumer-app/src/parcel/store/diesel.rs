@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Double, Text, Uuid as SqlUuid};
+use diesel::{OptionalExtension, QueryableByName};
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use inbox_api::MessageId;
 use inbox_backend_diesel::{DieselStore, DieselTransaction, classify, classify_pool};
@@ -13,6 +13,7 @@ use super::{EffectCounts, ParcelStore, StoreKind, count, sql};
 use crate::parcel::effects::{
     CarrierAssignment, Intent, Notification, ParcelEffects, app_migration_script,
 };
+use crate::parcel::events::ParcelCreatedEvent;
 use crate::parcel::role::Role;
 use crate::runtime::AppError;
 
@@ -46,6 +47,22 @@ struct PendingCarrier {
     carrier: String,
     #[diesel(sql_type = Text)]
     slot: String,
+}
+
+#[derive(QueryableByName)]
+struct Count {
+    #[diesel(sql_type = BigInt)]
+    count: i64,
+}
+
+#[derive(QueryableByName)]
+struct ParcelRow {
+    #[diesel(sql_type = Text)]
+    parcel_id: String,
+    #[diesel(sql_type = Text)]
+    tracking_number: String,
+    #[diesel(sql_type = Text)]
+    destination: String,
 }
 
 #[derive(QueryableByName)]
@@ -94,6 +111,15 @@ impl ParcelStore for DieselStore {
             effects(self, sql::NOTIFICATIONS).await?,
             effects(self, sql::CARRIER).await?,
         ))
+    }
+
+    async fn parcel_count(&self) -> Result<u64, AppError> {
+        let mut conn = self.pool().get().await.map_err(classify_pool)?;
+        let row: Count = diesel::sql_query(sql::PARCELS)
+            .get_result(&mut *conn)
+            .await
+            .map_err(classify)?;
+        Ok(count(row.count))
     }
 
     async fn drop_schema(&self) -> Result<(), AppError> {
@@ -203,5 +229,33 @@ impl ParcelEffects for DieselTransaction {
         .await
         .map_err(classify)?;
         Ok(())
+    }
+
+    async fn insert_parcel(&mut self, parcel: &ParcelCreatedEvent) -> Result<bool, AppError> {
+        let inserted = diesel::sql_query(sql::INSERT_PARCEL)
+            .bind::<Text, _>(&parcel.parcel_id)
+            .bind::<Text, _>(&parcel.tracking_number)
+            .bind::<Text, _>(&parcel.destination)
+            .execute(self.conn())
+            .await
+            .map_err(classify)?;
+        Ok(inserted == 1)
+    }
+
+    async fn find_parcel(
+        &mut self,
+        parcel_id: &str,
+    ) -> Result<Option<ParcelCreatedEvent>, AppError> {
+        let row: Option<ParcelRow> = diesel::sql_query(sql::FIND_PARCEL)
+            .bind::<Text, _>(parcel_id)
+            .get_result(self.conn())
+            .await
+            .optional()
+            .map_err(classify)?;
+        Ok(row.map(|row| ParcelCreatedEvent {
+            parcel_id: row.parcel_id,
+            tracking_number: row.tracking_number,
+            destination: row.destination,
+        }))
     }
 }

@@ -10,6 +10,7 @@ use inbox_backend_memory::{MemoryStore, MemoryTransaction};
 
 use super::{EffectCounts, ParcelStore, StoreKind};
 use crate::parcel::effects::{CarrierAssignment, Intent, Notification, ParcelEffects};
+use crate::parcel::events::ParcelCreatedEvent;
 use crate::parcel::role::Role;
 use crate::runtime::AppError;
 
@@ -17,6 +18,8 @@ use crate::runtime::AppError;
 const NOTIFICATIONS: &str = "notifications/";
 /// See [`NOTIFICATIONS`].
 const CARRIER_ASSIGNMENTS: &str = "carrier_assignments/";
+/// See [`NOTIFICATIONS`]; one key per parcel id (the primary key).
+const PARCELS: &str = "parcels/";
 
 /// Each row gets a fresh key (message id plus a random row id), like a
 /// BIGSERIAL: a second effect of one message would be a second entry,
@@ -51,6 +54,34 @@ impl ParcelEffects for MemoryTransaction {
         }))?;
         self.put(row_key(CARRIER_ASSIGNMENTS, &a.message_id), value);
         Ok(())
+    }
+
+    /// The memory store has no row locks: two open transactions inserting
+    /// one parcel id would both see it absent. The producer enqueues the
+    /// parcel's event first, under an id derived from the parcel id
+    /// ([`crate::parcel::events::created_message_id`]); that enqueue waits
+    /// for the other transaction as PostgreSQL's primary key would.
+    async fn insert_parcel(&mut self, parcel: &ParcelCreatedEvent) -> Result<bool, AppError> {
+        let key = format!("{PARCELS}{}", parcel.parcel_id);
+        if self.get(&key).is_some() {
+            return Ok(false);
+        }
+        let value = serde_json::to_vec(parcel)
+            .map_err(|e| AppError::Inbox(InboxError::permanent_handler(e)))?;
+        self.put(key, value);
+        Ok(true)
+    }
+
+    async fn find_parcel(
+        &mut self,
+        parcel_id: &str,
+    ) -> Result<Option<ParcelCreatedEvent>, AppError> {
+        self.get(&format!("{PARCELS}{parcel_id}"))
+            .map(|value| {
+                serde_json::from_slice(&value)
+                    .map_err(|e| AppError::Inbox(InboxError::permanent_handler(e)))
+            })
+            .transpose()
     }
 }
 
@@ -88,6 +119,10 @@ impl ParcelStore for MemoryStore {
             effects(self, NOTIFICATIONS),
             effects(self, CARRIER_ASSIGNMENTS),
         ))
+    }
+
+    async fn parcel_count(&self) -> Result<u64, AppError> {
+        Ok(self.scan_prefix(PARCELS).len() as u64)
     }
 
     async fn drop_schema(&self) -> Result<(), AppError> {

@@ -18,7 +18,7 @@ use std::future::Future;
 use std::str::FromStr;
 use std::time::Duration;
 
-use inbox_api::{AttemptLedger, BatchTransaction, InboxStats, InboxStore, MessageId};
+use inbox_api::{AttemptLedger, BatchTransaction, InboxStats, InboxStore, MessageId, OutboxStore};
 
 use crate::parcel::effects::{Intent, ParcelEffects};
 use crate::parcel::role::Role;
@@ -122,6 +122,8 @@ impl EffectCounts {
 /// What `stats` reports.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
+    /// Rows in the `parcels` table (`POST /parcels`).
+    pub parcels: u64,
     /// Rows in the inbox table.
     pub inbox_rows: u64,
     /// Inbox rows per consumer.
@@ -134,6 +136,7 @@ pub struct Stats {
 
 impl fmt::Display for Stats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "parcels:                   {}", self.parcels)?;
         writeln!(f, "inbox rows:                {}", self.inbox_rows)?;
         for (consumer, rows) in &self.inbox_per_consumer {
             writeln!(f, "  {consumer:<28} {rows}")?;
@@ -155,9 +158,14 @@ impl fmt::Display for Stats {
     }
 }
 
-/// An inbox store the Parcel service can run on.
+/// A store the Parcel service can run on: the consumers' inbox, and the
+/// producer's outbox (`POST /parcels` enqueues, the relay publishes).
 pub trait ParcelStore:
-    InboxStore<Transaction: ParcelEffects + BatchTransaction> + InboxStats + AttemptLedger + Clone
+    InboxStore<Transaction: ParcelEffects + BatchTransaction>
+    + OutboxStore
+    + InboxStats
+    + AttemptLedger
+    + Clone
 {
     /// Which implementation.
     fn kind(&self) -> StoreKind;
@@ -172,6 +180,9 @@ pub trait ParcelStore:
         &self,
     ) -> impl Future<Output = Result<(EffectCounts, EffectCounts), AppError>> + Send;
 
+    /// Counts the `parcels` rows.
+    fn parcel_count(&self) -> impl Future<Output = Result<u64, AppError>> + Send;
+
     /// Counts rows for `stats`: the inbox's per consumer (from the backend,
     /// [`InboxStats`]), and the effects.
     fn stats(&self) -> impl Future<Output = Result<Stats, AppError>> + Send {
@@ -179,6 +190,7 @@ pub trait ParcelStore:
             let inbox_per_consumer = self.processed_counts().await?;
             let (notifications, carrier_assignments) = self.effect_counts().await?;
             Ok(Stats {
+                parcels: self.parcel_count().await?,
                 inbox_rows: inbox_per_consumer.values().sum(),
                 inbox_per_consumer,
                 notifications,

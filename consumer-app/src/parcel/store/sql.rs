@@ -25,6 +25,14 @@ pub(super) const UNDISPATCHED_CARRIER: &str = "SELECT message_id, parcel_id, car
     FROM carrier_assignments \
     WHERE dispatched_at IS NULL AND created_at < now() - make_interval(secs => $1) \
     ORDER BY created_at LIMIT $2";
+pub(super) const PARCELS: &str = "SELECT count(*)::int8 AS count FROM parcels";
+/// Waits for an open transaction inserting the same id, as the primary key
+/// makes it; affects no row when the parcel exists.
+pub(super) const INSERT_PARCEL: &str = "INSERT INTO parcels \
+    (parcel_id, tracking_number, destination) VALUES ($1, $2, $3) \
+    ON CONFLICT (parcel_id) DO NOTHING";
+pub(super) const FIND_PARCEL: &str = "SELECT parcel_id, tracking_number, destination \
+    FROM parcels WHERE parcel_id = $1";
 
 /// The statement marking `role`'s intents dispatched.
 pub(super) fn mark(role: Role) -> &'static str {

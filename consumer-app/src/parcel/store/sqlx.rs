@@ -11,6 +11,7 @@ use super::{EffectCounts, ParcelStore, StoreKind, count, sql};
 use crate::parcel::effects::{
     CarrierAssignment, Intent, Notification, ParcelEffects, app_migration_script,
 };
+use crate::parcel::events::ParcelCreatedEvent;
 use crate::parcel::role::Role;
 use crate::runtime::AppError;
 
@@ -47,6 +48,14 @@ impl ParcelStore for SqlxStore {
             effects(self, sql::NOTIFICATIONS).await?,
             effects(self, sql::CARRIER).await?,
         ))
+    }
+
+    async fn parcel_count(&self) -> Result<u64, AppError> {
+        let rows: i64 = sqlx::query_scalar(sql::PARCELS)
+            .fetch_one(self.pool())
+            .await
+            .map_err(classify)?;
+        Ok(count(rows))
     }
 
     async fn drop_schema(&self) -> Result<(), AppError> {
@@ -152,5 +161,35 @@ impl ParcelEffects for SqlxTransaction {
         .await
         .map_err(classify)?;
         Ok(())
+    }
+
+    async fn insert_parcel(&mut self, parcel: &ParcelCreatedEvent) -> Result<bool, AppError> {
+        let done = sqlx::query(sql::INSERT_PARCEL)
+            .bind(&parcel.parcel_id)
+            .bind(&parcel.tracking_number)
+            .bind(&parcel.destination)
+            .execute(self.conn())
+            .await
+            .map_err(classify)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn find_parcel(
+        &mut self,
+        parcel_id: &str,
+    ) -> Result<Option<ParcelCreatedEvent>, AppError> {
+        let row = sqlx::query(sql::FIND_PARCEL)
+            .bind(parcel_id)
+            .fetch_optional(self.conn())
+            .await
+            .map_err(classify)?;
+        row.map(|row| {
+            Ok(ParcelCreatedEvent {
+                parcel_id: row.try_get("parcel_id").map_err(classify)?,
+                tracking_number: row.try_get("tracking_number").map_err(classify)?,
+                destination: row.try_get("destination").map_err(classify)?,
+            })
+        })
+        .transpose()
     }
 }
