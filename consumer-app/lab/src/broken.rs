@@ -12,7 +12,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use consumer_app::parcel::effects::{CarrierAssignment, Intent, Notification, ParcelEffects};
+use consumer_app::parcel::effects::{
+    CarrierAssignment, Intent, Notification, NotificationKind, ParcelEffects,
+};
 use consumer_app::parcel::events::ParcelCreatedEvent;
 use consumer_app::parcel::role::Role;
 use consumer_app::parcel::store::{EffectCounts, ParcelStore, StoreKind};
@@ -259,6 +261,10 @@ impl<S: ParcelStore> ParcelStore for BrokenParcelStore<S> {
         self.0.inner().effect_counts().await
     }
 
+    async fn notification_counts(&self, kind: NotificationKind) -> Result<EffectCounts, AppError> {
+        self.0.inner().notification_counts(kind).await
+    }
+
     async fn parcel_count(&self) -> Result<u64, AppError> {
         self.0.inner().parcel_count().await
     }
@@ -288,6 +294,54 @@ impl<S: ParcelStore> ParcelStore for BrokenParcelStore<S> {
     }
 }
 
+/// A relay (or producer) that breaks the outbox's promise, for the chaos
+/// run to catch (`parcel-chaos --broken-relay <kind>`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BrokenRelay {
+    /// The producer publishes its event to the broker itself, before its
+    /// transaction commits (the "dual write" the outbox replaces): a
+    /// creation that then rolls back is delivered all the same, and its
+    /// ghost gets effects. Applied by the harness's producer.
+    PublishBeforeCommit,
+    /// The relay marks a batch published as soon as it takes it, before
+    /// the broker confirmed anything: a relay killed before the confirm
+    /// loses the batch for good. Applied by `parcel-lab-relay`'s store
+    /// ([`crate::relay_faults::FaultyOutbox`]).
+    MarkBeforeConfirm,
+}
+
+impl BrokenRelay {
+    /// Every broken relay, with its flag's name.
+    pub const ALL: [(&'static str, BrokenRelay); 2] = [
+        ("publish-before-commit", BrokenRelay::PublishBeforeCommit),
+        ("mark-before-confirm", BrokenRelay::MarkBeforeConfirm),
+    ];
+
+    /// Parses a `--broken-relay` name.
+    ///
+    /// # Errors
+    /// [`AppError::Config`] for a name that is not a broken relay.
+    pub fn parse(name: &str) -> Result<Self, AppError> {
+        Self::ALL
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, kind)| *kind)
+            .ok_or_else(|| {
+                AppError::Config(format!(
+                    "--broken-relay {name:?}: not a broken relay (publish-before-commit, mark-before-confirm)"
+                ))
+            })
+    }
+
+    /// Its flag's name.
+    pub fn name(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(_, kind)| *kind == self)
+            .map_or("?", |(n, _)| n)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -304,5 +358,14 @@ mod tests {
         }
         assert_eq!(Broken::ALL.len(), 4);
         assert!(parse("fine").is_err());
+    }
+
+    #[test]
+    fn every_broken_relay_has_a_name() {
+        for (name, kind) in BrokenRelay::ALL {
+            assert_eq!(BrokenRelay::parse(name).expect(name), kind);
+            assert_eq!(kind.name(), name);
+        }
+        assert!(BrokenRelay::parse("fine").is_err());
     }
 }
