@@ -163,4 +163,21 @@ impl<S: OutboxStore> OutboxStore for FaultyOutbox<S> {
     ) -> Result<u64, InboxError> {
         self.inner.purge_published_batch(cutoff, limit).await
     }
+
+    async fn record_refusals(
+        &self,
+        lease: &inbox_api::LeaseId,
+        refusals: &[(MessageId, String)],
+        retry: &inbox_api::PublishRetry,
+    ) -> Result<inbox_api::Refused, InboxError> {
+        self.inner.record_refusals(lease, refusals, retry).await
+    }
+
+    async fn dead_outgoing(&self, limit: NonZeroU32) -> Result<Vec<OutboxRecord>, InboxError> {
+        self.inner.dead_outgoing(limit).await
+    }
+
+    async fn requeue_dead(&self, ids: &[MessageId]) -> Result<u64, InboxError> {
+        self.inner.requeue_dead(ids).await
+    }
 }
