@@ -115,6 +115,6 @@ pub use error::{classify, classify_connection, classify_pool};
 pub use inbox_postgres::SchemaName;
 /// The time bounds of every inbox session, shared with the sqlx backend.
 pub use inbox_postgres::SessionTimeouts;
-pub use listen::OutboxListener;
+pub use listen::{LISTENER_APPLICATION_NAME, OutboxListener};
 pub use store::{DieselPool, DieselStore, DieselStoreBuilder, PooledConnection};
 pub use transaction::DieselTransaction;

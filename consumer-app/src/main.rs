@@ -7,16 +7,19 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use consumer_app::parcel::store::{ParcelStore, StoreKind};
 use consumer_app::runtime::redact::redact_url;
+use consumer_app::runtime::relay::purge_published_once;
 use consumer_app::runtime::service::cleanup_once;
 use consumer_app::runtime::{AppError, CleanupConfig};
 use consumer_app::tools::cli::{
-    CleanupArgs, ConsumeArgs, Global, Plain, RelayArgs, WorkerArgs, run_main,
+    ApiArgs, CleanupArgs, ConsumeArgs, Global, OutboxPurgeArgs, Plain, RelayArgs, WorkerArgs,
+    run_main,
 };
 use consumer_app::tools::dead::{ListDead, replay_dead_letters, role_of};
 use consumer_app::tools::demo::{self, DemoConfig};
 use consumer_app::tools::publish::{Plan, publish};
-use consumer_app::tools::stores::{WithStore, with_outbox, with_store};
-use inbox_api::ConsumerName;
+use consumer_app::tools::stores::{WithOutbox, WithStore, with_outbox, with_store};
+use futures::stream::BoxStream;
+use inbox_api::{ConsumerName, OutboxStore};
 
 /// Parcel Tracking: RabbitMQ consumers with exactly-once effects through the inbox.
 // No Debug: the URLs may hold passwords.
@@ -38,6 +41,10 @@ enum Command {
     /// Publish the outbox's committed messages (publisher confirms, each under its own
     /// message id on every attempt) until SIGINT/SIGTERM; several may run at once.
     Relay(RelayArgs),
+    /// Serve POST /parcels (the parcel and its parcel.created event in one
+    /// transaction), GET /parcels/{id}, /metrics, /live and /ready, with an
+    /// outbox relay in the same process unless --no-relay; until SIGINT/SIGTERM.
+    Api(ApiArgs),
     /// Publish parcel events (with copies reusing message ids), with publisher confirms.
     Publish {
         /// Distinct events.
@@ -53,10 +60,13 @@ enum Command {
         #[arg(long)]
         quiet: bool,
     },
-    /// Delete processed inbox rows older than the retention, once, and print the count.
+    /// Delete processed inbox rows older than the inbox's retention and published outbox
+    /// rows older than the outbox's, once, and print the counts.
     Cleanup {
         #[command(flatten)]
         cleanup: CleanupArgs,
+        #[command(flatten)]
+        purge: OutboxPurgeArgs,
     },
     /// Print inbox rows, per-consumer counts, effects and double effects.
     Stats,
@@ -145,9 +155,13 @@ async fn run(cli: Cli) -> Result<(), AppError> {
             );
             Ok(())
         }
-        Command::Cleanup { cleanup } => {
-            let config = cleanup.config(Duration::ZERO)?;
-            with_store(&store, ONE_SHOT, CleanupOnce(config)).await
+        Command::Cleanup { cleanup, purge } => {
+            let (config, purge) = (
+                cleanup.config(Duration::ZERO)?,
+                purge.config(Duration::ZERO)?,
+            );
+            with_store(&store, ONE_SHOT, CleanupOnce(config)).await?;
+            with_outbox(&store, ONE_SHOT, PurgeOnce(purge)).await
         }
         Command::Publish {
             count,
@@ -169,6 +183,10 @@ async fn run(cli: Cli) -> Result<(), AppError> {
         Command::Consume(args) => {
             let consume = args.consume(&global, Plain)?;
             with_store(&store, None, consume).await
+        }
+        Command::Api(args) => {
+            let api = args.api(&global)?;
+            with_store(&store, None, api).await
         }
         Command::Relay(args) => {
             let relay = args.relay(&global)?;
@@ -236,5 +254,28 @@ impl WithStore for CleanupOnce {
             self.0.retention.as_secs_f64() / 86_400.0
         );
         Ok(())
+    }
+}
+
+struct PurgeOnce(CleanupConfig);
+
+impl WithOutbox for PurgeOnce {
+    type Output = ();
+
+    async fn run<S: OutboxStore + Clone + 'static>(
+        self,
+        store: S,
+        _wakeups: Option<BoxStream<'static, ()>>,
+    ) -> Result<(), AppError> {
+        let deleted = purge_published_once(&store, &self.0).await?;
+        println!(
+            "deleted {deleted} published outbox rows older than {:.1} hours",
+            self.0.retention.as_secs_f64() / 3600.0
+        );
+        Ok(())
+    }
+
+    fn listens(&self) -> bool {
+        false
     }
 }

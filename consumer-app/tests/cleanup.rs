@@ -327,3 +327,113 @@ async fn cleanup_purges_old_attempt_ledger_rows_and_keeps_new_ones() {
     let purged = counter_values(&snapshotter, inbox_api::metrics::ATTEMPTS_PURGED_ROWS);
     assert_eq!(purged, [3]);
 }
+
+/// `parcel-inbox cleanup` purges the outbox too, with its own retention:
+/// on every Postgres store, the published rows older than it go, counted
+/// once in its output, and a newer published row and every pending one
+/// stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cleanup_command_purges_published_outbox_rows_past_their_retention() {
+    use inbox_api::{InboxTransaction, OutboxStore, OutboxTransaction, OutgoingMessage};
+
+    let mut stores = vec!["sqlx"];
+    if cfg!(feature = "diesel") {
+        stores.push("diesel");
+    }
+    for kind in stores {
+        let (store, schema) = postgres_store().await;
+        let messages: Vec<OutgoingMessage> = (0..6_u8)
+            .map(|n| {
+                OutgoingMessage::new(MessageId::new_v7(), "parcels", "k", "T", vec![n])
+                    .expect("valid message")
+            })
+            .collect();
+        let mut tx = store.begin().await.expect("begin");
+        for message in &messages {
+            let _ = tx.enqueue(message).await.expect("enqueue");
+        }
+        tx.commit().await.expect("commit");
+        let ids: Vec<MessageId> = messages.iter().map(OutgoingMessage::id).collect();
+        // Four published: three of them two hours ago, one just now; two
+        // pending.
+        store.mark_published(&ids[..4]).await.expect("mark");
+        sqlx::query(
+            "UPDATE outbox_messages SET published_at = published_at - interval '2 hours' \
+             WHERE message_id = ANY($1)",
+        )
+        .bind(ids[..3].iter().map(|id| *id.as_uuid()).collect::<Vec<_>>())
+        .execute(store.pool())
+        .await
+        .expect("age rows");
+
+        let output = Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
+            .args(["--store", kind, "--database-url", &database_url()])
+            .args([
+                "--schema",
+                &schema,
+                "cleanup",
+                "--published-retention-hours",
+                "1",
+            ])
+            .args(["--purge-batch", "2"])
+            .env("RUST_LOG", "warn")
+            .output()
+            .expect("run parcel-inbox cleanup");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            output.status.success(),
+            "{kind}: {stdout}{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert!(
+            stdout.contains("deleted 3 published outbox rows older than 1.0 hours"),
+            "{kind}: {stdout}"
+        );
+        for (n, id) in ids.iter().enumerate() {
+            let kept = store.lookup_outgoing(id).await.expect("lookup").is_some();
+            assert_eq!(kept, n >= 3, "{kind}: message {n}");
+        }
+        assert_eq!(store.pending_count().await.expect("count"), 2, "{kind}");
+        store.drop_schema().await.expect("drop schema");
+    }
+}
+
+/// One outbox purge of N rows adds exactly N to `outbox_purged_rows_total`
+/// (the store's purge counts its batches; the relay's purge must not count
+/// them again), and keeps the pending rows.
+#[tokio::test]
+async fn one_outbox_purge_of_n_rows_adds_exactly_n_to_its_counter() {
+    use consumer_app::runtime::relay::purge_published_once;
+    use inbox_api::{InboxTransaction, OutboxStore, OutboxTransaction, OutgoingMessage};
+
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let store = MemoryStore::new();
+    let messages: Vec<OutgoingMessage> = (0..6_u8)
+        .map(|n| {
+            OutgoingMessage::new(MessageId::new_v7(), "parcels", "k", "T", vec![n])
+                .expect("valid message")
+        })
+        .collect();
+    let mut tx = store.begin().await.expect("begin");
+    for message in &messages {
+        let _ = tx.enqueue(message).await.expect("enqueue");
+    }
+    tx.commit().await.expect("commit");
+    let ids: Vec<MessageId> = messages.iter().map(OutgoingMessage::id).collect();
+    store.mark_published(&ids[..5]).await.expect("mark");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let config = CleanupConfig {
+        retention: Duration::ZERO,
+        interval: Duration::from_secs(3600),
+        batch_size: NonZeroU32::new(2).expect("non-zero"),
+    };
+
+    let deleted = purge_published_once(&store, &config).await.expect("purge");
+
+    assert_eq!(deleted, 5);
+    assert_eq!(store.pending_count().await.expect("count"), 1);
+    let purged = counter_values(&snapshotter, inbox_api::metrics::OUTBOX_PURGED_ROWS);
+    assert_eq!(purged, [5], "one series, counting each purged row once");
+}

@@ -509,6 +509,47 @@ async fn the_relay_command_publishes_until_sigterm() {
     drop_schema(&store).await;
 }
 
+/// The relay's background purge deletes what it published once the
+/// retention is past, batch by batch, and never a pending row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_purges_published_rows_after_their_retention() {
+    let id = test_id();
+    let broker = Broker::declare(&id).await;
+    let store = MemoryStore::new();
+    let published: Vec<OutgoingMessage> = (0..5).map(|n| broker.message(&broker.good, n)).collect();
+    enqueue_committed(&store, &published).await;
+    let relay = Relay::new(
+        store.clone(),
+        RelayConfig {
+            purge: Some(consumer_app::runtime::CleanupConfig {
+                retention: Duration::from_millis(200),
+                interval: Duration::from_millis(50),
+                batch_size: std::num::NonZeroU32::new(2).expect("non-zero"),
+            }),
+            ..config(&id, 10)
+        },
+    )
+    .expect("valid config")
+    .spawn();
+    wait_until("every published row is purged", async || {
+        for message in &published {
+            if store
+                .lookup_outgoing(&message.id())
+                .await
+                .expect("lookup")
+                .is_some()
+            {
+                return false;
+            }
+        }
+        true
+    })
+    .await;
+    stop(relay).await;
+    assert_eq!(broker.drain().await.len(), 5, "published before purged");
+    broker.remove().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wake_up_starts_a_round_before_the_poll_interval() {
     let id = test_id();
@@ -604,19 +645,21 @@ async fn a_commit_notifies_a_listening_relay_on_the_sqlx_store() {
 /// The relay command's `/metrics` text.
 /// The whole answer (status line, headers, body) to `GET path`.
 async fn scrape(addr: &str, path: &str) -> String {
+    try_scrape(addr, path).await.expect("metrics endpoint")
+}
+
+/// As [`scrape`], or the error (the endpoint is not listening yet).
+async fn try_scrape(addr: &str, path: &str) -> std::io::Result<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr)
-        .await
-        .expect("metrics endpoint");
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
     stream
         .write_all(
             format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
         )
-        .await
-        .expect("request");
+        .await?;
     let mut text = String::new();
-    stream.read_to_string(&mut text).await.expect("response");
-    text
+    stream.read_to_string(&mut text).await?;
+    Ok(text)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -722,6 +765,193 @@ async fn a_commit_notifies_a_listening_relay_on_the_diesel_store() {
     let ids: BTreeSet<String> = messages.iter().map(|m| m.id().to_string()).collect();
     assert_eq!(got, ids);
 
+    broker.remove().await;
+    drop_schema(&migrated).await;
+}
+
+/// Waits until `GET /ready` answers with `status` ("200" or "503") and
+/// returns the answer.
+async fn ready_is(addr: &str, status: &str, limit: Duration) -> String {
+    let deadline = Instant::now() + limit;
+    loop {
+        let answer = try_scrape(addr, "/ready")
+            .await
+            .unwrap_or_else(|error| error.to_string());
+        if answer.starts_with(&format!("HTTP/1.1 {status}")) {
+            return answer;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/ready not {status} within {limit:?}: {answer}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The relay command is not ready while its store is unreachable (a
+/// PostgreSQL of the test's own, stopped), names the store in the 503, is
+/// ready again once the server is back, and publishes what is committed
+/// then: the outage ended nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_is_not_ready_while_its_store_is_down() {
+    let id = test_id();
+    let broker = Broker::declare(&id).await;
+    let pg = private_servers::PrivatePostgres::start();
+    let store = SqlxStore::connect(&pg.url(), &format!("relay_test_{id}"))
+        .await
+        .expect("private PostgreSQL");
+    store.migrate().await.expect("migrate");
+    let metrics_addr = {
+        let free = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+        free.local_addr().expect("its address").to_string()
+    };
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
+        .args(["--store", "sqlx", "--schema", store.schema()])
+        .args(["--database-url", &pg.url(), "--amqp-url", AMQP_URL])
+        .args(["relay", "--metrics-addr", &metrics_addr])
+        .args(["--poll-interval-ms", "50"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("parcel-inbox starts");
+    ready_is(&metrics_addr, "200", Duration::from_secs(30)).await;
+
+    store.pool().close().await;
+    pg.halt();
+    let down = ready_is(&metrics_addr, "503", Duration::from_secs(30)).await;
+    assert!(down.contains("store probe: "), "{down}");
+    assert!(!down.contains("broker: "), "the broker is fine: {down}");
+
+    pg.resume();
+    ready_is(&metrics_addr, "200", Duration::from_secs(30)).await;
+    let store = SqlxStore::connect(&pg.url(), store.schema())
+        .await
+        .expect("private PostgreSQL again");
+    let messages: Vec<OutgoingMessage> = (0..3).map(|n| broker.message(&broker.good, n)).collect();
+    enqueue_committed(&store, &messages).await;
+    wait_until("the relay publishes after the outage", async || {
+        store.pending_count().await.expect("count") == 0
+    })
+    .await;
+    assert!(child.try_wait().expect("poll").is_none(), "still running");
+    let _ = child.kill().await;
+    let got: BTreeSet<String> = broker.drain().await.into_iter().map(|m| m.0).collect();
+    let ids: BTreeSet<String> = messages.iter().map(|m| m.id().to_string()).collect();
+    assert_eq!(got, ids);
+    broker.remove().await;
+}
+
+/// The backends LISTENing on `schema`'s outbox channel: (pid,
+/// application_name).
+async fn listeners(admin: &SqlxStore) -> Vec<(i32, String)> {
+    let channel = inbox_postgres::SchemaName::new(admin.schema())
+        .expect("valid schema")
+        .outbox_channel();
+    sqlx::query_as(
+        "SELECT pid, application_name FROM pg_stat_activity \
+         WHERE query ILIKE 'LISTEN%' AND position($1 in query) > 0 \
+         AND pid <> pg_backend_pid() ORDER BY pid",
+    )
+    .bind(channel)
+    .fetch_all(admin.pool())
+    .await
+    .expect("pg_stat_activity")
+}
+
+/// A relay's LISTEN connection killed by the database
+/// (`pg_terminate_backend`, as on a restart or a failover) comes back by
+/// itself, and a commit after that still wakes a relay whose poll interval
+/// is ten minutes: no fallback to polling for the rest of its life.
+async fn a_killed_listener_reconnects_and_wakes_the_relay<S>(
+    id: &str,
+    broker: &Broker,
+    admin: &SqlxStore,
+    store: S,
+    wakeups: futures::stream::BoxStream<'static, ()>,
+) -> Vec<(i32, String)>
+where
+    S: OutboxStore + Clone + 'static,
+{
+    let relay = Relay::new(
+        store.clone(),
+        RelayConfig {
+            poll_interval: Duration::from_secs(600),
+            ..config(id, 10)
+        },
+    )
+    .expect("valid config")
+    .wake_on(wakeups)
+    .spawn();
+    let tally = std::sync::Arc::clone(&relay.tally);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = listeners(admin).await;
+    assert_eq!(before.len(), 1, "one listener: {before:?}");
+    let (killed, _): (bool, i32) = sqlx::query_as("SELECT pg_terminate_backend($1), 0")
+        .bind(before[0].0)
+        .fetch_one(admin.pool())
+        .await
+        .expect("terminate");
+    assert!(killed);
+    wait_until("the listener reconnects", async || {
+        let now = listeners(admin).await;
+        now.len() == 1 && now[0].0 != before[0].0
+    })
+    .await;
+
+    let messages: Vec<OutgoingMessage> = (0..3).map(|n| broker.message(&broker.good, n)).collect();
+    enqueue_committed(&store, &messages).await;
+    let committed = Instant::now();
+    wait_until("the notified relay publishes", async || {
+        get(&tally.published) == 3
+    })
+    .await;
+    assert!(
+        committed.elapsed() < Duration::from_secs(10),
+        "woken, not polled: {:?}",
+        committed.elapsed()
+    );
+    stop(relay).await;
+    let got: BTreeSet<String> = broker.drain().await.into_iter().map(|m| m.0).collect();
+    let ids: BTreeSet<String> = messages.iter().map(|m| m.id().to_string()).collect();
+    assert_eq!(got, ids);
+    before
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_sqlx_listener_reconnects_and_wakes_the_relay() {
+    let id = test_id();
+    let (broker, store) = (Broker::declare(&id).await, sqlx_store(&id).await);
+    let wakeups = consumer_app::tools::stores::sqlx_wakeups(&store)
+        .await
+        .expect("LISTEN on the outbox channel");
+    a_killed_listener_reconnects_and_wakes_the_relay(&id, &broker, &store, store.clone(), wakeups)
+        .await;
+    broker.remove().await;
+    drop_schema(&store).await;
+}
+
+#[cfg(feature = "diesel")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_diesel_listener_reconnects_and_wakes_the_relay() {
+    let id = test_id();
+    let (broker, migrated) = (Broker::declare(&id).await, sqlx_store(&id).await);
+    let database_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let store = inbox_backend_diesel::DieselStore::connect(&database_url, migrated.schema(), 4)
+        .await
+        .expect("diesel store");
+    let wakeups = consumer_app::tools::stores::diesel_wakeups(&database_url, store.schema())
+        .await
+        .expect("LISTEN on the outbox channel");
+    let killed =
+        a_killed_listener_reconnects_and_wakes_the_relay(&id, &broker, &migrated, store, wakeups)
+            .await;
+    assert_eq!(
+        killed[0].1,
+        inbox_backend_diesel::LISTENER_APPLICATION_NAME,
+        "found by its application_name"
+    );
     broker.remove().await;
     drop_schema(&migrated).await;
 }

@@ -36,7 +36,14 @@
 //!   no database, against the app (`consumer_app::parcel::service`) per message
 //!   and batched (K = 100), draining a pre-published queue;
 //! - cleanup at scale (`support/cleanup.rs`): 1,000,000 expired rows purged
-//!   in batches of 10,000, with the claim latency beside it.
+//!   in batches of 10,000, with the claim latency beside it;
+//! - the outbox relay's publish rate (`support/relay.rs`) over the sqlx and
+//!   the diesel outbox, against a bare lapin publisher with confirms and
+//!   the same window, in interleaved repetitions;
+//! - claim cost against table size (`support/table_size.rs`): the inbox
+//!   pre-filled with 1,000,000 and 10,000,000 rows of v4 and of v7 ids,
+//!   against an empty one, both drivers, per message and batched; written
+//!   to `docs/benchmark-table-size.svg` too.
 //!
 //! Run: `cargo bench -p parcel-lab --bench report` (PostgreSQL
 //! and RabbitMQ up: `bash .ci/services.sh`).
@@ -44,7 +51,13 @@
 //! `INBOX_BENCH_SECS` (seconds per cell, default 2), `INBOX_BENCH_TASKS`
 //! (default `1,4,16`), `INBOX_BENCH_E2E_EVENTS` (events per end-to-end
 //! cell, default 10,000), `INBOX_BENCH_CLEANUP_ROWS` (default 1,000,000; 0
-//! skips the cleanup run).
+//! skips the cleanup run), `INBOX_BENCH_RELAY_MESSAGES` (messages per relay
+//! cell, default 10,000; 0 skips) and `INBOX_BENCH_RELAY_BATCH` (the relay's
+//! batch size and the bare publisher's window, default 100),
+//! `INBOX_BENCH_REPS` (repetitions behind each ratio's spread, at least and
+//! by default 3), `INBOX_BENCH_TABLE_SIZES` (pre-filled sizes, default
+//! `1000000,10000000`; empty skips) and `INBOX_BENCH_TABLE_TASKS` (default
+//! 4).
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -360,33 +373,66 @@ async fn run_slice(
     }
 }
 
+/// What one variant did in one cell.
+#[derive(Clone, Debug, Default)]
+struct Measured {
+    /// Messages/s over the whole cell.
+    rate: f64,
+    /// Failed deliveries/s over the whole cell.
+    failed: f64,
+    /// Messages/s in each repetition (a contiguous run of rounds), for the
+    /// spread of every ratio taken against another variant of the cell.
+    reps: Vec<f64>,
+}
+
 /// Runs every variant in `variants` at `tasks` consumers for `secs` each,
-/// interleaved in slices; returns (messages/s, failed deliveries/s) per
-/// variant.
+/// interleaved in slices (one slice of each variant per round, the order
+/// rotated every round so that no variant always follows another), the
+/// rounds grouped into [`spread::reps`] repetitions.
 async fn measure(
     bench: &Arc<Bench>,
     variants: &[Variant],
     tasks: usize,
     copies: usize,
     secs: f64,
-) -> Vec<(f64, f64)> {
-    // Whole slices, at least 3, whose total is the cell's time.
-    let slices = ((secs / SLICE.as_secs_f64()).round() as u32).max(3);
-    let slice = Duration::from_secs_f64(secs / f64::from(slices));
-    let mut tallies = vec![Tally::default(); variants.len()];
-    for _ in 0..slices {
-        for (i, variant) in variants.iter().enumerate() {
-            let t = run_slice(bench, *variant, tasks, copies, slice).await;
-            tallies[i].processed += t.processed;
-            tallies[i].failed += t.failed;
-            tallies[i].elapsed += t.elapsed;
+) -> Vec<Measured> {
+    // Whole rounds, a multiple of the repetitions, whose total is the
+    // cell's time.
+    let reps = spread::reps();
+    let rounds = ((secs / SLICE.as_secs_f64()).round() as usize)
+        .max(reps)
+        .div_ceil(reps)
+        * reps;
+    let slice = Duration::from_secs_f64(secs / rounds as f64);
+    let mut tallies = vec![vec![Tally::default(); reps]; variants.len()];
+    for round in 0..rounds {
+        let rep = round * reps / rounds;
+        for k in 0..variants.len() {
+            let i = (k + round) % variants.len();
+            let t = run_slice(bench, variants[i], tasks, copies, slice).await;
+            let into = &mut tallies[i][rep];
+            into.processed += t.processed;
+            into.failed += t.failed;
+            into.elapsed += t.elapsed;
         }
     }
     tallies
         .iter()
-        .map(|t| {
-            let total = t.elapsed.as_secs_f64();
-            (t.processed as f64 / total, t.failed as f64 / total)
+        .map(|per_rep| {
+            let total = per_rep.iter().fold(Tally::default(), |a, t| Tally {
+                processed: a.processed + t.processed,
+                failed: a.failed + t.failed,
+                elapsed: a.elapsed + t.elapsed,
+            });
+            let secs = total.elapsed.as_secs_f64();
+            Measured {
+                rate: total.processed as f64 / secs,
+                failed: total.failed as f64 / secs,
+                reps: per_rep
+                    .iter()
+                    .map(|t| t.processed as f64 / t.elapsed.as_secs_f64())
+                    .collect(),
+            }
         })
         .collect()
 }
@@ -397,6 +443,15 @@ fn env_secs() -> f64 {
         .and_then(|v| v.parse::<f64>().ok())
         .filter(|s| *s > 0.0)
         .unwrap_or(2.0)
+}
+
+/// A count from the environment variable `name`, `default` when unset or
+/// unreadable (0 skips a section).
+fn env_count(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(default)
 }
 
 fn env_tasks() -> Vec<usize> {
@@ -470,8 +525,15 @@ mod chart;
 mod cleanup;
 #[path = "support/e2e.rs"]
 mod e2e;
+#[path = "support/relay.rs"]
+mod relay;
+#[path = "support/spread.rs"]
+mod spread;
+#[path = "support/table_size.rs"]
+mod table_size;
 
 use e2e::{BoxError, E2e};
+use spread::Spread;
 
 /// The batched variants, measured in the same interleaved slices.
 const BATCHED: [Variant; 4] = [
@@ -550,6 +612,8 @@ async fn diesel_batches(bench: &Bench) -> bool {
 struct Row {
     label: String,
     rates: Vec<Option<f64>>,
+    /// Per concurrency, the rate of each repetition (empty: one run only).
+    reps: Vec<Vec<f64>>,
     /// The row whose rates this one is divided by.
     baseline: Option<usize>,
 }
@@ -558,16 +622,20 @@ fn fmt_rate(rate: Option<f64>) -> String {
     rate.map_or_else(|| "n/a".to_owned(), |r| format!("{r:.0}"))
 }
 
-fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
-    Some(a? / b?).filter(|r| r.is_finite())
+impl Row {
+    /// Its ratio to `baseline` at concurrency `c`, with the spread over the
+    /// repetitions both ran in.
+    fn ratio(&self, baseline: &Self, c: usize) -> Option<Spread> {
+        Spread::ratios(self.reps.get(c)?, baseline.reps.get(c)?)
+    }
 }
 
-fn min_ratio(a: &[Option<f64>], b: &[Option<f64>]) -> Option<f64> {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| ratio(*x, *y))
-        .collect::<Option<Vec<f64>>>()
-        .and_then(|v| v.into_iter().reduce(f64::min))
+/// The concurrency (index) whose ratio has the lowest median, and that
+/// ratio.
+fn worst_ratio(row: &Row, baseline: &Row) -> Option<(usize, Spread)> {
+    (0..row.rates.len())
+        .filter_map(|c| Some((c, row.ratio(baseline, c)?)))
+        .min_by(|a, b| a.1.median.total_cmp(&b.1.median))
 }
 
 async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
@@ -606,18 +674,26 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
     );
 
     // Every message new and delivered once.
-    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+    let mut rates: Vec<Vec<Measured>> = vec![Vec::new(); variants.len()];
     for &n in &tasks {
         let cell = measure(&bench, &variants, n, 1, secs).await;
-        eprintln!("{n:>2} tasks, single deliveries: {cell:.0?}");
-        for (i, (rate, _)) in cell.into_iter().enumerate() {
-            rates[i].push(rate);
+        eprintln!(
+            "{n:>2} tasks, single deliveries: {:.0?}",
+            cell.iter().map(|m| m.rate).collect::<Vec<_>>()
+        );
+        for (i, measured) in cell.into_iter().enumerate() {
+            rates[i].push(measured);
         }
     }
-    let of = |v: Variant| -> Vec<Option<f64>> {
+    let of = |v: Variant| -> (Vec<Option<f64>>, Vec<Vec<f64>>) {
         variants.iter().position(|x| *x == v).map_or_else(
-            || vec![None; tasks.len()],
-            |i| rates[i].iter().map(|r| Some(*r)).collect(),
+            || (vec![None; tasks.len()], vec![Vec::new(); tasks.len()]),
+            |i| {
+                (
+                    rates[i].iter().map(|m| Some(m.rate)).collect(),
+                    rates[i].iter().map(|m| m.reps.clone()).collect(),
+                )
+            },
         )
     };
     let mut memory = Vec::new();
@@ -636,14 +712,22 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
     let app_schema = format!("{schema}_app");
     let app_store = e2e::store(url, &app_schema, pool_size).await?;
     let modes = [E2e::Bare, E2e::PerMessage, E2e::Batched(100)];
-    let mut e2e_rates = vec![Vec::new(); modes.len()];
+    // Per mode, per concurrency, the rate of each repetition; the modes
+    // alternate within a repetition, in a rotated order.
+    let mut e2e_reps: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); tasks.len()]; modes.len()];
     let e2e_result: Result<(), BoxError> = async {
-        for &n in &tasks {
-            for (m, &mode) in modes.iter().enumerate() {
-                let prefix = format!("{schema}.{m}.{n}.");
-                let rate = e2e::cell(mode, n, e2e_events, &app_store, &prefix).await?;
-                eprintln!("{n:>2} tasks, end to end {mode:?}: {rate:.0} deliveries/s");
-                e2e_rates[m].push(Some(rate));
+        for (c, &n) in tasks.iter().enumerate() {
+            for rep in 0..spread::reps() {
+                for k in 0..modes.len() {
+                    let m = (k + rep) % modes.len();
+                    let mode = modes[m];
+                    let prefix = format!("{schema}.{m}.{n}.{rep}.");
+                    let rate = e2e::cell(mode, n, e2e_events, &app_store, &prefix).await?;
+                    eprintln!(
+                        "{n:>2} tasks, rep {rep}, end to end {mode:?}: {rate:.0} deliveries/s"
+                    );
+                    e2e_reps[m][c].push(rate);
+                }
             }
         }
         Ok::<(), BoxError>(())
@@ -652,75 +736,96 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
     let _ = consumer_app::parcel::store::ParcelStore::drop_schema(&app_store).await;
     if let Err(error) = e2e_result {
         eprintln!("end-to-end rows skipped (is RabbitMQ running?): {error}");
-        for r in &mut e2e_rates {
-            r.resize(tasks.len(), None);
-        }
+        e2e_reps = vec![vec![Vec::new(); tasks.len()]; modes.len()];
     }
+    // A drain's rate is its repetitions' median.
+    let e2e_rates: Vec<Vec<Option<f64>>> = e2e_reps
+        .iter()
+        .map(|per_task| {
+            per_task
+                .iter()
+                .map(|reps| Spread::of(reps.iter().copied()).map(|s| s.median))
+                .collect()
+        })
+        .collect();
 
     let rows = vec![
         Row {
             label: Variant::BareTx.header().into(),
-            rates: of(Variant::BareTx),
+            rates: of(Variant::BareTx).0,
+            reps: of(Variant::BareTx).1,
             baseline: None,
         },
         Row {
             label: Variant::DieselBareTx.header().into(),
-            rates: of(Variant::DieselBareTx),
+            rates: of(Variant::DieselBareTx).0,
+            reps: of(Variant::DieselBareTx).1,
             baseline: None,
         },
         Row {
             label: Variant::Inbox.header().into(),
-            rates: of(Variant::Inbox),
+            rates: of(Variant::Inbox).0,
+            reps: of(Variant::Inbox).1,
             baseline: Some(0),
         },
         Row {
             label: Variant::DieselInbox.header().into(),
-            rates: of(Variant::DieselInbox),
+            rates: of(Variant::DieselInbox).0,
+            reps: of(Variant::DieselInbox).1,
             baseline: Some(1),
         },
         Row {
             label: Variant::SqlxBatch(10).header().into(),
-            rates: of(Variant::SqlxBatch(10)),
+            rates: of(Variant::SqlxBatch(10)).0,
+            reps: of(Variant::SqlxBatch(10)).1,
             baseline: Some(0),
         },
         Row {
             label: Variant::SqlxBatch(100).header().into(),
-            rates: of(Variant::SqlxBatch(100)),
+            rates: of(Variant::SqlxBatch(100)).0,
+            reps: of(Variant::SqlxBatch(100)).1,
             baseline: Some(0),
         },
         Row {
             label: Variant::DieselBatch(10).header().into(),
-            rates: of(Variant::DieselBatch(10)),
+            rates: of(Variant::DieselBatch(10)).0,
+            reps: of(Variant::DieselBatch(10)).1,
             baseline: Some(1),
         },
         Row {
             label: Variant::DieselBatch(100).header().into(),
-            rates: of(Variant::DieselBatch(100)),
+            rates: of(Variant::DieselBatch(100)).0,
+            reps: of(Variant::DieselBatch(100)).1,
             baseline: Some(1),
         },
         Row {
             label: Variant::Article.header().into(),
-            rates: of(Variant::Article),
+            rates: of(Variant::Article).0,
+            reps: of(Variant::Article).1,
             baseline: Some(0),
         },
         Row {
             label: "memory store, Inbox::handle, 1 core".into(),
             rates: memory,
+            reps: vec![Vec::new(); tasks.len()],
             baseline: None,
         },
         Row {
             label: "RabbitMQ bare consume+ack, no database".into(),
             rates: e2e_rates[0].clone(),
+            reps: e2e_reps[0].clone(),
             baseline: None,
         },
         Row {
             label: "RabbitMQ + app per message (sqlx)".into(),
             rates: e2e_rates[1].clone(),
+            reps: e2e_reps[1].clone(),
             baseline: Some(10),
         },
         Row {
             label: "RabbitMQ + app batched K=100 (sqlx)".into(),
             rates: e2e_rates[2].clone(),
+            reps: e2e_reps[2].clone(),
             baseline: Some(10),
         },
     ];
@@ -744,13 +849,9 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
         for rate in &row.rates {
             let _ = write!(out, "{} | ", fmt_rate(*rate));
         }
-        for (c, rate) in row.rates.iter().enumerate() {
-            let r = row.baseline.and_then(|b| ratio(*rate, rows[b].rates[c]));
-            let _ = write!(
-                out,
-                "{} | ",
-                r.map_or_else(|| "".to_owned(), |r| format!("{r:.2}"))
-            );
+        for c in 0..row.rates.len() {
+            let r = row.baseline.and_then(|b| row.ratio(&rows[b], c));
+            let _ = write!(out, "{} | ", spread::cell(r, 2));
         }
         let _ = writeln!(
             out,
@@ -763,7 +864,13 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
         "\nEnd-to-end rows: {e2e_events} events pre-published to the app's topic exchange, each routed \
          to both consumers' queues; rate = deliveries acked per second over both queues; \
          tasks = consumers per queue (bare) or the app's concurrency per queue (prefetch \
-         max(32, 4 × tasks) per message, 2 × 100 × tasks batched so that the next batch arrives while one commits, batch wait 20 ms)."
+         max(32, 4 × tasks) per message, 2 × 100 × tasks batched so that the next batch arrives while one commits, batch wait 20 ms); \
+         the three drains of a concurrency alternate, in a rotated order, for {reps} repetitions, \
+         and each shows its median rate.\n\n\
+         Ratios: median (lowest–highest) over {reps} repetitions, each taken within one \
+         repetition (the database rows: the cell's time cut into rounds of one slice per \
+         variant, in a rotated order, the rounds grouped into {reps} repetitions).",
+        reps = spread::reps()
     );
 
     // Targets, from this run.
@@ -775,9 +882,13 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
     let mut targets = String::new();
     let _ = writeln!(
         targets,
-        "\n### Targets (worst ratio over the concurrencies of this run)\n"
+        "\n### Targets (the concurrency with the lowest median ratio; met only if \
+         every repetition met it)\n"
     );
-    let _ = writeln!(targets, "| target | worst ratio | |\n|---|---:|---|");
+    let _ = writeln!(
+        targets,
+        "| target | worst ratio: median (lowest–highest) | at | |\n|---|---:|---:|---|"
+    );
     for (name, a, b, want) in [
         ("batched K=100 ≥ 8 × per message (sqlx)", 5, 2, 8.0),
         ("batched K=100 ≥ 8 × per message (diesel)", 7, 3, 8.0),
@@ -790,18 +901,19 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
         ("per-message inbox ≥ 0.80 × bare tx (sqlx)", 2, 0, 0.8),
         ("per-message inbox ≥ 0.80 × bare tx (diesel)", 3, 1, 0.8),
     ] {
-        let r = min_ratio(&rows[a].rates, &rows[b].rates);
+        let worst = worst_ratio(&rows[a], &rows[b]);
         let _ = writeln!(
             targets,
-            "| {name} | {} | {} |",
-            r.map_or_else(|| "n/a".to_owned(), |r| format!("{r:.2}")),
-            check(r.map(|r| r >= want))
+            "| {name} | {} | {} | {} |",
+            worst.map_or_else(|| "n/a".to_owned(), |(_, r)| r.cell(2)),
+            worst.map_or_else(String::new, |(c, _)| format!("@{}", tasks[c])),
+            spread::verdict(worst.map(|(_, r)| r), want)
         );
     }
     let best_memory = rows[9].rates.iter().flatten().copied().reduce(f64::max);
     let _ = writeln!(
         targets,
-        "| memory ≥ 1,000,000 claim+commit/s on one core | {} /s (best) | {} |",
+        "| memory ≥ 1,000,000 claim+commit/s on one core | {} /s (best) | | {} |",
         fmt_rate(best_memory),
         check(best_memory.map(|m| m >= 1_000_000.0))
     );
@@ -814,7 +926,9 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
     let _ = writeln!(
         out,
         "\nEvery message delivered twice at once (a redelivery racing the first delivery); \
-         failed = deliveries that ended in an error:\n"
+         failed = deliveries that ended in an error; ratios: median (lowest–highest) of {} \
+         repetitions:\n",
+        spread::reps()
     );
     let _ = writeln!(
         out,
@@ -828,15 +942,47 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
     pair_tasks.dedup();
     for n in pair_tasks {
         let rates = measure(&bench, &pair, n, 2, secs).await;
-        eprintln!("{n:>2} tasks, racing copies: {rates:.0?}");
-        let ((b, b_failed), (c, c_failed), (e, e_failed)) = (rates[0], rates[1], rates[2]);
+        eprintln!(
+            "{n:>2} tasks, racing copies: {:.0?}",
+            rates.iter().map(|m| (m.rate, m.failed)).collect::<Vec<_>>()
+        );
+        let (b, c, e) = (&rates[0], &rates[1], &rates[2]);
         let _ = writeln!(
             out,
-            "| {n} | {b:.0} | {b_failed:.0} | {c:.0} | {c_failed:.0} | {:.2} \
-             | {e:.0} | {e_failed:.0} | {:.2} |",
-            b / c,
-            e / b
+            "| {n} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {:.0} | {:.0} | {} |",
+            b.rate,
+            b.failed,
+            c.rate,
+            c.failed,
+            spread::cell(Spread::ratios(&b.reps, &c.reps), 2),
+            e.rate,
+            e.failed,
+            spread::cell(Spread::ratios(&e.reps, &b.reps), 2),
         );
+    }
+
+    // The outbox relay against a bare publisher.
+    let relay_messages = env_count("INBOX_BENCH_RELAY_MESSAGES", 10_000);
+    if relay_messages > 0 {
+        let batch = std::num::NonZeroU32::new(
+            u32::try_from(env_count("INBOX_BENCH_RELAY_BATCH", 100)).unwrap_or(100),
+        )
+        .unwrap_or(std::num::NonZeroU32::MIN);
+        match relay::run(
+            bench.inbox.store(),
+            bench.diesel.store(),
+            &format!("{schema}."),
+            relay_messages,
+            batch,
+            spread::reps(),
+        )
+        .await
+        {
+            Ok(rates) => {
+                let _ = write!(out, "\n{}", rates.markdown());
+            }
+            Err(error) => eprintln!("relay rows skipped (is RabbitMQ running?): {error}"),
+        }
     }
 
     // Cleanup at scale.
@@ -887,13 +1033,28 @@ fn main() {
         .build()
         .expect("tokio runtime");
     let result = rt.block_on(bench(&url, &schema));
+    // Claim cost against table size, after the rest (whose pools are
+    // closed by then): its own schemas and pools.
+    let sizes = table_size::sizes_from_env();
+    let table_size = match &result {
+        Ok(_) if !sizes.is_empty() => match rt.block_on(table_size::run(&url, &schema, &sizes)) {
+            Ok(measured) => Some(measured),
+            Err(error) => {
+                eprintln!("table-size rows skipped: {error}");
+                None
+            }
+        },
+        _ => None,
+    };
 
     // Drop the schemas whatever happened.
     rt.block_on(async {
         match PgPoolOptions::new().max_connections(1).connect(&url).await {
             Ok(admin) => {
                 // `schema` is built above from digits and hex only.
-                for name in [schema.clone(), format!("{schema}_app")] {
+                let mut names = vec![schema.clone(), format!("{schema}_app")];
+                names.extend(table_size::schemas(&schema));
+                for name in names {
                     let drop = format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE");
                     if let Err(error) = sqlx::query(&drop).execute(&admin).await {
                         eprintln!("could not drop {name}: {error}");
@@ -905,7 +1066,15 @@ fn main() {
     });
 
     match result {
-        Ok((report, svg)) => {
+        Ok((mut report, svg)) => {
+            let mut size_svg = None;
+            if let Some(measured) = &table_size {
+                report.push_str(&format!("\n{}", measured.markdown()));
+                match measured.svg() {
+                    Ok(svg) => size_svg = Some(svg),
+                    Err(error) => eprintln!("no table-size chart: {error}"),
+                }
+            }
             println!("{report}");
             // Into the workspace's docs/, for the README.
             let docs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs");
@@ -918,7 +1087,11 @@ fn main() {
             );
             let written = std::fs::create_dir_all(&docs)
                 .and_then(|()| std::fs::write(docs.join("benchmark.md"), md))
-                .and_then(|()| std::fs::write(docs.join("benchmark.svg"), svg));
+                .and_then(|()| std::fs::write(docs.join("benchmark.svg"), svg))
+                .and_then(|()| match &size_svg {
+                    Some(svg) => std::fs::write(docs.join("benchmark-table-size.svg"), svg),
+                    None => Ok(()),
+                });
             match written {
                 Ok(()) => eprintln!("wrote {}/benchmark.md and benchmark.svg", docs.display()),
                 Err(error) => eprintln!("could not write {}: {error}", docs.display()),

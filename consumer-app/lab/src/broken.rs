@@ -12,13 +12,17 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use consumer_app::parcel::effects::{CarrierAssignment, Intent, Notification, ParcelEffects};
+use consumer_app::parcel::effects::{
+    CarrierAssignment, Intent, Notification, NotificationKind, ParcelEffects,
+};
+use consumer_app::parcel::events::ParcelCreatedEvent;
 use consumer_app::parcel::role::Role;
 use consumer_app::parcel::store::{EffectCounts, ParcelStore, StoreKind};
 use consumer_app::runtime::AppError;
 use inbox_api::{
-    AttemptLedger, AttemptRecord, BatchTransaction, Claim, ConsumerName, InboxError, InboxKey,
-    InboxRecord, InboxStats, InboxStore, InboxTransaction, LastError, MessageId,
+    AttemptLedger, AttemptRecord, BatchTransaction, Claim, ConsumerName, EnqueueOutcome,
+    InboxError, InboxKey, InboxRecord, InboxStats, InboxStore, InboxTransaction, LastError,
+    MessageId, OutboxLease, OutboxRecord, OutboxStore, OutboxTransaction, OutgoingMessage,
 };
 use inbox_conformance::broken::{Broken, BrokenStore, BrokenTransaction};
 
@@ -158,9 +162,53 @@ where
     }
 }
 
+/// The outbox goes to the broken store too: its outbox kinds
+/// (`PublishBeforeCommit`, `LeaseIgnored`) break it, the others pass it on.
+#[async_trait]
+impl<S: OutboxStore + Clone> OutboxTransaction for BrokenParcelTransaction<S> {
+    async fn enqueue(&mut self, message: &OutgoingMessage) -> Result<EnqueueOutcome, InboxError> {
+        self.0.enqueue(message).await
+    }
+}
+
+#[async_trait]
+impl<S: OutboxStore + Clone> OutboxStore for BrokenParcelStore<S> {
+    async fn take_pending(
+        &self,
+        limit: NonZeroU32,
+        lease: Duration,
+    ) -> Result<OutboxLease, InboxError> {
+        self.0.take_pending(limit, lease).await
+    }
+
+    async fn mark_published(&self, ids: &[MessageId]) -> Result<u64, InboxError> {
+        self.0.mark_published(ids).await
+    }
+
+    async fn release(&self, lease: &OutboxLease) -> Result<u64, InboxError> {
+        self.0.release(lease).await
+    }
+
+    async fn lookup_outgoing(&self, id: &MessageId) -> Result<Option<OutboxRecord>, InboxError> {
+        self.0.lookup_outgoing(id).await
+    }
+
+    async fn pending_count(&self) -> Result<u64, InboxError> {
+        self.0.pending_count().await
+    }
+
+    async fn purge_published_batch(
+        &self,
+        cutoff: DateTime<Utc>,
+        limit: NonZeroU32,
+    ) -> Result<u64, InboxError> {
+        self.0.purge_published_batch(cutoff, limit).await
+    }
+}
+
 impl<S> ParcelEffects for BrokenParcelTransaction<S>
 where
-    S: InboxStore + Clone,
+    S: OutboxStore + Clone,
     S::Transaction: ParcelEffects,
 {
     async fn record_notification(&mut self, n: &Notification) -> Result<(), AppError> {
@@ -169,6 +217,17 @@ where
 
     async fn reserve_carrier_slot(&mut self, a: &CarrierAssignment) -> Result<(), AppError> {
         self.0.inner_mut().reserve_carrier_slot(a).await
+    }
+
+    async fn insert_parcel(&mut self, parcel: &ParcelCreatedEvent) -> Result<bool, AppError> {
+        self.0.inner_mut().insert_parcel(parcel).await
+    }
+
+    async fn find_parcel(
+        &mut self,
+        parcel_id: &str,
+    ) -> Result<Option<ParcelCreatedEvent>, AppError> {
+        self.0.inner_mut().find_parcel(parcel_id).await
     }
 }
 
@@ -183,6 +242,14 @@ impl<S: ParcelStore> ParcelStore for BrokenParcelStore<S> {
 
     async fn effect_counts(&self) -> Result<(EffectCounts, EffectCounts), AppError> {
         self.0.inner().effect_counts().await
+    }
+
+    async fn notification_counts(&self, kind: NotificationKind) -> Result<EffectCounts, AppError> {
+        self.0.inner().notification_counts(kind).await
+    }
+
+    async fn parcel_count(&self) -> Result<u64, AppError> {
+        self.0.inner().parcel_count().await
     }
 
     async fn drop_schema(&self) -> Result<(), AppError> {
@@ -210,6 +277,54 @@ impl<S: ParcelStore> ParcelStore for BrokenParcelStore<S> {
     }
 }
 
+/// A relay (or producer) that breaks the outbox's promise, for the chaos
+/// run to catch (`parcel-chaos --broken-relay <kind>`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BrokenRelay {
+    /// The producer publishes its event to the broker itself, before its
+    /// transaction commits (the "dual write" the outbox replaces): a
+    /// creation that then rolls back is delivered all the same, and its
+    /// ghost gets effects. Applied by the harness's producer.
+    PublishBeforeCommit,
+    /// The relay marks a batch published as soon as it takes it, before
+    /// the broker confirmed anything: a relay killed before the confirm
+    /// loses the batch for good. Applied by `parcel-lab-relay`'s store
+    /// ([`crate::relay_faults::FaultyOutbox`]).
+    MarkBeforeConfirm,
+}
+
+impl BrokenRelay {
+    /// Every broken relay, with its flag's name.
+    pub const ALL: [(&'static str, BrokenRelay); 2] = [
+        ("publish-before-commit", BrokenRelay::PublishBeforeCommit),
+        ("mark-before-confirm", BrokenRelay::MarkBeforeConfirm),
+    ];
+
+    /// Parses a `--broken-relay` name.
+    ///
+    /// # Errors
+    /// [`AppError::Config`] for a name that is not a broken relay.
+    pub fn parse(name: &str) -> Result<Self, AppError> {
+        Self::ALL
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, kind)| *kind)
+            .ok_or_else(|| {
+                AppError::Config(format!(
+                    "--broken-relay {name:?}: not a broken relay (publish-before-commit, mark-before-confirm)"
+                ))
+            })
+    }
+
+    /// Its flag's name.
+    pub fn name(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(_, kind)| *kind == self)
+            .map_or("?", |(n, _)| n)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,5 +341,14 @@ mod tests {
         }
         assert_eq!(Broken::ALL.len(), 4);
         assert!(parse("fine").is_err());
+    }
+
+    #[test]
+    fn every_broken_relay_has_a_name() {
+        for (name, kind) in BrokenRelay::ALL {
+            assert_eq!(BrokenRelay::parse(name).expect(name), kind);
+            assert_eq!(kind.name(), name);
+        }
+        assert!(BrokenRelay::parse("fine").is_err());
     }
 }

@@ -1,6 +1,8 @@
 //! The chaos harness at CI size, per Postgres store (sqlx also in batched
-//! mode), and against a deliberately broken store (which it must catch). Needs PostgreSQL and a
-//! local RabbitMQ with `rabbitmqctl` (`bash .ci/services.sh`).
+//! mode), with the outbox relays in the loop per Postgres store, and
+//! against a deliberately broken store and broken relays (which it must
+//! catch). Needs PostgreSQL and a local RabbitMQ with `rabbitmqctl` (`bash
+//! .ci/services.sh`).
 //!
 //! The runs are serialised: each already loads both cores.
 //!
@@ -81,6 +83,7 @@ fn chaos(args: &[&str]) -> (Option<i32>, String) {
     let mut command = Command::new(env!("CARGO_BIN_EXE_parcel-chaos"));
     command
         .args(["--consume-binary", env!("CARGO_BIN_EXE_parcel-lab-consume")])
+        .args(["--relay-binary", env!("CARGO_BIN_EXE_parcel-lab-relay")])
         .args(args)
         .env("RUST_LOG", "warn");
     let (ended, stdout, stderr) = run_bounded(command, RUN_LIMIT);
@@ -148,7 +151,13 @@ const OPERATIONS: &[&str] = &[
 fn passed(code: Option<i32>, stdout: &str) {
     assert_eq!(code, Some(0), "{stdout}");
     assert!(stdout.contains("RESULT: PASS"), "{stdout}");
-    for name in ["lost", "doubles", "valid_dead_lettered"] {
+    for name in [
+        "lost",
+        "doubles",
+        "valid_dead_lettered",
+        "ghosts",
+        "outbox_pending",
+    ] {
         assert_eq!(field(stdout, name), 0, "{name}:\n{stdout}");
     }
 }
@@ -220,4 +229,89 @@ fn chaos_catches_a_broken_inbox() {
         field(&stdout, "lost") + field(&stdout, "doubles") > 0,
         "losses or doubles reported:\n{stdout}"
     );
+}
+
+/// The relays' CI size: 600 creations through the outbox (5 % rolled back
+/// on purpose) from one producer, 3 relay processes crashing at 2 % of
+/// their rounds right after a take and as often right before a mark, 3
+/// kill -9, 3 terminated backends and 3 closed connections per side
+/// (relays and consumers), 3 terminated producer backends.
+const RELAYS: &[&str] = &[
+    "--relays",
+    "3",
+    "--consumers",
+    "3",
+    "--kills",
+    "3",
+    "--seed",
+    "20261204",
+];
+
+/// Every committed creation gets one carrier assignment and one
+/// notification, no rolled-back one gets any, and the outbox ends empty,
+/// with the relays under faults; sqlx also under the operational faults
+/// (a frozen consumer, a PostgreSQL restart, a RabbitMQ restart).
+#[test]
+fn chaos_sqlx_relays_exactly_once() {
+    let (code, stdout) = chaos(
+        &[
+            &["--store", "sqlx", "--events", "600"],
+            RELAYS,
+            &[
+                "--freezes",
+                "1",
+                "--pg-restarts",
+                "1",
+                "--rabbit-restarts",
+                "1",
+            ],
+        ]
+        .concat(),
+    );
+    passed(code, &stdout);
+}
+
+#[test]
+fn chaos_diesel_relays_exactly_once() {
+    let (code, stdout) = chaos(&[&["--store", "diesel", "--events", "600"], RELAYS].concat());
+    passed(code, &stdout);
+}
+
+/// The relays' faults made frequent (10 % of the rounds crash at each
+/// point), so that a broken relay cannot slip through by luck.
+fn broken_relay(kind: &str) -> (Option<i32>, String) {
+    let (code, stdout) = chaos(
+        &[
+            &["--store", "sqlx", "--broken-relay", kind],
+            RELAYS,
+            &[
+                "--events",
+                "400",
+                "--relay-crash-rate",
+                "0.1",
+                "--always-clean",
+            ],
+        ]
+        .concat(),
+    );
+    assert_eq!(code, Some(1), "a violation must exit 1:\n{stdout}");
+    assert!(stdout.contains("RESULT: FAIL"), "{stdout}");
+    (code, stdout)
+}
+
+/// A producer that publishes before its transaction commits delivers the
+/// creations that then roll back: their ghosts get effects.
+#[test]
+fn chaos_catches_publish_before_commit() {
+    let (_, stdout) = broken_relay("publish-before-commit");
+    assert!(field(&stdout, "ghosts") > 0, "ghosts reported:\n{stdout}");
+}
+
+/// A relay that marks before the confirm loses what it held when it dies
+/// between the two.
+#[test]
+fn chaos_catches_mark_before_confirm() {
+    let (_, stdout) = broken_relay("mark-before-confirm");
+    assert!(field(&stdout, "lost") > 0, "losses reported:\n{stdout}");
+    assert_eq!(field(&stdout, "ghosts"), 0, "{stdout}");
 }

@@ -3,6 +3,9 @@
 use std::num::NonZeroU32;
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
+
+use crate::runtime::AppError;
 use crate::runtime::settle::SettlePolicy;
 
 /// Settings of the message path.
@@ -89,6 +92,22 @@ pub struct CleanupConfig {
     /// Rows per delete transaction (bounded, so that cleanup never holds
     /// many locks at once).
     pub batch_size: NonZeroU32,
+}
+
+impl CleanupConfig {
+    /// The rows to delete are those older than this: now minus the
+    /// retention. One rule for every cleanup (the inbox's processed rows,
+    /// its attempt ledger, the outbox's published rows).
+    ///
+    /// # Errors
+    /// [`AppError::Config`] for a retention beyond what a timestamp holds.
+    pub fn cutoff(&self) -> Result<DateTime<Utc>, AppError> {
+        let retention = chrono::Duration::from_std(self.retention)
+            .map_err(|e| AppError::Config(format!("retention out of range: {e}")))?;
+        Utc::now()
+            .checked_sub_signed(retention)
+            .ok_or_else(|| AppError::Config(format!("retention {:?} out of range", self.retention)))
+    }
 }
 
 impl Default for CleanupConfig {

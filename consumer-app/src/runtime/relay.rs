@@ -49,7 +49,6 @@ use lapin::{BasicProperties, Channel, Connection};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::runtime::AppError;
 use crate::runtime::amqp::{close_bounded, close_channel_bounded, connect_with_backoff};
 use crate::runtime::backoff::Backoff;
 use crate::runtime::error::chain;
@@ -57,6 +56,7 @@ use crate::runtime::redact::redact_url;
 use crate::runtime::shutdown::stopped;
 use crate::runtime::tally::bump;
 use crate::runtime::telemetry::Running;
+use crate::runtime::{AppError, CleanupConfig};
 
 /// Settings of a [`Relay`].
 #[derive(Clone)]
@@ -89,6 +89,12 @@ pub struct RelayConfig {
     /// comes back and stays pending (counted as `returned`) instead of
     /// being dropped by the broker.
     pub mandatory: bool,
+    /// Background purge of published rows (`None`: off): every `interval`,
+    /// the rows published longer than `retention` ago go, `batch_size` per
+    /// transaction ([`purge_published_once`]). Published rows serve only
+    /// diagnostics ([`OutboxStore::lookup_outgoing`]); without a purge the
+    /// table grows by every message ever sent.
+    pub purge: Option<CleanupConfig>,
 }
 
 impl RelayConfig {
@@ -107,6 +113,7 @@ impl RelayConfig {
             retry_max_delay: Duration::from_secs(10),
             gauge_interval: Duration::from_secs(15),
             mandatory: true,
+            purge: Some(CleanupConfig::default()),
         }
     }
 
@@ -146,6 +153,7 @@ impl fmt::Debug for RelayConfig {
             .field("retry_max_delay", &self.retry_max_delay)
             .field("gauge_interval", &self.gauge_interval)
             .field("mandatory", &self.mandatory)
+            .field("purge", &self.purge)
             .finish()
     }
 }
@@ -179,7 +187,7 @@ pub struct Relay<S> {
     broker: watch::Sender<bool>,
 }
 
-impl<S: OutboxStore + 'static> Relay<S> {
+impl<S: OutboxStore + Clone + 'static> Relay<S> {
     /// A relay of `store`'s messages.
     ///
     /// # Errors
@@ -244,6 +252,13 @@ impl<S: OutboxStore + 'static> Relay<S> {
             .wakeups
             .take()
             .and_then(|stream| stream.into_inner().ok());
+        // On a task of its own: a first purge after a long pause may take
+        // many batches, and publishing must not wait for it.
+        let purge = self
+            .config
+            .purge
+            .clone()
+            .map(|purge| tokio::spawn(purge_loop(self.store.clone(), purge, shutdown.clone())));
         let mut broker: Option<(Connection, Channel)> = None;
         let mut failures = 0_u32;
         let mut next_gauge = Instant::now();
@@ -318,6 +333,14 @@ impl<S: OutboxStore + 'static> Relay<S> {
             close_bounded(&connection, "relay stopping").await;
         }
         self.broker.send_replace(false);
+        if let Some(purge) = purge {
+            // It stops at the shutdown too (a batch in flight is one short
+            // transaction); on an error exit, it must not outlive the relay.
+            if result.is_err() {
+                purge.abort();
+            }
+            let _ = purge.await;
+        }
         tracing::info!("outbox relay stopped");
         result
     }
@@ -445,6 +468,47 @@ impl<S: OutboxStore + 'static> Relay<S> {
         tokio::select! {
             () = tokio::time::sleep(delay) => true,
             () = stopped(shutdown) => false,
+        }
+    }
+}
+
+/// Deletes the outbox's published rows older than the retention, once,
+/// `batch_size` per transaction, and returns how many went (each counted
+/// once in `outbox_purged_rows_total`, by
+/// [`OutboxStoreExt::purge_published_before`]). Pending rows, dead ones
+/// included, are never deleted. What the relay's background purge and
+/// `parcel-inbox cleanup` run.
+///
+/// # Errors
+/// The store's; the batches committed before stay deleted.
+pub async fn purge_published_once<S: OutboxStore>(
+    store: &S,
+    purge: &CleanupConfig,
+) -> Result<u64, AppError> {
+    let cutoff = purge.cutoff()?;
+    let deleted = store
+        .purge_published_before(cutoff, purge.batch_size)
+        .await?;
+    tracing::info!(deleted, %cutoff, "outbox purge of published rows");
+    Ok(deleted)
+}
+
+async fn purge_loop<S: OutboxStore>(
+    store: S,
+    purge: CleanupConfig,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            result = purge_published_once(&store, &purge) => if let Err(error) = result {
+                tracing::warn!(error = %chain(&error),
+                    "outbox purge failed; next run at the next interval");
+            },
+            () = stopped(&mut shutdown) => return,
+        }
+        tokio::select! {
+            () = tokio::time::sleep(purge.interval) => {}
+            () = stopped(&mut shutdown) => return,
         }
     }
 }

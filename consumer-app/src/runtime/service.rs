@@ -33,7 +33,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::Utc;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use inbox_api::metrics as names;
@@ -778,9 +777,7 @@ pub async fn cleanup_once<S: InboxStore + AttemptLedger>(
     store: &S,
     cleanup: &CleanupConfig,
 ) -> Result<u64, AppError> {
-    let retention = chrono::Duration::from_std(cleanup.retention)
-        .map_err(|e| AppError::Config(format!("retention out of range: {e}")))?;
-    let cutoff = Utc::now() - retention;
+    let cutoff = cleanup.cutoff()?;
     let deleted = store
         .purge_processed_before(cutoff, cleanup.batch_size)
         .await?;

@@ -194,16 +194,48 @@ impl CleanupArgs {
     /// # Errors
     /// [`AppError::Config`] for a negative or non-finite retention.
     pub fn config(&self, interval: Duration) -> Result<CleanupConfig, AppError> {
-        if !(self.retention_days >= 0.0 && self.retention_days.is_finite()) {
-            return Err(AppError::Config(format!(
-                "retention of {} days is not a non-negative number",
-                self.retention_days
-            )));
-        }
         Ok(CleanupConfig {
-            retention: Duration::from_secs_f64(self.retention_days * 86_400.0),
+            retention: retention(self.retention_days, "days", 86_400.0)?,
             interval,
             batch_size: self.cleanup_batch,
+        })
+    }
+}
+
+/// A retention flag's value, `amount` of a unit of `unit_secs` seconds.
+fn retention(amount: f64, unit: &str, unit_secs: f64) -> Result<Duration, AppError> {
+    Duration::try_from_secs_f64(amount * unit_secs)
+        .ok()
+        .ok_or_else(|| {
+            AppError::Config(format!(
+                "retention of {amount} {unit} is not a non-negative number in range"
+            ))
+        })
+}
+
+/// The flags of the outbox's purge of published rows (the relay's
+/// background purge and `cleanup`'s).
+#[derive(Args, Debug, Clone)]
+pub struct OutboxPurgeArgs {
+    /// Keep published outbox rows this many hours (for diagnostics: what
+    /// was published, when, after how many attempts).
+    #[arg(long, env = "OUTBOX_RETENTION_HOURS", default_value_t = 168.0)]
+    pub published_retention_hours: f64,
+    /// Published outbox rows per delete transaction.
+    #[arg(long, env = "OUTBOX_PURGE_BATCH", default_value = "1000")]
+    pub purge_batch: NonZeroU32,
+}
+
+impl OutboxPurgeArgs {
+    /// The purge's settings, run every `interval`.
+    ///
+    /// # Errors
+    /// [`AppError::Config`] for a negative or non-finite retention.
+    pub fn config(&self, interval: Duration) -> Result<CleanupConfig, AppError> {
+        Ok(CleanupConfig {
+            retention: retention(self.published_retention_hours, "hours", 3600.0)?,
+            interval,
+            batch_size: self.purge_batch,
         })
     }
 }
@@ -491,6 +523,12 @@ pub struct RelayArgs {
     /// disable).
     #[arg(long, env = "RELAY_METRICS_ADDR", default_value = "127.0.0.1:9465")]
     pub metrics_addr: String,
+    #[command(flatten)]
+    #[allow(missing_docs, reason = "clap reads the flattened struct's docs")]
+    pub purge: OutboxPurgeArgs,
+    /// Seconds between background purges of published outbox rows (0: off).
+    #[arg(long, env = "OUTBOX_PURGE_INTERVAL_SECS", default_value_t = 3600)]
+    pub purge_interval_secs: u64,
 }
 
 impl RelayArgs {
@@ -505,6 +543,10 @@ impl RelayArgs {
                 lease: Duration::from_secs(self.lease_secs),
                 poll_interval: Duration::from_millis(self.poll_interval_ms),
                 confirm_timeout: Duration::from_secs(self.confirm_timeout_secs),
+                purge: match self.purge_interval_secs {
+                    0 => None,
+                    secs => Some(self.purge.config(Duration::from_secs(secs))?),
+                },
                 ..RelayConfig::new(
                     global.amqp_url.clone(),
                     format!("parcel-inbox relay {}{}", global.prefix, std::process::id()),
@@ -544,17 +586,22 @@ impl WithOutbox for RelayCommand {
             )),
             None => None,
         };
-        let mut relay = Relay::new(store, self.config)?;
+        let mut relay = Relay::new(store.clone(), self.config)?;
         if let Some(wakeups) = wakeups {
             relay = relay.wake_on(wakeups);
         }
         let relay = relay.spawn();
         if let Some((listener, metrics)) = endpoint {
-            let health = Health::new().live_while(relay.running()).ready_while(
-                "broker",
-                relay.broker_connected(),
-                "no channel to the broker (connecting or reconnecting)",
-            );
+            // Ready = a channel to the broker and a store that answers now:
+            // a relay that can reach only one of them publishes nothing.
+            let health = Health::new()
+                .live_while(relay.running())
+                .ready_while(
+                    "broker",
+                    relay.broker_connected(),
+                    "no channel to the broker (connecting or reconnecting)",
+                )
+                .ready_when("store probe", telemetry::store_reachable(store));
             let router = telemetry::router(metrics, health);
             telemetry::serve(listener, router, metrics_stopped);
         }
@@ -581,6 +628,115 @@ impl WithOutbox for RelayCommand {
             get(&tally.batches)
         );
         result
+    }
+}
+
+/// The flags of `api`.
+#[derive(Args, Debug, Clone)]
+pub struct ApiArgs {
+    /// Where to serve POST /parcels, GET /parcels/{id}, /metrics, /live and /ready.
+    #[arg(long, env = "PARCEL_API_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Run no relay in this process: `parcel-inbox relay` processes publish
+    /// the outbox (PostgreSQL stores only; the memory store's outbox lives
+    /// in this process).
+    #[arg(long)]
+    pub no_relay: bool,
+    #[command(flatten)]
+    #[allow(missing_docs, reason = "clap reads the flattened struct's docs")]
+    pub relay: RelayArgs,
+}
+
+impl ApiArgs {
+    /// The `api` command these flags (and `global`'s) make.
+    ///
+    /// # Errors
+    /// [`AppError::Config`] for an unusable flag.
+    pub fn api(&self, global: &Global) -> Result<ApiCommand, AppError> {
+        if self.no_relay && global.store == StoreKind::Memory {
+            return Err(AppError::Config(
+                "--no-relay with the memory store: its outbox lives in this process, \
+                 so no other process could publish it"
+                    .into(),
+            ));
+        }
+        let relay = if self.no_relay {
+            None
+        } else {
+            let mut relay = self.relay.relay(global)?.config;
+            relay.connection_name =
+                format!("parcel-inbox api {}{}", global.prefix, std::process::id());
+            Some(relay)
+        };
+        Ok(ApiCommand {
+            listen: self.listen,
+            topology: global.topology(),
+            relay,
+        })
+    }
+}
+
+/// `api`: `POST /parcels` beside `/metrics`, `/live` and `/ready`, and (by
+/// default) a relay woken by each creation, until SIGINT/SIGTERM.
+///
+/// Why the relay runs in the API's process by default: it publishes a
+/// parcel's event as soon as its creation commits (no LISTEN round trip, no
+/// poll), on every store, the memory store included; and more relays may
+/// still run apart (`parcel-inbox relay`), sharing the outbox through its
+/// leases. This is also what MassTransit's and Wolverine's outboxes do: the
+/// delivery service runs in the application's host.
+#[derive(Debug)]
+pub struct ApiCommand {
+    /// Where to listen.
+    pub listen: SocketAddr,
+    /// The exchange the parcel events go to.
+    pub topology: Topology,
+    /// The in-process relay's settings (`None`: no relay here).
+    pub relay: Option<RelayConfig>,
+}
+
+impl WithStore for ApiCommand {
+    type Output = ();
+
+    async fn run<S: ParcelStore>(self, store: S) -> Result<(), AppError> {
+        let listener = telemetry::bind(self.listen).await?;
+        let metrics = install_recorder(METRIC_NAMES)?;
+        let api = crate::parcel::api::ParcelApi::new(store.clone(), &self.topology);
+        let mut health =
+            Health::new().ready_when("store probe", telemetry::store_reachable(store.clone()));
+        let relay = match self.relay {
+            Some(config) => {
+                let relay = Relay::new(store, config)?.wake_on(api.committed()).spawn();
+                health = health.live_while(relay.running()).ready_while(
+                    "broker",
+                    relay.broker_connected(),
+                    "no channel to the broker (connecting or reconnecting)",
+                );
+                Some(relay)
+            }
+            None => None,
+        };
+        let router = telemetry::router(metrics, health).merge(api.router());
+        let server = crate::parcel::api::ApiServer::serve(listener, router)?;
+        println!("listening on http://{}", server.local_addr());
+        wait_for_signal().await;
+        tracing::info!("shutting down: finishing the requests in flight");
+        server.stop().await;
+        match relay {
+            Some(relay) => {
+                relay.shutdown();
+                let tally = Arc::clone(&relay.tally);
+                let result = relay.join().await;
+                println!(
+                    "relay stopped: {} published, {} failed, in {} batches",
+                    get(&tally.published),
+                    get(&tally.failed),
+                    get(&tally.batches)
+                );
+                result
+            }
+            None => Ok(()),
+        }
     }
 }
 

@@ -115,6 +115,11 @@ pub trait WithOutbox {
         store: S,
         wakeups: Option<BoxStream<'static, ()>>,
     ) -> impl Future<Output = Result<Self::Output, AppError>>;
+    /// Whether the task wants wake-ups (a LISTEN connection of their own on
+    /// the Postgres stores); a one-shot task does not.
+    fn listens(&self) -> bool {
+        true
+    }
 }
 
 /// As [`with_store`], for a task on the store's outbox.
@@ -131,13 +136,19 @@ pub async fn with_outbox<W: WithOutbox>(
         #[cfg(feature = "sqlx")]
         StoreKind::Sqlx => {
             let store = open_sqlx(config, attempts).await?;
-            let wakeups = sqlx_wakeups(&store).await;
+            let wakeups = match task.listens() {
+                true => sqlx_wakeups(&store).await,
+                false => None,
+            };
             task.run(store, wakeups).await
         }
         #[cfg(feature = "diesel")]
         StoreKind::Diesel => {
             let store = open_diesel(config, attempts).await?;
-            let wakeups = diesel_wakeups(&config.database_url, store.schema()).await;
+            let wakeups = match task.listens() {
+                true => diesel_wakeups(&config.database_url, store.schema()).await,
+                false => None,
+            };
             task.run(store, wakeups).await
         }
         #[cfg(feature = "memory")]
@@ -183,8 +194,9 @@ pub async fn sqlx_wakeups(store: &inbox_backend_sqlx::SqlxStore) -> Option<BoxSt
 }
 
 /// The diesel store's outbox notifications as wake-ups, through a
-/// connection of their own, or `None` (polling only) when LISTEN fails. The
-/// stream ends if that connection is lost; the relay then polls.
+/// connection of their own, or `None` (polling only) when LISTEN fails.
+/// The listener reconnects by itself after a lost connection (and wakes
+/// the relay once then).
 #[cfg(feature = "diesel")]
 pub async fn diesel_wakeups(
     url: &str,

@@ -53,6 +53,23 @@
 //! `--broken claim-in-own-transaction` runs the consumers on the
 //! conformance suite's deliberately broken store: the run must then report
 //! losses or doubles.
+//!
+//! With `--relays R` the outbox is in the loop: the valid events are parcel
+//! creations, each an outbox row written by the harness's producer in a
+//! transaction of its own (`OutboxTransaction::enqueue`; `--abort-rate` of
+//! them rolled back on purpose after the write, and the producer's
+//! backends terminated at seeded moments, so that some creations do not
+//! commit), and R relay processes (`parcel-lab-relay`: the real relay with
+//! crash points right after a take and right before a mark) publish them;
+//! they are killed and restarted, their backends terminated and their
+//! broker connections closed, on the same seeded schedule. Which creations
+//! committed is read from the outbox table at the end (the relays purge
+//! nothing), and the checks add: no effect of a creation that did not
+//! commit (ghosts), and no outbox row left unpublished. Copies come from
+//! the relays themselves then, not from the harness. `--broken-relay
+//! publish-before-commit` (the producer publishes before it commits) and
+//! `--broken-relay mark-before-confirm` (the relays mark a batch when they
+//! take it) must make the run fail.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
@@ -71,10 +88,15 @@ use consumer_app::runtime::error::chain;
 use consumer_app::runtime::message::{BadInputReason, header_text};
 use consumer_app::runtime::redact::redact_url;
 use consumer_app::runtime::{AppError, telemetry};
-use consumer_app::tools::stores::{StoreConfig, WithStore, with_store};
-use inbox_api::{ConsumerName, InboxKey, InboxStats, InboxStore, MessageId};
+use consumer_app::tools::stores::{StoreConfig, WithOutbox, WithStore, with_outbox, with_store};
+use inbox_api::{
+    ConsumerName, InboxKey, InboxStats, InboxStore, InboxTransaction, MessageId, OutboxStore,
+    OutboxTransaction, OutgoingMessage,
+};
 use inbox_backend_sqlx::SqlxStore;
 use lapin::options::BasicGetOptions;
+use parcel_lab::broken::BrokenRelay;
+use parcel_lab::relay_faults::CRASH_EXIT;
 use private_servers::{PrivatePostgres, PrivateRabbit};
 use rand::rngs::StdRng;
 use rand::{Rng as _, RngCore as _, SeedableRng as _};
@@ -179,6 +201,39 @@ struct Cli {
     /// 20 ms, prefetch 2 × size × concurrency); per-message mode without it.
     #[arg(long, value_parser = clap::value_parser!(u16).range(2..=1000))]
     batch_size: Option<u16>,
+    /// Relay processes (`parcel-lab-relay`). With any, the valid events are
+    /// not published by the harness: they are parcel creations, each an
+    /// outbox row written in a transaction of its own (some rolled back on
+    /// purpose, see --abort-rate), which the relays publish; the relays are
+    /// killed and restarted, their backends terminated and their broker
+    /// connections closed, and they crash at seeded points of their rounds.
+    #[arg(long, default_value_t = 0)]
+    relays: usize,
+    /// kill -9 (and restart) of a relay process (default: --kills).
+    #[arg(long)]
+    relay_kills: Option<usize>,
+    /// pg_terminate_backend of one relay's connections (default: --relay-kills).
+    #[arg(long)]
+    relay_pg_kills: Option<usize>,
+    /// rabbitmqctl close_connection of one relay's connection, which lands
+    /// while it awaits confirms (default: --relay-kills).
+    #[arg(long)]
+    relay_amqp_kills: Option<usize>,
+    /// pg_terminate_backend of the producer's connections: creations in
+    /// flight then do not commit (default: --relay-kills).
+    #[arg(long)]
+    producer_pg_kills: Option<usize>,
+    /// Fraction of the creations rolled back on purpose after their writes.
+    #[arg(long, default_value_t = 0.05)]
+    abort_rate: f64,
+    /// Probability, per relay round, of a crash right after the take, and
+    /// likewise right before the mark (after the confirms).
+    #[arg(long, default_value_t = 0.02)]
+    relay_crash_rate: f64,
+    /// Use a deliberately broken relay (publish-before-commit,
+    /// mark-before-confirm): the run must then report a violation.
+    #[arg(long)]
+    broken_relay: Option<String>,
     /// Seconds to wait for the queues to drain after the last publish.
     #[arg(long, default_value_t = 240)]
     drain_timeout_secs: u64,
@@ -201,6 +256,9 @@ struct Cli {
     /// The parcel-lab-consume binary (default: next to this one).
     #[arg(long, alias = "parcel-inbox")]
     consume_binary: Option<PathBuf>,
+    /// The parcel-lab-relay binary (default: next to this one).
+    #[arg(long)]
+    relay_binary: Option<PathBuf>,
     /// Keep the schema, queues and logs even when the run passes (they are
     /// always kept when it fails).
     #[arg(long)]
@@ -283,6 +341,8 @@ struct Plan {
     copies: usize,
     back_to_back: usize,
     bad: Vec<BadInputReason>,
+    /// With relays: the numbers of the creations rolled back on purpose.
+    aborted: HashSet<usize>,
 }
 
 fn event_for(parcel_id: String, rng: &mut Rng) -> ParcelCreatedEvent {
@@ -365,7 +425,14 @@ impl Plan {
             reason = "a count times a small rate"
         )]
         let scaled = |rate: f64| (cli.events as f64 * rate).ceil() as usize;
-        let copies = scaled(cli.duplicate_rate);
+        // With relays the copies come from the relays themselves (a crash
+        // after the confirms, before the mark); a copy published by the
+        // harness could be of a creation that never committed.
+        let copies = if cli.relays > 0 {
+            0
+        } else {
+            scaled(cli.duplicate_rate)
+        };
         let mut back_to_back = 0;
         for _ in 0..copies {
             let n = rng.below(cli.events);
@@ -399,12 +466,21 @@ impl Plan {
                 bad.push(reason);
             }
         }
+        // Drawn last: the plans of runs without relays stay as they were.
+        let aborted = if cli.relays > 0 {
+            (0..cli.events)
+                .filter(|_| rng.unit() < cli.abort_rate)
+                .collect()
+        } else {
+            HashSet::new()
+        };
         Ok(Self {
             messages,
             valid_ids,
             copies,
             back_to_back,
             bad,
+            aborted,
         })
     }
 }
@@ -417,6 +493,10 @@ enum FaultKind {
     Freeze,
     PostgresRestart,
     RabbitRestart,
+    RelayKill,
+    RelayPostgres,
+    RelayAmqp,
+    ProducerPostgres,
 }
 
 #[derive(Clone, Debug)]
@@ -455,6 +535,41 @@ fn schedule(cli: &Cli, window: Duration, rng: &mut Rng) -> Vec<Fault> {
             target: rng.below(cli.consumers),
         })
         .collect();
+    // Drawn after the others: the schedules of runs without relays stay
+    // as they were.
+    if cli.relays > 0 {
+        let relay_kills = cli.relay_kills.unwrap_or(cli.kills);
+        let mut relay_kinds = Vec::new();
+        relay_kinds.extend(std::iter::repeat_n(FaultKind::RelayKill, relay_kills));
+        relay_kinds.extend(std::iter::repeat_n(
+            FaultKind::RelayPostgres,
+            cli.relay_pg_kills.unwrap_or(relay_kills),
+        ));
+        relay_kinds.extend(std::iter::repeat_n(
+            FaultKind::RelayAmqp,
+            cli.relay_amqp_kills.unwrap_or(relay_kills),
+        ));
+        relay_kinds.extend(std::iter::repeat_n(
+            FaultKind::ProducerPostgres,
+            cli.producer_pg_kills.unwrap_or(relay_kills),
+        ));
+        // The producer's faults while it produces (the window's last two
+        // seconds are the drain's start).
+        let producing = window.saturating_sub(Duration::from_secs(2));
+        faults.extend(relay_kinds.into_iter().map(|kind| {
+            Fault {
+                at: Duration::from_millis(300)
+                    + if kind == FaultKind::ProducerPostgres {
+                        producing
+                    } else {
+                        window
+                    }
+                    .mul_f64(rng.unit()),
+                kind,
+                target: rng.below(cli.relays),
+            }
+        }));
+    }
     faults.sort_by_key(|f| f.at);
     faults
 }
@@ -470,6 +585,14 @@ struct Names {
 impl Names {
     fn application_name(&self, k: usize) -> String {
         format!("{}-c{k}", self.schema)
+    }
+
+    fn relay_application_name(&self, k: usize) -> String {
+        format!("{}-r{k}", self.schema)
+    }
+
+    fn producer_application_name(&self) -> String {
+        format!("{}-producer", self.schema)
     }
 }
 
@@ -497,15 +620,21 @@ const FREEZE_BOUNDS: [&str; 6] = [
 /// its unacked deliveries (the default, 60 s, outlasts a freeze).
 const FREEZE_HEARTBEAT_SECS: u64 = 3;
 
+/// The run's processes of one kind: the consumers, or the relays.
 struct Consumers<'a> {
     cli: &'a Cli,
     names: &'a Names,
     binary: PathBuf,
+    /// `Some(run seed)` for relay processes (their crash points' seeds
+    /// derive from it), `None` for consume processes.
+    relay_seed: Option<u64>,
     children: Vec<Child>,
     generation: Vec<usize>,
     /// When each frozen (SIGSTOPped) process is to be resumed.
     frozen: Vec<Option<Instant>>,
     unexpected_exits: usize,
+    /// Relays that exited at a deliberate crash point (and were restarted).
+    crash_points: usize,
 }
 
 impl<'a> Consumers<'a> {
@@ -514,15 +643,51 @@ impl<'a> Consumers<'a> {
             cli,
             names,
             binary,
+            relay_seed: None,
             children: Vec::new(),
             generation: vec![0; cli.consumers],
             frozen: vec![None; cli.consumers],
             unexpected_exits: 0,
+            crash_points: 0,
         }
     }
 
-    fn command(&self, k: usize) -> Result<Command, AppError> {
-        let log = self.names.logs.join(format!("c{k}.log"));
+    /// The `--relays` relay processes.
+    fn relays(cli: &'a Cli, names: &'a Names, binary: PathBuf, seed: u64) -> Self {
+        Self {
+            relay_seed: Some(seed),
+            generation: vec![0; cli.relays],
+            frozen: vec![None; cli.relays],
+            ..Self::new(cli, names, binary)
+        }
+    }
+
+    fn count(&self) -> usize {
+        self.generation.len()
+    }
+
+    /// What a process is called in RabbitMQ's connection names
+    /// (`parcel-inbox <word> <prefix><pid>`) and in the logs.
+    fn word(&self) -> &'static str {
+        if self.relay_seed.is_some() {
+            "relay"
+        } else {
+            "consume"
+        }
+    }
+
+    fn application_name(&self, k: usize) -> String {
+        if self.relay_seed.is_some() {
+            self.names.relay_application_name(k)
+        } else {
+            self.names.application_name(k)
+        }
+    }
+
+    /// Process `k`'s stdout and stderr: its log file, appended to.
+    fn log(&self, k: usize) -> Result<(Stdio, Stdio), AppError> {
+        let letter = if self.relay_seed.is_some() { 'r' } else { 'c' };
+        let log = self.names.logs.join(format!("{letter}{k}.log"));
         let open = || {
             std::fs::OpenOptions::new()
                 .create(true)
@@ -533,6 +698,69 @@ impl<'a> Consumers<'a> {
                     source,
                 })
         };
+        Ok((open()?.into(), open()?.into()))
+    }
+
+    /// A relay process: short leases and confirm timeouts, so that what a
+    /// killed relay held goes out again within seconds; no purge, since
+    /// the outbox rows are the record of which creations committed.
+    fn relay_command(&self, k: usize, seed: u64) -> Result<Command, AppError> {
+        let (stdout, stderr) = self.log(k)?;
+        let crash = self.cli.relay_crash_rate.to_string();
+        let fault_seed = seed ^ ((k as u64) << 32) ^ self.generation[k] as u64;
+        let mut command = Command::new(&self.binary);
+        command
+            .args([
+                "--store",
+                self.cli.store.as_str(),
+                "--database-url",
+                &with_application_name(&self.cli.database_url, &self.application_name(k)),
+                "--amqp-url",
+                &self.cli.amqp_url,
+                "--schema",
+                &self.names.schema,
+                "--prefix",
+                &self.names.prefix,
+                "--pool-size",
+                "4",
+                "--batch-size",
+                "20",
+                "--lease-secs",
+                "4",
+                "--confirm-timeout-secs",
+                "2",
+                "--poll-interval-ms",
+                "200",
+                "--metrics-addr",
+                "off",
+                "--purge-interval-secs",
+                "0",
+                "--fault-crash-after-take",
+                &crash,
+                "--fault-crash-before-mark",
+                &crash,
+                "--fault-seed",
+                &fault_seed.to_string(),
+            ])
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(stderr)
+            .kill_on_drop(true);
+        if let Some(BrokenRelay::MarkBeforeConfirm) = broken_relay(self.cli)? {
+            command.args([
+                "--fault-broken-relay",
+                BrokenRelay::MarkBeforeConfirm.name(),
+            ]);
+        }
+        Ok(command)
+    }
+
+    fn command(&self, k: usize) -> Result<Command, AppError> {
+        if let Some(seed) = self.relay_seed {
+            return self.relay_command(k, seed);
+        }
+        let (stdout, stderr) = self.log(k)?;
         // Batched: one batch in work and the next arriving, per worker.
         let prefetch = self
             .cli
@@ -587,8 +815,8 @@ impl<'a> Consumers<'a> {
             ])
             .env("RUST_LOG", "warn,consumer_app::runtime::worker=error")
             .stdin(Stdio::null())
-            .stdout(open()?)
-            .stderr(open()?)
+            .stdout(stdout)
+            .stderr(stderr)
             .kill_on_drop(true);
         if let Some(kind) = &self.cli.broken {
             command.args(["--fault-broken-store", kind]);
@@ -611,7 +839,7 @@ impl<'a> Consumers<'a> {
     }
 
     fn start_all(&mut self) -> Result<(), AppError> {
-        for k in 0..self.cli.consumers {
+        for k in 0..self.count() {
             let child = self.spawn(k)?;
             self.children.push(child);
         }
@@ -622,17 +850,32 @@ impl<'a> Consumers<'a> {
     fn supervise(&mut self) -> Result<(), AppError> {
         for k in 0..self.children.len() {
             if let Ok(Some(status)) = self.children[k].try_wait() {
-                self.unexpected_exits += 1;
-                tracing::error!(consumer = k, %status, "consume process exited by itself; restarting");
+                self.exited(k, status);
                 self.children[k] = self.spawn(k)?;
             }
         }
         Ok(())
     }
 
+    /// Counts process `k`'s exit by itself: a crash point, or a crash.
+    fn exited(&mut self, k: usize, status: std::process::ExitStatus) {
+        if self.relay_seed.is_some() && status.code() == Some(CRASH_EXIT) {
+            self.crash_points += 1;
+            tracing::info!(relay = k, "relay exited at a crash point; restarting");
+        } else {
+            self.unexpected_exits += 1;
+            tracing::error!(process = k, kind = self.word(), %status,
+                "process exited by itself; restarting");
+        }
+    }
+
     async fn kill_and_restart(&mut self, k: usize) -> Result<(), AppError> {
         // SIGKILL ends a stopped process too; its successor runs.
         self.frozen[k] = None;
+        // One that exited by itself since the last look is counted first.
+        if let Ok(Some(status)) = self.children[k].try_wait() {
+            self.exited(k, status);
+        }
         let child = &mut self.children[k];
         let _ = child.start_kill();
         let _ = child.wait().await;
@@ -642,6 +885,15 @@ impl<'a> Consumers<'a> {
 
     fn pid(&self, k: usize) -> Option<u32> {
         self.children[k].id()
+    }
+
+    /// Has RabbitMQ (`node`) close process `k`'s connection; false when it
+    /// has none right now.
+    async fn close_connection(&self, k: usize, node: Option<&str>) -> Result<bool, AppError> {
+        match self.pid(k) {
+            Some(pid) => close_amqp_connection(node, &self.names.prefix, self.word(), pid).await,
+            None => Ok(false),
+        }
     }
 
     /// Sends `signal` (`STOP`, `CONT`, `TERM`) to process `k`.
@@ -732,6 +984,7 @@ async fn rabbitmqctl(node: Option<&str>, args: &[&str]) -> Result<String, AppErr
 async fn close_amqp_connection(
     node: Option<&str>,
     prefix: &str,
+    word: &str,
     pid: u32,
 ) -> Result<bool, AppError> {
     let listed = rabbitmqctl(
@@ -745,7 +998,7 @@ async fn close_amqp_connection(
         ],
     )
     .await?;
-    let needle = format!("{{\"connection_name\",\"parcel-inbox consume {prefix}{pid}\"}}");
+    let needle = format!("{{\"connection_name\",\"parcel-inbox {word} {prefix}{pid}\"}}");
     let Some(connection) = listed.lines().find_map(|line| {
         let (conn, properties) = line.split_once('\t')?;
         properties.contains(&needle).then(|| conn.trim().to_owned())
@@ -757,7 +1010,7 @@ async fn close_amqp_connection(
         &[
             "close_connection",
             &connection,
-            "parcel-chaos: closing a consumer's connection",
+            "parcel-chaos: closing a process's connection",
         ],
     )
     .await?;
@@ -860,6 +1113,190 @@ async fn publish_plan(
     results.into_iter().collect()
 }
 
+// ------------------------------------------------------------- creations
+
+fn broken_relay(cli: &Cli) -> Result<Option<BrokenRelay>, AppError> {
+    cli.broken_relay
+        .as_deref()
+        .map(BrokenRelay::parse)
+        .transpose()
+}
+
+/// What the producer did; the outbox table, not this, says what committed.
+#[derive(Debug, Default)]
+struct Creations {
+    committed: u64,
+    /// Rolled back on purpose after their writes (lab-only aborts).
+    aborted: u64,
+    /// Failed (a terminated backend, a stopped PostgreSQL): committed or
+    /// not, the table tells.
+    failed: u64,
+}
+
+/// The parcel creations of a run with relays: each valid event an outbox
+/// row written in a transaction of its own through
+/// `OutboxTransaction::enqueue`, paced to a steady rate, the planned ones
+/// rolled back after the write.
+struct Produce {
+    /// (message id, body, roll back) per creation, in order.
+    creations: Vec<(uuid::Uuid, Vec<u8>, bool)>,
+    exchange: String,
+    rate: f64,
+    amqp_url: String,
+    broken: Option<BrokenRelay>,
+}
+
+impl Produce {
+    fn new(cli: &Cli, plan: &Plan, topology: &Topology) -> Result<Self, AppError> {
+        let creations = plan
+            .messages
+            .iter()
+            .filter_map(|(kind, message)| match kind {
+                Kind::Valid(n) => Some((
+                    plan.valid_ids[*n],
+                    message.body.clone(),
+                    plan.aborted.contains(n),
+                )),
+                Kind::Bad => None,
+            })
+            .collect();
+        Ok(Self {
+            creations,
+            exchange: topology.exchange(),
+            rate: cli.publish_rate,
+            amqp_url: cli.amqp_url.clone(),
+            broken: broken_relay(cli)?,
+        })
+    }
+
+    /// One creation; true when it committed.
+    async fn create<S: OutboxStore>(
+        store: &S,
+        message: &OutgoingMessage,
+        abort: bool,
+        publisher: Option<&Publisher>,
+    ) -> Result<bool, AppError> {
+        let mut transaction = store.begin().await?;
+        // Every creation has an id of its own: never AlreadyEnqueued.
+        let _ = transaction.enqueue(message).await?;
+        if let Some(publisher) = publisher {
+            // BROKEN on purpose (--broken-relay publish-before-commit).
+            let outgoing = Outgoing {
+                message_id: Some(message.id().to_string()),
+                kind: Some(message.message_type().to_owned()),
+                body: message.body().to_vec(),
+            };
+            publisher.publish_all(&[outgoing], 1, |_| {}).await?;
+        }
+        if abort {
+            transaction.rollback().await?;
+            return Ok(false);
+        }
+        transaction.commit().await?;
+        Ok(true)
+    }
+}
+
+impl WithOutbox for Produce {
+    type Output = Creations;
+
+    fn listens(&self) -> bool {
+        false
+    }
+
+    async fn run<S: OutboxStore + Clone + 'static>(
+        self,
+        store: S,
+        _wakeups: Option<futures::stream::BoxStream<'static, ()>>,
+    ) -> Result<Creations, AppError> {
+        let broker = match self.broken {
+            Some(BrokenRelay::PublishBeforeCommit) => {
+                let connection = connect(&self.amqp_url, "parcel-chaos broken producer").await?;
+                let publisher = Publisher::new(&connection, &self.exchange, ROUTING_KEY).await?;
+                Some((connection, publisher))
+            }
+            _ => None,
+        };
+        let started = Instant::now();
+        let mut done = Creations::default();
+        for (i, (id, body, abort)) in self.creations.into_iter().enumerate() {
+            #[expect(clippy::cast_precision_loss, reason = "a creation index")]
+            let due = Duration::from_secs_f64(i as f64 / self.rate.max(1.0));
+            if let Some(wait) = due.checked_sub(started.elapsed()) {
+                tokio::time::sleep(wait).await;
+            }
+            let message = OutgoingMessage::new(
+                MessageId::from(id),
+                self.exchange.clone(),
+                ROUTING_KEY,
+                EVENT_TYPE,
+                body,
+            )?;
+            match Self::create(&store, &message, abort, broker.as_ref().map(|(_, p)| p)).await {
+                Ok(true) => done.committed += 1,
+                Ok(false) => done.aborted += 1,
+                Err(error) => {
+                    done.failed += 1;
+                    tracing::info!(message_id = %id, error = %chain(&error), "a creation failed");
+                }
+            }
+        }
+        if let Some((connection, publisher)) = broker {
+            publisher.close().await;
+            close_bounded(&connection, "produced").await;
+        }
+        Ok(done)
+    }
+}
+
+/// Runs the producer on a thread of its own (its store's future is not
+/// `Send`, so it cannot be a task of the run's runtime).
+fn start_producer(
+    cli: &Cli,
+    names: &Names,
+    produce: Produce,
+) -> std::thread::JoinHandle<Result<Creations, AppError>> {
+    let store = StoreConfig {
+        kind: cli.store,
+        database_url: with_application_name(&cli.database_url, &names.producer_application_name()),
+        schema: names.schema.clone(),
+        pool_size: 4,
+        timeouts: inbox_backend_sqlx::SessionTimeouts::default(),
+    };
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|source| AppError::Io {
+                context: "start the producer's runtime".into(),
+                source,
+            })?;
+        runtime.block_on(with_outbox(&store, Some(10), produce))
+    })
+}
+
+/// Which planned creations committed: those with an outbox row (published
+/// or not; the relays purge nothing in a chaos run).
+async fn committed_creations(
+    inbox: &SqlxStore,
+    plan: &Plan,
+) -> Result<(Vec<uuid::Uuid>, HashSet<uuid::Uuid>), AppError> {
+    let mut committed = Vec::new();
+    let mut not_committed = HashSet::new();
+    for id in &plan.valid_ids {
+        if inbox
+            .lookup_outgoing(&MessageId::from(*id))
+            .await?
+            .is_some()
+        {
+            committed.push(*id);
+        } else {
+            not_committed.insert(*id);
+        }
+    }
+    Ok((committed, not_committed))
+}
+
 // ---------------------------------------------------------------- checks
 
 #[derive(Debug, Default)]
@@ -878,6 +1315,10 @@ struct Verdict {
     dead_letter_missing: u64,
     dead_letter_wrong_reason: u64,
     valid_dead_lettered: u64,
+    /// Effects (rows or downstream calls) of creations that did not commit.
+    ghosts: u64,
+    /// Outbox rows still not published at the end.
+    outbox_pending: u64,
     details: Vec<String>,
 }
 
@@ -890,6 +1331,8 @@ impl Verdict {
             && self.dead_letter_missing == 0
             && self.dead_letter_wrong_reason == 0
             && self.valid_dead_lettered == 0
+            && self.ghosts == 0
+            && self.outbox_pending == 0
             && self.effects == self.expected_effects
     }
 
@@ -917,22 +1360,25 @@ async fn per_message(
         .map_err(db)
 }
 
+/// Checks the effects of the `valid_ids` (each exactly once) and that the
+/// `not_committed` creations have none (ghosts).
 async fn check_database(
     pool: &PgPool,
     inbox: &SqlxStore,
     schema: &str,
-    plan: &Plan,
+    valid_ids: &[uuid::Uuid],
+    not_committed: &HashSet<uuid::Uuid>,
     verdict: &mut Verdict,
 ) -> Result<(), AppError> {
-    let valid: HashSet<uuid::Uuid> = plan.valid_ids.iter().copied().collect();
+    let valid: HashSet<uuid::Uuid> = valid_ids.iter().copied().collect();
     // The inbox's rows through the backend's own answers (its table is the
     // backend's business): the totals per consumer, and each valid key.
     let counts = inbox.processed_counts().await?;
     let inbox_total: u64 = counts.values().sum();
     let mut present: HashSet<(uuid::Uuid, String)> = HashSet::new();
-    for role in Role::ALL {
+    for role in Role::PARCEL_CREATED {
         let consumer = ConsumerName::new(role.consumer_name())?;
-        for id in &plan.valid_ids {
+        for id in valid_ids {
             let key = InboxKey::new(MessageId::from(*id), consumer.clone());
             if inbox.lookup(&key).await?.is_some() {
                 present.insert((*id, role.consumer_name().to_owned()));
@@ -946,7 +1392,7 @@ async fn check_database(
     ] {
         let counts = per_message(pool, schema, table).await?;
         let consumer = role.consumer_name();
-        for id in &plan.valid_ids {
+        for id in valid_ids {
             let n = u64::try_from(counts.get(id).copied().unwrap_or(0)).unwrap_or(0);
             verdict.effects += n;
             verdict.expected_effects += 1;
@@ -967,7 +1413,12 @@ async fn check_database(
             }
         }
         for (id, n) in &counts {
-            if !valid.contains(id) {
+            if not_committed.contains(id) {
+                verdict.ghosts += u64::try_from(*n).unwrap_or(0);
+                verdict.note(format!(
+                    "ghost: {table} has an effect of {id}, whose creation did not commit"
+                ));
+            } else if !valid.contains(id) {
                 verdict.stray += u64::try_from(*n).unwrap_or(0);
                 verdict.note(format!("stray effect of a non-event {id} in {table}"));
             }
@@ -1007,7 +1458,7 @@ async fn check_database(
         } else {
             verdict.notified = count;
         }
-        for id in &plan.valid_ids {
+        for id in valid_ids {
             if !keys.contains(&id.to_string()) {
                 verdict.lost += 1;
                 verdict.note(format!("lost: the stub {name} never got {id}"));
@@ -1021,8 +1472,18 @@ async fn check_database(
                 ));
             }
         }
-        let valid_keys: HashSet<String> = plan.valid_ids.iter().map(ToString::to_string).collect();
-        verdict.stray += keys.difference(&valid_keys).count() as u64;
+        let valid_keys: HashSet<String> = valid_ids.iter().map(ToString::to_string).collect();
+        let ghost_keys: HashSet<String> = not_committed.iter().map(ToString::to_string).collect();
+        for key in keys.difference(&valid_keys) {
+            if ghost_keys.contains(key) {
+                verdict.ghosts += 1;
+                verdict.note(format!(
+                    "ghost: the stub {name} got {key}, whose creation did not commit"
+                ));
+            } else {
+                verdict.stray += 1;
+            }
+        }
     }
     Ok(())
 }
@@ -1117,6 +1578,25 @@ struct FaultCounts {
     pg_kills_missed: usize,
     rabbit_restarts: usize,
     rabbit_restarts_missed: usize,
+    relay_kills: usize,
+    relay_pg_kills: usize,
+    relay_pg_backends: u64,
+    /// Relay and producer backend kills due while PostgreSQL was down.
+    relay_pg_missed: usize,
+    relay_amqp_kills: usize,
+    relay_amqp_missed: usize,
+    producer_pg_kills: usize,
+    producer_pg_backends: u64,
+}
+
+/// What a run with relays adds to the summary.
+struct RelayRun {
+    creations: Creations,
+    /// Creations with an outbox row at the end (the truth).
+    committed: u64,
+    not_committed: u64,
+    crash_points: usize,
+    unexpected_exits: usize,
 }
 
 /// The servers of the run's own, stopped and removed when dropped.
@@ -1134,8 +1614,10 @@ impl Servers {
     }
 }
 
-fn consume_binary(cli: &Cli) -> Result<PathBuf, AppError> {
-    if let Some(path) = &cli.consume_binary {
+/// The lab binary `name`: `explicit` (its flag), or the one next to this
+/// binary.
+fn lab_binary(explicit: Option<&PathBuf>, name: &str) -> Result<PathBuf, AppError> {
+    if let Some(path) = explicit {
         return Ok(path.clone());
     }
     let me = std::env::current_exe().map_err(|source| AppError::Io {
@@ -1144,16 +1626,13 @@ fn consume_binary(cli: &Cli) -> Result<PathBuf, AppError> {
     })?;
     let dir = me.parent().unwrap_or(Path::new("."));
     // Test binaries live in deps/, the bins one level up.
-    for candidate in [
-        dir.join("parcel-lab-consume"),
-        dir.join("../parcel-lab-consume"),
-    ] {
+    for candidate in [dir.join(name), dir.join("..").join(name)] {
         if candidate.exists() {
             return Ok(candidate);
         }
     }
     Err(AppError::Config(format!(
-        "no parcel-lab-consume binary next to {} (build it, or pass --consume-binary)",
+        "no {name} binary next to {} (build it, or pass its flag)",
         me.display()
     )))
 }
@@ -1172,13 +1651,22 @@ async fn run(mut cli: Cli) -> Result<bool, AppError> {
             .map_or(1, |d| d.as_nanos() as u64)
     });
     println!(
-        "parcel-chaos seed {seed} (replay: --seed {seed}); store {}, {} consumers, {} events, broken: {}",
+        "parcel-chaos seed {seed} (replay: --seed {seed}); store {}, {} consumers, {} relays, {} events, broken: {}, broken relay: {}",
         cli.store,
         cli.consumers,
+        cli.relays,
         cli.events,
-        cli.broken.as_deref().unwrap_or("no")
+        cli.broken.as_deref().unwrap_or("no"),
+        cli.broken_relay.as_deref().unwrap_or("no")
     );
-    let binary = consume_binary(&cli)?;
+    let binary = lab_binary(cli.consume_binary.as_ref(), "parcel-lab-consume")?;
+    let relay_binary = match cli.relays {
+        0 => PathBuf::new(),
+        _ => lab_binary(cli.relay_binary.as_ref(), "parcel-lab-relay")?,
+    };
+    if broken_relay(&cli)?.is_some() && cli.relays == 0 {
+        return Err(AppError::Config("--broken-relay needs --relays".into()));
+    }
     let mut servers = Servers::default();
     if cli.private_postgres || cli.pg_restarts > 0 {
         let postgres = tokio::task::spawn_blocking(PrivatePostgres::start)
@@ -1254,22 +1742,35 @@ async fn run(mut cli: Cli) -> Result<bool, AppError> {
     }
     let work_queues: Vec<String> = Role::ALL.iter().map(|r| topology.queue(*r)).collect();
 
+    let inbox = SqlxStore::connect(
+        &with_application_name(&cli.database_url, "parcel-chaos"),
+        &names.schema,
+    )
+    .await?;
+    let produce = match cli.relays {
+        0 => None,
+        _ => Some(Produce::new(&cli, &plan, &topology)?),
+    };
     let mut consumers = Consumers::new(&cli, &names, binary);
     consumers.start_all()?;
+    let mut relays = Consumers::relays(&cli, &names, relay_binary, seed);
+    relays.start_all()?;
     let outcome = drive(
         &cli,
         &servers,
         &names,
-        &pool,
+        (&pool, &inbox),
         &plan,
+        produce,
         &faults,
         &topology,
         &work_queues,
-        &mut consumers,
+        (&mut consumers, &mut relays),
     )
     .await;
+    relays.stop_all().await;
     consumers.stop_all().await;
-    let (counts, drained) = match outcome {
+    let (counts, drained, creations) = match outcome {
         Ok(done) => done,
         Err(error) => {
             eprintln!(
@@ -1281,17 +1782,35 @@ async fn run(mut cli: Cli) -> Result<bool, AppError> {
     };
 
     let mut verdict = Verdict::default();
-    let inbox = SqlxStore::connect(
-        &with_application_name(&cli.database_url, "parcel-chaos"),
+    let (expected, not_committed) = match cli.relays {
+        0 => (plan.valid_ids.clone(), HashSet::new()),
+        _ => committed_creations(&inbox, &plan).await?,
+    };
+    if cli.relays > 0 {
+        verdict.outbox_pending = inbox.pending_count().await?;
+    }
+    check_database(
+        &pool,
+        &inbox,
         &names.schema,
+        &expected,
+        &not_committed,
+        &mut verdict,
     )
     .await?;
-    check_database(&pool, &inbox, &names.schema, &plan, &mut verdict).await?;
     check_dead_letters(&cli.amqp_url, &topology, &plan, &mut verdict).await?;
     if !drained {
         verdict.note("the queues did not drain within --drain-timeout-secs".into());
     }
-    let ok = verdict.ok() && drained && consumers.unexpected_exits == 0;
+    let ok =
+        verdict.ok() && drained && consumers.unexpected_exits == 0 && relays.unexpected_exits == 0;
+    let relay_run = creations.map(|creations| RelayRun {
+        creations,
+        committed: expected.len() as u64,
+        not_committed: not_committed.len() as u64,
+        crash_points: relays.crash_points,
+        unexpected_exits: relays.unexpected_exits,
+    });
     let wall = started.elapsed();
     print!(
         "{}",
@@ -1301,6 +1820,8 @@ async fn run(mut cli: Cli) -> Result<bool, AppError> {
             &plan,
             &counts,
             &verdict,
+            expected.len() as u64,
+            relay_run.as_ref(),
             consumers.unexpected_exits,
             drained,
             wall
@@ -1310,14 +1831,16 @@ async fn run(mut cli: Cli) -> Result<bool, AppError> {
         println!("  {detail}");
     }
     println!(
-        "RESULT: {} lost={} doubles={} stray={} inbox_mismatch={} dead_letter_missing={} valid_dead_lettered={} seed={seed}",
+        "RESULT: {} lost={} doubles={} stray={} inbox_mismatch={} dead_letter_missing={} valid_dead_lettered={} ghosts={} outbox_pending={} seed={seed}",
         if ok { "PASS" } else { "FAIL" },
         verdict.lost,
         verdict.doubles,
         verdict.stray,
         verdict.inbox_mismatch,
         verdict.dead_letter_missing + verdict.dead_letter_wrong_reason,
-        verdict.valid_dead_lettered
+        verdict.valid_dead_lettered,
+        verdict.ghosts,
+        verdict.outbox_pending
     );
 
     if (ok && !cli.keep) || cli.always_clean {
@@ -1352,20 +1875,31 @@ async fn drive(
     cli: &Cli,
     servers: &Servers,
     names: &Names,
-    pool: &PgPool,
+    (pool, inbox): (&PgPool, &SqlxStore),
     plan: &Plan,
+    produce: Option<Produce>,
     faults: &[Fault],
     topology: &Topology,
     work_queues: &[String],
-    consumers: &mut Consumers<'_>,
-) -> Result<(FaultCounts, bool), AppError> {
+    (consumers, relays): (&mut Consumers<'_>, &mut Consumers<'_>),
+) -> Result<(FaultCounts, bool, Option<Creations>), AppError> {
     let t0 = Instant::now();
+    // With relays the harness publishes only the bad input; the valid
+    // events are the producer's creations, which the relays publish.
+    let direct: Vec<Outgoing> = plan
+        .messages
+        .iter()
+        .filter(|(kind, _)| produce.is_none() || matches!(kind, Kind::Bad))
+        .map(|(_, m)| m.clone())
+        .collect();
     let mut publisher = tokio::spawn(publish_plan(
         cli.amqp_url.clone(),
         topology.clone(),
-        plan.messages.iter().map(|(_, m)| m.clone()).collect(),
+        direct,
         cli.publish_rate,
     ));
+    let mut producer = produce.map(|produce| start_producer(cli, names, produce));
+    let mut creations: Option<Creations> = None;
     let mut published = false;
     let mut counts = FaultCounts::default();
     let mut next = 0;
@@ -1377,6 +1911,7 @@ async fn drive(
     let mut rabbit_held = 0;
     let mut rabbit_down: Option<Instant> = None;
     while !published
+        || producer.is_some()
         || next < faults.len()
         || frozen
         || pg_down.is_some()
@@ -1384,7 +1919,19 @@ async fn drive(
         || rabbit_down.is_some()
     {
         consumers.supervise()?;
+        relays.supervise()?;
         frozen = consumers.thaw(false).await;
+        if producer
+            .as_ref()
+            .is_some_and(std::thread::JoinHandle::is_finished)
+            && let Some(done) = producer.take()
+        {
+            let done = done
+                .join()
+                .map_err(|_| AppError::Unavailable("the producer panicked".into()))??;
+            tracing::info!(elapsed = ?t0.elapsed(), ?done, "every creation requested");
+            creations = Some(done);
+        }
         if let (Some(until), Some(postgres)) = (pg_down, &servers.postgres)
             && until <= Instant::now()
         {
@@ -1398,7 +1945,7 @@ async fn drive(
                 rabbit.up().await;
                 rabbit_down = None;
                 tracing::info!(at = ?t0.elapsed(), "RabbitMQ started again (start_app)");
-            } else if published && rabbit_held > 0 && rabbit_down.is_none() {
+            } else if published && producer.is_none() && rabbit_held > 0 && rabbit_down.is_none() {
                 rabbit_held -= 1;
                 tokio::task::block_in_place(|| rabbit.ctl("stop_app"));
                 rabbit_down = Some(Instant::now() + Duration::from_secs(cli.rabbit_down_secs));
@@ -1438,13 +1985,8 @@ async fn drive(
                     tracing::info!(consumer = k, backends = n, at = ?t0.elapsed(), "pg_terminate_backend");
                 }
                 FaultKind::Amqp => {
-                    let closed = match consumers.pid(k) {
-                        Some(pid) if rabbit_down.is_none() => {
-                            close_amqp_connection(servers.rabbit_node(), &names.prefix, pid).await?
-                        }
-                        Some(_) => false,
-                        None => false,
-                    };
+                    let closed = rabbit_down.is_none()
+                        && consumers.close_connection(k, servers.rabbit_node()).await?;
                     if closed {
                         counts.amqp_kills += 1;
                     } else {
@@ -1463,6 +2005,36 @@ async fn drive(
                 },
                 FaultKind::RabbitRestart if servers.rabbit.is_some() => rabbit_held += 1,
                 FaultKind::RabbitRestart => counts.rabbit_restarts_missed += 1,
+                FaultKind::RelayKill => {
+                    relays.kill_and_restart(k).await?;
+                    counts.relay_kills += 1;
+                    tracing::info!(relay = k, at = ?t0.elapsed(), "kill -9 and restart");
+                }
+                FaultKind::RelayPostgres | FaultKind::ProducerPostgres if pg_down.is_some() => {
+                    counts.relay_pg_missed += 1;
+                }
+                FaultKind::RelayPostgres => {
+                    let n = terminate_backends(pool, &relays.application_name(k)).await?;
+                    counts.relay_pg_kills += 1;
+                    counts.relay_pg_backends += n;
+                    tracing::info!(relay = k, backends = n, at = ?t0.elapsed(), "pg_terminate_backend");
+                }
+                FaultKind::ProducerPostgres => {
+                    let n = terminate_backends(pool, &names.producer_application_name()).await?;
+                    counts.producer_pg_kills += 1;
+                    counts.producer_pg_backends += n;
+                    tracing::info!(backends = n, at = ?t0.elapsed(), "producer pg_terminate_backend");
+                }
+                FaultKind::RelayAmqp => {
+                    let closed = rabbit_down.is_none()
+                        && relays.close_connection(k, servers.rabbit_node()).await?;
+                    if closed {
+                        counts.relay_amqp_kills += 1;
+                    } else {
+                        counts.relay_amqp_missed += 1;
+                    }
+                    tracing::info!(relay = k, closed, at = ?t0.elapsed(), "rabbitmqctl close_connection");
+                }
                 FaultKind::Freeze => {
                     let until = Instant::now() + Duration::from_secs(cli.freeze_secs);
                     if consumers.freeze(k, until).await {
@@ -1483,21 +2055,31 @@ async fn drive(
     let mut quiet_rounds = 0;
     while Instant::now() < deadline {
         consumers.supervise()?;
+        relays.supervise()?;
         let depths = queue_depths(servers.rabbit_node(), work_queues).await?;
         let pending = undispatched(pool, &names.schema).await?;
-        if depths.iter().all(|d| *d == 0) && pending == 0 {
+        let outbox = match creations {
+            Some(_) => inbox.pending_count().await?,
+            None => 0,
+        };
+        if depths.iter().all(|d| *d == 0) && pending == 0 && outbox == 0 {
             quiet_rounds += 1;
             // Twice in a row, a second apart: nothing in flight anywhere.
             if quiet_rounds >= 2 {
-                return Ok((counts, true));
+                return Ok((counts, true, creations));
             }
         } else {
             quiet_rounds = 0;
-            tracing::info!(?depths, undispatched = pending, "draining");
+            tracing::info!(
+                ?depths,
+                undispatched = pending,
+                outbox_pending = outbox,
+                "draining"
+            );
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
-    Ok((counts, false))
+    Ok((counts, false, creations))
 }
 
 #[expect(clippy::too_many_arguments, reason = "the table's inputs")]
@@ -1507,15 +2089,17 @@ fn table(
     plan: &Plan,
     counts: &FaultCounts,
     v: &Verdict,
+    expected: u64,
+    relay_run: Option<&RelayRun>,
     unexpected_exits: usize,
     drained: bool,
     wall: Duration,
 ) -> String {
-    let valid = plan.valid_ids.len() as u64;
+    let valid = expected;
     let pairs = 2 * valid;
     let bad = plan.bad.len() as u64;
     let mark = |ok: bool| if ok { "ok" } else { "VIOLATION" };
-    let rows: Vec<(String, String, String, &str)> = vec![
+    let mut rows: Vec<(String, String, String, &str)> = vec![
         (
             "sent".into(),
             plan.messages.len().to_string(),
@@ -1595,30 +2179,62 @@ fn table(
             String::new(),
             "",
         ),
+    ];
+    // A row that only reports, and one whose value must be zero.
+    let fact = |name: &str, value: String| (name.to_owned(), value, String::new(), "");
+    let zero = |name: &str, n: u64| (name.to_owned(), n.to_string(), "0".to_owned(), mark(n == 0));
+    if let Some(r) = relay_run {
+        rows.extend([
+            fact("creations requested", plan.valid_ids.len().to_string()),
+            fact("  committed (outbox rows)", r.committed.to_string()),
+            fact(
+                "  not committed",
+                format!(
+                    "{} ({} abort, {} failed)",
+                    r.not_committed, r.creations.aborted, r.creations.failed
+                ),
+            ),
+            fact(
+                "relay kills (kill -9 + restart)",
+                counts.relay_kills.to_string(),
+            ),
+            fact("relay crash points hit", r.crash_points.to_string()),
+            fact(
+                "relay pg kills",
+                format!(
+                    "{} ({} b., {} while down)",
+                    counts.relay_pg_kills, counts.relay_pg_backends, counts.relay_pg_missed
+                ),
+            ),
+            fact(
+                "relay amqp kills",
+                format!(
+                    "{} ({} not connected)",
+                    counts.relay_amqp_kills, counts.relay_amqp_missed
+                ),
+            ),
+            fact(
+                "producer pg kills",
+                format!(
+                    "{} ({} backends)",
+                    counts.producer_pg_kills, counts.producer_pg_backends
+                ),
+            ),
+            zero("ghost effects (not committed)", v.ghosts),
+            zero("outbox pending at the end", v.outbox_pending),
+            zero("relay crashes", r.unexpected_exits as u64),
+        ]);
+    }
+    rows.extend([
         (
             "effects".into(),
             v.effects.to_string(),
             v.expected_effects.to_string(),
             mark(v.effects == v.expected_effects),
         ),
-        (
-            "doubles".into(),
-            v.doubles.to_string(),
-            "0".into(),
-            mark(v.doubles == 0),
-        ),
-        (
-            "lost".into(),
-            v.lost.to_string(),
-            "0".into(),
-            mark(v.lost == 0),
-        ),
-        (
-            "stray effects".into(),
-            v.stray.to_string(),
-            "0".into(),
-            mark(v.stray == 0),
-        ),
+        zero("doubles", v.doubles),
+        zero("lost", v.lost),
+        zero("stray effects", v.stray),
         (
             "inbox rows".into(),
             v.inbox_rows.to_string(),
@@ -1653,12 +2269,7 @@ fn table(
                     && v.valid_dead_lettered == 0,
             ),
         ),
-        (
-            "valid dead-lettered".into(),
-            v.valid_dead_lettered.to_string(),
-            "0".into(),
-            mark(v.valid_dead_lettered == 0),
-        ),
+        zero("valid dead-lettered", v.valid_dead_lettered),
         (
             "consumer crashes".into(),
             unexpected_exits.to_string(),
@@ -1677,25 +2288,27 @@ fn table(
             String::new(),
             "",
         ),
-    ];
+    ]);
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "\nparcel-chaos summary: seed {seed}, store {}, {} consumers, broken {}",
+        "\nparcel-chaos summary: seed {seed}, store {}, {} consumers, {} relays, broken {}, broken relay {}",
         cli.store,
         cli.consumers,
-        cli.broken.as_deref().unwrap_or("no")
+        cli.relays,
+        cli.broken.as_deref().unwrap_or("no"),
+        cli.broken_relay.as_deref().unwrap_or("no")
     );
     let _ = writeln!(
         out,
-        "| {:<30} | {:>24} | {:>10} | {:<9} |",
+        "| {:<31} | {:>24} | {:>10} | {:<9} |",
         "", "value", "expected", ""
     );
-    let _ = writeln!(out, "|{:-<32}|{:-<26}|{:-<12}|{:-<11}|", "", "", "", "");
+    let _ = writeln!(out, "|{:-<33}|{:-<26}|{:-<12}|{:-<11}|", "", "", "", "");
     for (name, value, expected, ok) in rows {
         let _ = writeln!(
             out,
-            "| {name:<30} | {value:>24} | {expected:>10} | {ok:<9} |"
+            "| {name:<31} | {value:>24} | {expected:>10} | {ok:<9} |"
         );
     }
     out

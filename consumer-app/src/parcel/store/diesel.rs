@@ -3,16 +3,17 @@
 
 use std::time::Duration;
 
-use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Double, Text, Uuid as SqlUuid};
+use diesel::{OptionalExtension, QueryableByName};
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use inbox_api::MessageId;
 use inbox_backend_diesel::{DieselStore, DieselTransaction, classify, classify_pool};
 
 use super::{EffectCounts, ParcelStore, StoreKind, count, sql};
 use crate::parcel::effects::{
-    CarrierAssignment, Intent, Notification, ParcelEffects, app_migration_script,
+    CarrierAssignment, Intent, Notification, NotificationKind, ParcelEffects, app_migration_script,
 };
+use crate::parcel::events::ParcelCreatedEvent;
 use crate::parcel::role::Role;
 use crate::runtime::AppError;
 
@@ -26,6 +27,8 @@ struct Calls {
 struct PendingNotification {
     #[diesel(sql_type = SqlUuid)]
     message_id: uuid::Uuid,
+    #[diesel(sql_type = Text)]
+    kind: String,
     #[diesel(sql_type = Text)]
     parcel_id: String,
     #[diesel(sql_type = Text)]
@@ -49,6 +52,22 @@ struct PendingCarrier {
 }
 
 #[derive(QueryableByName)]
+struct Count {
+    #[diesel(sql_type = BigInt)]
+    count: i64,
+}
+
+#[derive(QueryableByName)]
+struct ParcelRow {
+    #[diesel(sql_type = Text)]
+    parcel_id: String,
+    #[diesel(sql_type = Text)]
+    tracking_number: String,
+    #[diesel(sql_type = Text)]
+    destination: String,
+}
+
+#[derive(QueryableByName)]
 struct Effects {
     #[diesel(sql_type = BigInt)]
     rows: i64,
@@ -58,12 +77,22 @@ struct Effects {
     parcels: i64,
 }
 
-async fn effects(store: &DieselStore, query: &str) -> Result<EffectCounts, AppError> {
+async fn effects(
+    store: &DieselStore,
+    query: &str,
+    kind: Option<NotificationKind>,
+) -> Result<EffectCounts, AppError> {
     let mut conn = store.pool().get().await.map_err(classify_pool)?;
-    let row: Effects = diesel::sql_query(query)
-        .get_result(&mut *conn)
-        .await
-        .map_err(classify)?;
+    let row: Effects = match kind {
+        Some(kind) => {
+            diesel::sql_query(query)
+                .bind::<Text, _>(kind.as_str())
+                .get_result(&mut *conn)
+                .await
+        }
+        None => diesel::sql_query(query).get_result(&mut *conn).await,
+    }
+    .map_err(classify)?;
     Ok(EffectCounts {
         rows: count(row.rows),
         distinct_messages: count(row.messages),
@@ -91,9 +120,23 @@ impl ParcelStore for DieselStore {
 
     async fn effect_counts(&self) -> Result<(EffectCounts, EffectCounts), AppError> {
         Ok((
-            effects(self, sql::NOTIFICATIONS).await?,
-            effects(self, sql::CARRIER).await?,
+            self.notification_counts(NotificationKind::ParcelCreated)
+                .await?,
+            effects(self, sql::CARRIER, None).await?,
         ))
+    }
+
+    async fn notification_counts(&self, kind: NotificationKind) -> Result<EffectCounts, AppError> {
+        effects(self, sql::NOTIFICATIONS, Some(kind)).await
+    }
+
+    async fn parcel_count(&self) -> Result<u64, AppError> {
+        let mut conn = self.pool().get().await.map_err(classify_pool)?;
+        let row: Count = diesel::sql_query(sql::PARCELS)
+            .get_result(&mut *conn)
+            .await
+            .map_err(classify)?;
+        Ok(count(row.count))
     }
 
     async fn drop_schema(&self) -> Result<(), AppError> {
@@ -151,15 +194,16 @@ impl ParcelStore for DieselStore {
         let mut intents: Vec<Intent> = notifications
             .into_iter()
             .map(|n| {
-                Intent::Notification(Notification {
+                Ok(Intent::Notification(Notification {
                     message_id: n.message_id.into(),
+                    kind: NotificationKind::parse(&n.kind)?,
                     parcel_id: n.parcel_id,
                     tracking_number: n.tracking_number,
                     destination: n.destination,
                     body: n.body,
-                })
+                }))
             })
-            .collect();
+            .collect::<Result<_, AppError>>()?;
         intents.extend(carrier.into_iter().map(|a| {
             Intent::Carrier(CarrierAssignment {
                 message_id: a.message_id.into(),
@@ -174,34 +218,56 @@ impl ParcelStore for DieselStore {
 
 impl ParcelEffects for DieselTransaction {
     async fn record_notification(&mut self, n: &Notification) -> Result<(), AppError> {
-        diesel::sql_query(
-            "INSERT INTO notifications \
-             (message_id, parcel_id, tracking_number, destination, body) \
-             VALUES ($1, $2, $3, $4, $5)",
-        )
-        .bind::<SqlUuid, _>(*n.message_id.as_uuid())
-        .bind::<Text, _>(&n.parcel_id)
-        .bind::<Text, _>(&n.tracking_number)
-        .bind::<Text, _>(&n.destination)
-        .bind::<Text, _>(&n.body)
-        .execute(self.conn())
-        .await
-        .map_err(classify)?;
+        diesel::sql_query(sql::RECORD_NOTIFICATION)
+            .bind::<SqlUuid, _>(*n.message_id.as_uuid())
+            .bind::<Text, _>(n.kind.as_str())
+            .bind::<Text, _>(&n.parcel_id)
+            .bind::<Text, _>(&n.tracking_number)
+            .bind::<Text, _>(&n.destination)
+            .bind::<Text, _>(&n.body)
+            .execute(self.conn())
+            .await
+            .map_err(classify)?;
         Ok(())
     }
 
     async fn reserve_carrier_slot(&mut self, a: &CarrierAssignment) -> Result<(), AppError> {
-        diesel::sql_query(
-            "INSERT INTO carrier_assignments (message_id, parcel_id, carrier, slot) \
-             VALUES ($1, $2, $3, $4)",
-        )
-        .bind::<SqlUuid, _>(*a.message_id.as_uuid())
-        .bind::<Text, _>(&a.parcel_id)
-        .bind::<Text, _>(&a.carrier)
-        .bind::<Text, _>(&a.slot)
-        .execute(self.conn())
-        .await
-        .map_err(classify)?;
+        diesel::sql_query(sql::RESERVE_CARRIER_SLOT)
+            .bind::<SqlUuid, _>(*a.message_id.as_uuid())
+            .bind::<Text, _>(&a.parcel_id)
+            .bind::<Text, _>(&a.carrier)
+            .bind::<Text, _>(&a.slot)
+            .execute(self.conn())
+            .await
+            .map_err(classify)?;
         Ok(())
+    }
+
+    async fn insert_parcel(&mut self, parcel: &ParcelCreatedEvent) -> Result<bool, AppError> {
+        let inserted = diesel::sql_query(sql::INSERT_PARCEL)
+            .bind::<Text, _>(&parcel.parcel_id)
+            .bind::<Text, _>(&parcel.tracking_number)
+            .bind::<Text, _>(&parcel.destination)
+            .execute(self.conn())
+            .await
+            .map_err(classify)?;
+        Ok(inserted == 1)
+    }
+
+    async fn find_parcel(
+        &mut self,
+        parcel_id: &str,
+    ) -> Result<Option<ParcelCreatedEvent>, AppError> {
+        let row: Option<ParcelRow> = diesel::sql_query(sql::FIND_PARCEL)
+            .bind::<Text, _>(parcel_id)
+            .get_result(self.conn())
+            .await
+            .optional()
+            .map_err(classify)?;
+        Ok(row.map(|row| ParcelCreatedEvent {
+            parcel_id: row.parcel_id,
+            tracking_number: row.tracking_number,
+            destination: row.destination,
+        }))
     }
 }

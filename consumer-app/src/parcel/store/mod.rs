@@ -18,9 +18,9 @@ use std::future::Future;
 use std::str::FromStr;
 use std::time::Duration;
 
-use inbox_api::{AttemptLedger, BatchTransaction, InboxStats, InboxStore, MessageId};
+use inbox_api::{AttemptLedger, BatchTransaction, InboxStats, InboxStore, MessageId, OutboxStore};
 
-use crate::parcel::effects::{Intent, ParcelEffects};
+use crate::parcel::effects::{Intent, NotificationKind, ParcelEffects};
 use crate::parcel::role::Role;
 use crate::runtime::AppError;
 
@@ -122,18 +122,23 @@ impl EffectCounts {
 /// What `stats` reports.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
+    /// Rows in the `parcels` table (`POST /parcels`).
+    pub parcels: u64,
     /// Rows in the inbox table.
     pub inbox_rows: u64,
     /// Inbox rows per consumer.
     pub inbox_per_consumer: BTreeMap<String, u64>,
-    /// The notification consumer's effects.
+    /// The notification consumer's effects (`parcel_created` notifications).
     pub notifications: EffectCounts,
+    /// The third consumer's effects (`carrier_assigned` notifications).
+    pub carrier_assigned_notifications: EffectCounts,
     /// The carrier consumer's effects.
     pub carrier_assignments: EffectCounts,
 }
 
 impl fmt::Display for Stats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "parcels:                   {}", self.parcels)?;
         writeln!(f, "inbox rows:                {}", self.inbox_rows)?;
         for (consumer, rows) in &self.inbox_per_consumer {
             writeln!(f, "  {consumer:<28} {rows}")?;
@@ -141,6 +146,10 @@ impl fmt::Display for Stats {
         for (name, counts) in [
             ("notifications", self.notifications),
             ("carrier_assignments", self.carrier_assignments),
+            (
+                "carrier_assigned_notifications",
+                self.carrier_assigned_notifications,
+            ),
         ] {
             writeln!(
                 f,
@@ -155,9 +164,14 @@ impl fmt::Display for Stats {
     }
 }
 
-/// An inbox store the Parcel service can run on.
+/// A store the Parcel service can run on: the consumers' inbox, and the
+/// producer's outbox (`POST /parcels` enqueues, the relay publishes).
 pub trait ParcelStore:
-    InboxStore<Transaction: ParcelEffects + BatchTransaction> + InboxStats + AttemptLedger + Clone
+    InboxStore<Transaction: ParcelEffects + BatchTransaction>
+    + OutboxStore
+    + InboxStats
+    + AttemptLedger
+    + Clone
 {
     /// Which implementation.
     fn kind(&self) -> StoreKind;
@@ -166,11 +180,20 @@ pub trait ParcelStore:
     /// schema. Idempotent.
     fn migrate_all(&self) -> impl Future<Output = Result<(), AppError>> + Send;
 
-    /// Counts the rows of the two effect tables: notifications, then
-    /// carrier assignments.
+    /// Counts the effects of the two consumers of `parcel.created`:
+    /// notifications of its kind, then carrier assignments.
     fn effect_counts(
         &self,
     ) -> impl Future<Output = Result<(EffectCounts, EffectCounts), AppError>> + Send;
+
+    /// Counts the `notifications` rows of `kind`.
+    fn notification_counts(
+        &self,
+        kind: NotificationKind,
+    ) -> impl Future<Output = Result<EffectCounts, AppError>> + Send;
+
+    /// Counts the `parcels` rows.
+    fn parcel_count(&self) -> impl Future<Output = Result<u64, AppError>> + Send;
 
     /// Counts rows for `stats`: the inbox's per consumer (from the backend,
     /// [`InboxStats`]), and the effects.
@@ -179,6 +202,10 @@ pub trait ParcelStore:
             let inbox_per_consumer = self.processed_counts().await?;
             let (notifications, carrier_assignments) = self.effect_counts().await?;
             Ok(Stats {
+                parcels: self.parcel_count().await?,
+                carrier_assigned_notifications: self
+                    .notification_counts(NotificationKind::CarrierAssigned)
+                    .await?,
                 inbox_rows: inbox_per_consumer.values().sum(),
                 inbox_per_consumer,
                 notifications,

@@ -3,9 +3,15 @@
 
 use crate::parcel::role::Role;
 
+/// Of one kind (`$1`).
 pub(super) const NOTIFICATIONS: &str = "SELECT count(*)::int8 AS rows, \
     count(DISTINCT message_id)::int8 AS messages, count(DISTINCT parcel_id)::int8 AS parcels \
-    FROM notifications";
+    FROM notifications WHERE kind = $1";
+pub(super) const RECORD_NOTIFICATION: &str = "INSERT INTO notifications \
+    (message_id, kind, parcel_id, tracking_number, destination, body) \
+    VALUES ($1, $2, $3, $4, $5, $6)";
+pub(super) const RESERVE_CARRIER_SLOT: &str = "INSERT INTO carrier_assignments \
+    (message_id, parcel_id, carrier, slot) VALUES ($1, $2, $3, $4)";
 pub(super) const CARRIER: &str = "SELECT count(*)::int8 AS rows, \
     count(DISTINCT message_id)::int8 AS messages, count(DISTINCT parcel_id)::int8 AS parcels \
     FROM carrier_assignments";
@@ -17,7 +23,7 @@ pub(super) const MARK_NOTIFICATION: &str = "UPDATE notifications SET dispatched_
     WHERE message_id = $1 AND dispatched_at IS NULL";
 pub(super) const MARK_CARRIER: &str = "UPDATE carrier_assignments SET dispatched_at = now() \
     WHERE message_id = $1 AND dispatched_at IS NULL";
-pub(super) const UNDISPATCHED_NOTIFICATIONS: &str = "SELECT message_id, parcel_id, \
+pub(super) const UNDISPATCHED_NOTIFICATIONS: &str = "SELECT message_id, kind, parcel_id, \
     tracking_number, destination, body FROM notifications \
     WHERE dispatched_at IS NULL AND created_at < now() - make_interval(secs => $1) \
     ORDER BY created_at LIMIT $2";
@@ -25,11 +31,19 @@ pub(super) const UNDISPATCHED_CARRIER: &str = "SELECT message_id, parcel_id, car
     FROM carrier_assignments \
     WHERE dispatched_at IS NULL AND created_at < now() - make_interval(secs => $1) \
     ORDER BY created_at LIMIT $2";
+pub(super) const PARCELS: &str = "SELECT count(*)::int8 AS count FROM parcels";
+/// Waits for an open transaction inserting the same id, as the primary key
+/// makes it; affects no row when the parcel exists.
+pub(super) const INSERT_PARCEL: &str = "INSERT INTO parcels \
+    (parcel_id, tracking_number, destination) VALUES ($1, $2, $3) \
+    ON CONFLICT (parcel_id) DO NOTHING";
+pub(super) const FIND_PARCEL: &str = "SELECT parcel_id, tracking_number, destination \
+    FROM parcels WHERE parcel_id = $1";
 
 /// The statement marking `role`'s intents dispatched.
 pub(super) fn mark(role: Role) -> &'static str {
     match role {
-        Role::Notification => MARK_NOTIFICATION,
+        Role::Notification | Role::CarrierAssignedNotification => MARK_NOTIFICATION,
         Role::Carrier => MARK_CARRIER,
     }
 }
