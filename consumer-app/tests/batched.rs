@@ -118,11 +118,15 @@ async fn batched_exactly_once<S: ParcelStore>(store: S, names: Names) {
     ));
     let carrier = Arc::new(StubCarrier::default());
     let notifier = Arc::new(StubNotifier::default());
-    let (notification_consumer, carrier_consumer) = consumers(Downstreams {
-        carrier: carrier.clone(),
-        notifier: notifier.clone(),
-    })
-    .expect("consumers");
+    let consumers = consumers(
+        Downstreams {
+            carrier: carrier.clone(),
+            notifier: notifier.clone(),
+        },
+        &topology,
+    )
+    .expect("consumers")
+    .map(&faults);
     let service = with_handlers(
         store.clone(),
         ServiceConfig {
@@ -134,8 +138,7 @@ async fn batched_exactly_once<S: ParcelStore>(store: S, names: Names) {
             availability: Default::default(),
         },
         &topology,
-        faults.wrap(notification_consumer),
-        faults.wrap(carrier_consumer),
+        consumers,
     )
     .spawn()
     .expect("service starts");

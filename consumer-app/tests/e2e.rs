@@ -119,11 +119,15 @@ async fn start_on<S: ParcelStore>(
     }
     let carrier = Arc::new(StubCarrier::default());
     let notifier = Arc::new(StubNotifier::default());
-    let (notification_consumer, carrier_consumer) = consumers(Downstreams {
-        carrier: carrier.clone(),
-        notifier: notifier.clone(),
-    })
-    .expect("consumers");
+    let consumers = consumers(
+        Downstreams {
+            carrier: carrier.clone(),
+            notifier: notifier.clone(),
+        },
+        topology,
+    )
+    .expect("consumers")
+    .map(&faults);
     let service = with_handlers(
         store.clone(),
         ServiceConfig {
@@ -135,8 +139,7 @@ async fn start_on<S: ParcelStore>(
             availability: Default::default(),
         },
         topology,
-        faults.wrap(notification_consumer),
-        faults.wrap(carrier_consumer),
+        consumers,
     )
     .spawn()
     .expect("service starts");
@@ -275,7 +278,7 @@ fn assert_exactly_once(stats: &Stats, n: u64) {
         assert_eq!(counts.distinct_parcels, n, "{table}\n{stats}");
         assert_eq!(counts.double_effects(), 0, "{table}\n{stats}");
     }
-    for role in Role::ALL {
+    for role in Role::PARCEL_CREATED {
         assert_eq!(
             stats.inbox_per_consumer.get(role.consumer_name()).copied(),
             Some(n),
@@ -304,7 +307,7 @@ async fn duplicates_are_discarded_per_consumer<S: ParcelStore>(store: S, names: 
         "90 deliveries per consumer",
         Duration::from_secs(30),
         async || {
-            Role::ALL
+            Role::PARCEL_CREATED
                 .iter()
                 .all(|r| tally.consumer(r.consumer_name()).finished() >= 90)
         },
@@ -313,7 +316,7 @@ async fn duplicates_are_discarded_per_consumer<S: ParcelStore>(store: S, names: 
     run.service.shutdown();
     run.service.join().await.expect("clean shutdown");
 
-    for role in Role::ALL {
+    for role in Role::PARCEL_CREATED {
         let t = tally.consumer(role.consumer_name());
         assert_eq!(get(&t.processed), 60, "{role:?}");
         assert_eq!(get(&t.duplicates), 30, "{role:?}: every copy discarded");
@@ -332,7 +335,7 @@ async fn duplicates_are_discarded_per_consumer<S: ParcelStore>(store: S, names: 
     assert_eq!(run.notifier.ledger.calls(), 60);
     // Both consumers hold their own row for the same message.
     for id in plan.ids.iter().take(5) {
-        for role in Role::ALL {
+        for role in Role::PARCEL_CREATED {
             let key = InboxKey::new(*id, ConsumerName::new(role.consumer_name()).expect("name"));
             let record = store.lookup(&key).await.expect("lookup");
             assert!(
@@ -447,7 +450,7 @@ async fn bad_input_is_dead_lettered_with_reason<S: ParcelStore>(store: S, names:
         "7 dead-lettered and 1 processed per consumer",
         Duration::from_secs(20),
         async || {
-            Role::ALL.iter().all(|r| {
+            Role::PARCEL_CREATED.iter().all(|r| {
                 let t = tally.consumer(r.consumer_name());
                 t.dead_lettered_total() >= 7 && get(&t.processed) >= 1
             })
@@ -463,7 +466,7 @@ async fn bad_input_is_dead_lettered_with_reason<S: ParcelStore>(store: S, names:
         .await
         .expect("connect");
     let channel = connection.create_channel().await.expect("channel");
-    for role in Role::ALL {
+    for role in Role::PARCEL_CREATED {
         let counted: BTreeSet<String> = tally
             .consumer(role.consumer_name())
             .dead_lettered()
@@ -837,7 +840,7 @@ async fn database_connections_killed_mid_work<S: ParcelStore>(
         "every message processed by both consumers",
         Duration::from_secs(30),
         async || {
-            Role::ALL
+            Role::PARCEL_CREATED
                 .iter()
                 .all(|r| get(&tally.consumer(r.consumer_name()).processed) >= N)
         },
@@ -847,7 +850,7 @@ async fn database_connections_killed_mid_work<S: ParcelStore>(
     run.service.join().await.expect("clean shutdown");
     // A lost connection is the store's failure, not the message's: handed
     // back uncharged (no in-process retry spent) and redelivered.
-    let released: u64 = Role::ALL
+    let released: u64 = Role::PARCEL_CREATED
         .iter()
         .map(|r| get(&tally.consumer(r.consumer_name()).released))
         .sum();
@@ -855,7 +858,7 @@ async fn database_connections_killed_mid_work<S: ParcelStore>(
         released >= 2 * concurrency,
         "the killed transactions were handed back ({released})"
     );
-    for role in Role::ALL {
+    for role in Role::PARCEL_CREATED {
         assert_eq!(
             get(&tally.consumer(role.consumer_name()).processed),
             N,
@@ -920,7 +923,7 @@ async fn closed_connection_redelivers_exactly_once<S: ParcelStore>(store: S, nam
                     .expect("connect");
                 let ch = c.create_channel().await.expect("channel");
                 let mut depths = Vec::new();
-                for role in Role::ALL {
+                for role in Role::PARCEL_CREATED {
                     depths.push(
                         topology
                             .ready_messages(&ch, &topology.queue(role))
@@ -943,7 +946,7 @@ async fn closed_connection_redelivers_exactly_once<S: ParcelStore>(store: S, nam
             .expect("connect");
         let ch = c.create_channel().await.expect("channel");
         let mut total = 0;
-        for role in Role::ALL {
+        for role in Role::PARCEL_CREATED {
             total += topology
                 .ready_messages(&ch, &topology.queue(role))
                 .await
@@ -956,7 +959,7 @@ async fn closed_connection_redelivers_exactly_once<S: ParcelStore>(store: S, nam
     run.service.shutdown();
     run.service.join().await.expect("clean shutdown");
 
-    let redelivered: u64 = Role::ALL
+    let redelivered: u64 = Role::PARCEL_CREATED
         .iter()
         .map(|r| {
             get(&tally.consumer(r.consumer_name()).redelivered_processed)
@@ -968,7 +971,7 @@ async fn closed_connection_redelivers_exactly_once<S: ParcelStore>(store: S, nam
         "closing the connection mid-work caused redeliveries: {:?}",
         tally
     );
-    for role in Role::ALL {
+    for role in Role::PARCEL_CREATED {
         assert_eq!(
             get(&tally.consumer(role.consumer_name()).processed),
             N,
@@ -1050,7 +1053,7 @@ async fn graceful_shutdown_loses_nothing<S: ParcelStore>(store: S, names: Names)
         .expect("publish");
     let tally = Arc::clone(&first.service.tally);
     eventually("some work done", Duration::from_secs(20), async || {
-        Role::ALL
+        Role::PARCEL_CREATED
             .iter()
             .all(|r| get(&tally.consumer(r.consumer_name()).processed) >= 4)
     })
@@ -1060,7 +1063,7 @@ async fn graceful_shutdown_loses_nothing<S: ParcelStore>(store: S, names: Names)
         .await
         .expect("shutdown finishes in-flight work promptly")
         .expect("clean shutdown");
-    let done_first: Vec<u64> = Role::ALL
+    let done_first: Vec<u64> = Role::PARCEL_CREATED
         .iter()
         .map(|r| get(&tally.consumer(r.consumer_name()).processed))
         .collect();
@@ -1075,7 +1078,7 @@ async fn graceful_shutdown_loses_nothing<S: ParcelStore>(store: S, names: Names)
     let second = start(&store, &names, Faults::default()).await;
     let tally2 = Arc::clone(&second.service.tally);
     eventually("the rest processed", Duration::from_secs(30), async || {
-        Role::ALL
+        Role::PARCEL_CREATED
             .iter()
             .zip(&done_first)
             .all(|(r, before)| get(&tally2.consumer(r.consumer_name()).processed) + before >= 60)
@@ -1083,7 +1086,7 @@ async fn graceful_shutdown_loses_nothing<S: ParcelStore>(store: S, names: Names)
     .await;
     second.service.shutdown();
     second.service.join().await.expect("clean shutdown");
-    for role in Role::ALL {
+    for role in Role::PARCEL_CREATED {
         assert_eq!(
             get(&tally2.consumer(role.consumer_name()).duplicates),
             0,

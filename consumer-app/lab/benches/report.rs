@@ -39,7 +39,11 @@
 //!   in batches of 10,000, with the claim latency beside it;
 //! - the outbox relay's publish rate (`support/relay.rs`) over the sqlx and
 //!   the diesel outbox, against a bare lapin publisher with confirms and
-//!   the same window, in interleaved repetitions.
+//!   the same window, in interleaved repetitions;
+//! - claim cost against table size (`support/table_size.rs`): the inbox
+//!   pre-filled with 1,000,000 and 10,000,000 rows of v4 and of v7 ids,
+//!   against an empty one, both drivers, per message and batched; written
+//!   to `docs/benchmark-table-size.svg` too.
 //!
 //! Run: `cargo bench -p parcel-lab --bench report` (PostgreSQL
 //! and RabbitMQ up: `bash .ci/services.sh`).
@@ -51,7 +55,9 @@
 //! cell, default 10,000; 0 skips) and `INBOX_BENCH_RELAY_BATCH` (the relay's
 //! batch size and the bare publisher's window, default 100),
 //! `INBOX_BENCH_REPS` (repetitions behind each ratio's spread, at least and
-//! by default 3).
+//! by default 3), `INBOX_BENCH_TABLE_SIZES` (pre-filled sizes, default
+//! `1000000,10000000`; empty skips) and `INBOX_BENCH_TABLE_TASKS` (default
+//! 4).
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -523,6 +529,8 @@ mod e2e;
 mod relay;
 #[path = "support/spread.rs"]
 mod spread;
+#[path = "support/table_size.rs"]
+mod table_size;
 
 use e2e::{BoxError, E2e};
 use spread::Spread;
@@ -1025,13 +1033,28 @@ fn main() {
         .build()
         .expect("tokio runtime");
     let result = rt.block_on(bench(&url, &schema));
+    // Claim cost against table size, after the rest (whose pools are
+    // closed by then): its own schemas and pools.
+    let sizes = table_size::sizes_from_env();
+    let table_size = match &result {
+        Ok(_) if !sizes.is_empty() => match rt.block_on(table_size::run(&url, &schema, &sizes)) {
+            Ok(measured) => Some(measured),
+            Err(error) => {
+                eprintln!("table-size rows skipped: {error}");
+                None
+            }
+        },
+        _ => None,
+    };
 
     // Drop the schemas whatever happened.
     rt.block_on(async {
         match PgPoolOptions::new().max_connections(1).connect(&url).await {
             Ok(admin) => {
                 // `schema` is built above from digits and hex only.
-                for name in [schema.clone(), format!("{schema}_app")] {
+                let mut names = vec![schema.clone(), format!("{schema}_app")];
+                names.extend(table_size::schemas(&schema));
+                for name in names {
                     let drop = format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE");
                     if let Err(error) = sqlx::query(&drop).execute(&admin).await {
                         eprintln!("could not drop {name}: {error}");
@@ -1043,7 +1066,15 @@ fn main() {
     });
 
     match result {
-        Ok((report, svg)) => {
+        Ok((mut report, svg)) => {
+            let mut size_svg = None;
+            if let Some(measured) = &table_size {
+                report.push_str(&format!("\n{}", measured.markdown()));
+                match measured.svg() {
+                    Ok(svg) => size_svg = Some(svg),
+                    Err(error) => eprintln!("no table-size chart: {error}"),
+                }
+            }
             println!("{report}");
             // Into the workspace's docs/, for the README.
             let docs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs");
@@ -1056,7 +1087,11 @@ fn main() {
             );
             let written = std::fs::create_dir_all(&docs)
                 .and_then(|()| std::fs::write(docs.join("benchmark.md"), md))
-                .and_then(|()| std::fs::write(docs.join("benchmark.svg"), svg));
+                .and_then(|()| std::fs::write(docs.join("benchmark.svg"), svg))
+                .and_then(|()| match &size_svg {
+                    Some(svg) => std::fs::write(docs.join("benchmark-table-size.svg"), svg),
+                    None => Ok(()),
+                });
             match written {
                 Ok(()) => eprintln!("wrote {}/benchmark.md and benchmark.svg", docs.display()),
                 Err(error) => eprintln!("could not write {}: {error}", docs.display()),

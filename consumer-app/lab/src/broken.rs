@@ -12,7 +12,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use consumer_app::parcel::effects::{CarrierAssignment, Intent, Notification, ParcelEffects};
+use consumer_app::parcel::effects::{
+    CarrierAssignment, Intent, Notification, NotificationKind, ParcelEffects,
+};
 use consumer_app::parcel::events::ParcelCreatedEvent;
 use consumer_app::parcel::role::Role;
 use consumer_app::parcel::store::{EffectCounts, ParcelStore, StoreKind};
@@ -240,6 +242,10 @@ impl<S: ParcelStore> ParcelStore for BrokenParcelStore<S> {
 
     async fn effect_counts(&self) -> Result<(EffectCounts, EffectCounts), AppError> {
         self.0.inner().effect_counts().await
+    }
+
+    async fn notification_counts(&self, kind: NotificationKind) -> Result<EffectCounts, AppError> {
+        self.0.inner().notification_counts(kind).await
     }
 
     async fn parcel_count(&self) -> Result<u64, AppError> {

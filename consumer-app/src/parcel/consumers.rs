@@ -1,5 +1,8 @@
-//! The two consumers of `parcel.created`: plain business code, as two
-//! runtime [`Handler`]s.
+//! The Parcel consumers: plain business code, as runtime [`Handler`]s. Two
+//! take `parcel.created`; the carrier consumer's follow-up,
+//! `parcel.carrier-assigned`, enqueued in its inbox transaction
+//! (consume-transform-produce), is taken by the third, so one chain crosses
+//! two hops, each exactly once in effect.
 //!
 //! Neither contains any idempotency code. The runtime wraps each call in
 //! `Inbox::handle(&InboxKey::new(message_id, consumer.name()), async |tx| consumer.handle(tx, …))`,
@@ -12,35 +15,129 @@
 
 use std::sync::Arc;
 
-use inbox_api::{ConsumerName, MessageId};
+use inbox_api::{ConsumerName, EnqueueOutcome, MessageId};
 
 use crate::parcel::downstream::{CarrierApi, NotificationSender};
-use crate::parcel::effects::{CarrierAssignment, Notification, ParcelEffects};
-use crate::parcel::events::{EVENT_TYPE, ParcelCreatedEvent};
+use crate::parcel::effects::{CarrierAssignment, Notification, NotificationKind, ParcelEffects};
+use crate::parcel::events::{
+    self, CARRIER_ASSIGNED_TYPE, CarrierAssignedEvent, EVENT_TYPE, ParcelCreatedEvent,
+};
 use crate::parcel::role::Role;
+use crate::runtime::message::follow_up_id;
 use crate::runtime::{AppError, Handler};
 
-/// Tells the recipient their parcel is on its way.
-pub struct NotificationConsumer {
-    name: ConsumerName,
-    sender: Arc<dyn NotificationSender>,
+/// An event a notification is sent for: what differs between the two
+/// notification consumers (which consumer, which type, which text).
+pub trait Notifies: serde::de::DeserializeOwned + Send + Sync + 'static {
+    /// The consumer taking it.
+    const ROLE: Role;
+    /// Its AMQP type.
+    const TYPE: &'static str;
+    /// The notification's kind.
+    const KIND: NotificationKind;
+
+    /// An event no producer sends, for the store check.
+    fn probe() -> Self;
+
+    /// Its rules beyond the JSON shape.
+    ///
+    /// # Errors
+    /// Which field breaks which rule.
+    fn validate(&self) -> Result<(), String>;
+
+    /// The notification to record for it, caused by `message_id`.
+    fn notification(&self, message_id: MessageId) -> Notification;
 }
 
-impl NotificationConsumer {
+impl Notifies for ParcelCreatedEvent {
+    const ROLE: Role = Role::Notification;
+    const TYPE: &'static str = EVENT_TYPE;
+    const KIND: NotificationKind = NotificationKind::ParcelCreated;
+
+    fn probe() -> Self {
+        Self::probe()
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        Self::validate(self)
+    }
+
+    fn notification(&self, message_id: MessageId) -> Notification {
+        Notification {
+            message_id,
+            kind: Self::KIND,
+            parcel_id: self.parcel_id.clone(),
+            tracking_number: self.tracking_number.clone(),
+            destination: self.destination.clone(),
+            body: format!(
+                "Your parcel {} is on its way to {}.",
+                self.tracking_number, self.destination
+            ),
+        }
+    }
+}
+
+impl Notifies for CarrierAssignedEvent {
+    const ROLE: Role = Role::CarrierAssignedNotification;
+    const TYPE: &'static str = CARRIER_ASSIGNED_TYPE;
+    const KIND: NotificationKind = NotificationKind::CarrierAssigned;
+
+    fn probe() -> Self {
+        Self::probe()
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        Self::validate(self)
+    }
+
+    fn notification(&self, message_id: MessageId) -> Notification {
+        Notification {
+            message_id,
+            kind: Self::KIND,
+            parcel_id: self.parcel_id.clone(),
+            tracking_number: self.tracking_number.clone(),
+            destination: self.destination.clone(),
+            body: format!(
+                "Your parcel {} will be picked up by {} ({}).",
+                self.tracking_number, self.carrier, self.slot
+            ),
+        }
+    }
+}
+
+/// Tells the recipient about their parcel: that it is on its way
+/// (`parcel.created`, [`NotificationConsumer`]), or which carrier has it
+/// (`parcel.carrier-assigned`, [`CarrierAssignedNotificationConsumer`], the
+/// second hop, through an inbox of its own: a carrier-assigned event that
+/// arrives twice, from a relay re-publishing after a crash, notifies once).
+pub struct NotifyingConsumer<E> {
+    name: ConsumerName,
+    sender: Arc<dyn NotificationSender>,
+    event: std::marker::PhantomData<fn() -> E>,
+}
+
+/// Notifies on `parcel.created`.
+pub type NotificationConsumer = NotifyingConsumer<ParcelCreatedEvent>;
+
+/// Notifies on `parcel.carrier-assigned`.
+pub type CarrierAssignedNotificationConsumer = NotifyingConsumer<CarrierAssignedEvent>;
+
+impl<E: Notifies> NotifyingConsumer<E> {
     /// A consumer sending through `sender` after commit.
     ///
     /// # Errors
     /// Never in practice: the name is a valid constant.
     pub fn new(sender: Arc<dyn NotificationSender>) -> Result<Self, AppError> {
         Ok(Self {
-            name: ConsumerName::new(Role::Notification.consumer_name())?,
+            name: ConsumerName::new(E::ROLE.consumer_name())?,
             sender,
+            event: std::marker::PhantomData,
         })
     }
 }
 
-impl<T: ParcelEffects> Handler<T> for NotificationConsumer {
-    type Message = ParcelCreatedEvent;
+impl<T: ParcelEffects, E: Notifies> Handler<T> for NotifyingConsumer<E> {
+    type Message = E;
     type Intent = Notification;
 
     fn name(&self) -> &ConsumerName {
@@ -48,10 +145,10 @@ impl<T: ParcelEffects> Handler<T> for NotificationConsumer {
     }
 
     fn message_type(&self) -> &str {
-        EVENT_TYPE
+        E::TYPE
     }
 
-    fn validate(&self, event: &ParcelCreatedEvent) -> Result<(), String> {
+    fn validate(&self, event: &E) -> Result<(), String> {
         event.validate()
     }
 
@@ -59,7 +156,7 @@ impl<T: ParcelEffects> Handler<T> for NotificationConsumer {
     /// transaction: the table, its columns, the role's privileges (the
     /// sequence's too) exactly as a message needs them.
     async fn check(&self, tx: &mut T) -> Result<(), AppError> {
-        self.handle(tx, MessageId::new_v7(), &ParcelCreatedEvent::probe())
+        self.handle(tx, MessageId::new_v7(), &E::probe())
             .await
             .map(drop)
     }
@@ -68,18 +165,9 @@ impl<T: ParcelEffects> Handler<T> for NotificationConsumer {
         &self,
         tx: &mut T,
         message_id: MessageId,
-        event: &ParcelCreatedEvent,
+        event: &E,
     ) -> Result<Notification, AppError> {
-        let notification = Notification {
-            message_id,
-            parcel_id: event.parcel_id.clone(),
-            tracking_number: event.tracking_number.clone(),
-            destination: event.destination.clone(),
-            body: format!(
-                "Your parcel {} is on its way to {}.",
-                event.tracking_number, event.destination
-            ),
-        };
+        let notification = event.notification(message_id);
         tx.record_notification(&notification).await?;
         Ok(notification)
     }
@@ -90,24 +178,31 @@ impl<T: ParcelEffects> Handler<T> for NotificationConsumer {
     }
 }
 
-/// Reserves a pick-up slot with the carrier.
+/// Reserves a pick-up slot with the carrier, and tells the others
+/// (`parcel.carrier-assigned`) in the same transaction.
 pub struct CarrierAssignmentConsumer {
     name: ConsumerName,
     carrier: Arc<dyn CarrierApi>,
+    exchange: String,
 }
 
 impl CarrierAssignmentConsumer {
     /// The carriers slots are spread over.
     pub const CARRIERS: [&'static str; 3] = ["swiftpost", "rollerfreight", "bluevan"];
 
-    /// A consumer booking through `carrier` after commit.
+    /// A consumer booking through `carrier` after commit, and enqueueing
+    /// its carrier-assigned events to `exchange`.
     ///
     /// # Errors
     /// Never in practice: the name is a valid constant.
-    pub fn new(carrier: Arc<dyn CarrierApi>) -> Result<Self, AppError> {
+    pub fn new(
+        carrier: Arc<dyn CarrierApi>,
+        exchange: impl Into<String>,
+    ) -> Result<Self, AppError> {
         Ok(Self {
             name: ConsumerName::new(Role::Carrier.consumer_name())?,
             carrier,
+            exchange: exchange.into(),
         })
     }
 
@@ -170,6 +265,24 @@ impl<T: ParcelEffects> Handler<T> for CarrierAssignmentConsumer {
             slot,
         };
         tx.reserve_carrier_slot(&assignment).await?;
+        // The follow-up, in the same transaction: published iff the
+        // reservation commits, under an id every re-run derives again.
+        let assigned = CarrierAssignedEvent {
+            parcel_id: event.parcel_id.clone(),
+            tracking_number: event.tracking_number.clone(),
+            destination: event.destination.clone(),
+            carrier: assignment.carrier.clone(),
+            slot: assignment.slot.clone(),
+        };
+        let id = follow_up_id(&message_id, &self.name, CARRIER_ASSIGNED_TYPE);
+        let outgoing =
+            events::carrier_assigned_outgoing(id, &self.exchange, &message_id, &assigned)?;
+        if tx.enqueue(&outgoing).await? == EnqueueOutcome::AlreadyEnqueued {
+            // Only a message processed twice gets here, which the claim
+            // in front rules out: worth a line if it ever happens.
+            tracing::warn!(%message_id, follow_up = %id,
+                "the carrier-assigned event was enqueued before; the first copy stands");
+        }
         Ok(assignment)
     }
 

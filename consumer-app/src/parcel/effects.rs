@@ -14,12 +14,47 @@ use inbox_api::{MessageId, OutboxTransaction};
 use crate::parcel::events::ParcelCreatedEvent;
 use crate::runtime::AppError;
 
+/// Which notification: the `kind` column of `notifications`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum NotificationKind {
+    /// "Your parcel is on its way", for `parcel.created`.
+    ParcelCreated,
+    /// "A carrier has your parcel", for `parcel.carrier-assigned`.
+    CarrierAssigned,
+}
+
+impl NotificationKind {
+    /// Both kinds.
+    pub const ALL: [Self; 2] = [Self::ParcelCreated, Self::CarrierAssigned];
+
+    /// The value stored in the `kind` column.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::ParcelCreated => "parcel_created",
+            Self::CarrierAssigned => "carrier_assigned",
+        }
+    }
+
+    /// The kind a stored value names.
+    ///
+    /// # Errors
+    /// [`AppError::Config`] for a value no release writes.
+    pub fn parse(value: &str) -> Result<Self, AppError> {
+        Self::ALL
+            .into_iter()
+            .find(|kind| kind.as_str() == value)
+            .ok_or_else(|| AppError::Config(format!("unknown notification kind {value:?}")))
+    }
+}
+
 /// A notification the recipient is to receive: the row written in the
 /// transaction (the *intent*), sent after commit.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Notification {
     /// The message that caused it; also the sender's idempotency key.
     pub message_id: MessageId,
+    /// Which notification.
+    pub kind: NotificationKind,
     /// Which parcel.
     pub parcel_id: String,
     /// The label number.
@@ -59,7 +94,8 @@ pub enum Intent {
 /// [`OutboxTransaction`] supertrait: a write and the messages it causes
 /// commit together).
 pub trait ParcelEffects: OutboxTransaction {
-    /// Records a notification to send (one `notifications` row).
+    /// Records a notification to send (one `notifications` row, of its
+    /// kind).
     fn record_notification(
         &mut self,
         notification: &Notification,
@@ -89,9 +125,10 @@ pub trait ParcelEffects: OutboxTransaction {
 
 /// The app's schema: its tables, in the store's schema, after the inbox's,
 /// in order (each script idempotent).
-pub const APP_MIGRATIONS: [&str; 2] = [
+pub const APP_MIGRATIONS: [&str; 3] = [
     include_str!("../../migrations/0001_parcel_effects.sql"),
     include_str!("../../migrations/0002_parcels.sql"),
+    include_str!("../../migrations/0003_notification_kind.sql"),
 ];
 
 /// The app's migration as one script for the simple query protocol: several

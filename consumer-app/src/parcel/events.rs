@@ -1,4 +1,7 @@
-//! The event both Parcel consumers take, and its rules.
+//! The Parcel events and their rules: `parcel.created` (what `POST
+//! /parcels` enqueues, and the first two consumers take) and
+//! `parcel.carrier-assigned` (what the carrier consumer enqueues, and the
+//! third consumer takes).
 //!
 //! The runtime's decoding ([`crate::runtime::message::decode`]) refuses what
 //! is not this event (wrong type, not JSON, missing fields) before any
@@ -60,29 +63,122 @@ impl ParcelCreatedEvent {
     /// # Errors
     /// Which field breaks which rule.
     pub fn validate(&self) -> Result<(), String> {
-        for (name, value) in [
+        validate_text(&[
             ("parcel_id", &self.parcel_id),
             ("tracking_number", &self.tracking_number),
             ("destination", &self.destination),
-        ] {
-            if value.trim().is_empty() {
-                return Err(format!("{name} is empty"));
-            }
-            if let Some(control) = value.chars().find(|c| c.is_control()) {
-                return Err(format!(
-                    "{name} contains the control character U+{:04X} (a text field is one line of printable text; PostgreSQL text cannot store U+0000)",
-                    u32::from(control)
-                ));
-            }
-            if value.len() > Self::MAX_FIELD_LEN {
-                return Err(format!(
-                    "{name} is longer than {} bytes",
-                    Self::MAX_FIELD_LEN
-                ));
-            }
-        }
-        Ok(())
+        ])
     }
+}
+
+/// The rules of [`ParcelCreatedEvent::validate`] for any event's text
+/// fields, given as `(name, value)`.
+///
+/// # Errors
+/// Which field breaks which rule.
+fn validate_text(fields: &[(&str, &str)]) -> Result<(), String> {
+    for (name, value) in fields {
+        if value.trim().is_empty() {
+            return Err(format!("{name} is empty"));
+        }
+        if let Some(control) = value.chars().find(|c| c.is_control()) {
+            return Err(format!(
+                "{name} contains the control character U+{:04X} (a text field is one line of printable text; PostgreSQL text cannot store U+0000)",
+                u32::from(control)
+            ));
+        }
+        if value.len() > ParcelCreatedEvent::MAX_FIELD_LEN {
+            return Err(format!(
+                "{name} is longer than {} bytes",
+                ParcelCreatedEvent::MAX_FIELD_LEN
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The AMQP `type` of a [`CarrierAssignedEvent`].
+pub const CARRIER_ASSIGNED_TYPE: &str = "parcel.carrier-assigned";
+
+/// The routing key carrier-assigned events are published with.
+pub const CARRIER_ASSIGNED_ROUTING_KEY: &str = "parcel.carrier-assigned";
+
+/// The header naming the message that caused this one (its id).
+pub const CAUSATION_HEADER: &str = "causation_id";
+
+/// The header naming the message that started the chain: the
+/// `parcel.created` event's id, on every message it led to.
+pub const CORRELATION_HEADER: &str = "correlation_id";
+
+/// A carrier slot was reserved for a parcel: what the carrier consumer
+/// tells the rest of the system, in the same transaction as its
+/// reservation. It carries the parcel's label fields too, so that its
+/// consumers need not read the producer's tables (event-carried state).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CarrierAssignedEvent {
+    /// Which parcel.
+    pub parcel_id: String,
+    /// The label number.
+    pub tracking_number: String,
+    /// Where it goes.
+    pub destination: String,
+    /// Which carrier.
+    pub carrier: String,
+    /// The reserved pick-up slot.
+    pub slot: String,
+}
+
+impl CarrierAssignedEvent {
+    /// An event no producer sends, for the third consumer's store check.
+    pub fn probe() -> Self {
+        let created = ParcelCreatedEvent::probe();
+        Self {
+            parcel_id: created.parcel_id,
+            tracking_number: created.tracking_number,
+            destination: created.destination,
+            carrier: "probe".into(),
+            slot: "never".into(),
+        }
+    }
+
+    /// The same rules as [`ParcelCreatedEvent::validate`], for every field.
+    ///
+    /// # Errors
+    /// Which field breaks which rule.
+    pub fn validate(&self) -> Result<(), String> {
+        validate_text(&[
+            ("parcel_id", &self.parcel_id),
+            ("tracking_number", &self.tracking_number),
+            ("destination", &self.destination),
+            ("carrier", &self.carrier),
+            ("slot", &self.slot),
+        ])
+    }
+}
+
+/// The outbox row announcing `event` to `exchange`, under `id` (the
+/// carrier consumer's [`crate::runtime::message::follow_up_id`] of
+/// `cause`), with `cause` as its causation and correlation id.
+///
+/// # Errors
+/// [`AppError::Inbox`] when the exchange name is not one the broker takes.
+pub fn carrier_assigned_outgoing(
+    id: MessageId,
+    exchange: &str,
+    cause: &MessageId,
+    event: &CarrierAssignedEvent,
+) -> Result<OutgoingMessage, AppError> {
+    let body = serde_json::to_vec(event)
+        .map_err(|e| AppError::Config(format!("cannot serialise the event: {e}")))?;
+    Ok(OutgoingMessage::new(
+        id,
+        exchange,
+        CARRIER_ASSIGNED_ROUTING_KEY,
+        CARRIER_ASSIGNED_TYPE,
+        body,
+    )?
+    .with_header(CAUSATION_HEADER, cause.to_string())?
+    .with_header(CORRELATION_HEADER, cause.to_string())?)
 }
 
 /// Turns a raw delivery into a message id and a [`ParcelCreatedEvent`], or

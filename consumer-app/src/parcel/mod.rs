@@ -1,16 +1,28 @@
-//! Parcel Tracking, the runtime's first user: two consumers of
-//! `parcel.created` that act exactly once per message.
+//! Parcel Tracking, the runtime's first user: a producer (`POST /parcels`,
+//! the parcel and its `parcel.created` event in one transaction) and three
+//! consumers that act exactly once per message.
+//!
+//! ```text
+//! POST /parcels ─► parcels + outbox(parcel.created) ─► relay ─► RabbitMQ
+//!   parcel.created ─► NotificationConsumer: notifications (parcel_created)
+//!                  └► CarrierAssignmentConsumer: carrier_assignments
+//!                       + outbox(parcel.carrier-assigned) ─► relay ─► RabbitMQ
+//!   parcel.carrier-assigned ─► CarrierAssignedNotificationConsumer:
+//!                                notifications (carrier_assigned)
+//! ```
 //!
 //! [`consumers::NotificationConsumer`] records (and after commit sends) a
 //! notification; [`consumers::CarrierAssignmentConsumer`] reserves (and
-//! after commit books) a carrier slot. Both are plain business code, as
-//! [`crate::runtime::Handler`]s: the runtime claims the message in the
-//! transaction they write in, and acks only after the commit.
+//! after commit books) a carrier slot and enqueues the follow-up event in
+//! the same inbox transaction; [`consumers::CarrierAssignedNotificationConsumer`]
+//! notifies again from that event, through its own inbox. All are plain
+//! business code, as [`crate::runtime::Handler`]s: the runtime claims the
+//! message in the transaction they write in, and acks only after the commit.
 //!
 //! - [`api`]: `POST /parcels`, the producer side: the parcel and its
 //!   `parcel.created` outbox row in one transaction.
-//! - [`events`]: the event and its rules.
-//! - [`consumers`], [`role`]: the two consumers and their names.
+//! - [`events`]: the events and their rules.
+//! - [`consumers`], [`role`]: the consumers and their names.
 //! - [`effects`]: the business writes, one trait over every store.
 //! - [`downstream`]: the non-transactional calls and the trade-off chosen.
 //! - [`dispatch`]: marking intents dispatched, the reconciler, the durable

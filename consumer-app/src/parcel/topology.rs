@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! {prefix}parcel.events (topic) ──parcel.created──► {prefix}parcel-created-notification (quorum)
-//!                                └─parcel.created──► {prefix}parcel-created-carrier      (quorum)
+//!                                ├─parcel.created──► {prefix}parcel-created-carrier      (quorum)
+//!                                └─parcel.carrier-assigned──► {prefix}parcel-carrier-assigned-notification (quorum)
 //! each queue ──x-dead-letter-exchange──► {queue}.dlx (fanout) ──► {queue}.dlq (quorum)
 //! ```
 //!
@@ -12,7 +13,6 @@
 
 use lapin::Channel;
 
-use crate::parcel::events::ROUTING_KEY;
 use crate::parcel::role::Role;
 use crate::runtime::{self, AppError};
 
@@ -66,11 +66,11 @@ impl Topology {
         runtime::Topology::dead_letter_queue(&self.queue(role))
     }
 
-    /// The runtime's topology: the exchange and both queues.
+    /// The runtime's topology: the exchange and every consumer's queue.
     pub fn runtime(&self) -> runtime::Topology {
         Role::ALL.iter().fold(
             runtime::Topology::new(self.exchange()).with_queue_type(self.queue_type),
-            |topology, role| topology.bind(self.queue(*role), ROUTING_KEY),
+            |topology, role| topology.bind(self.queue(*role), role.routing_key()),
         )
     }
 
@@ -134,6 +134,6 @@ mod tests {
         );
         let runtime = t.runtime();
         assert_eq!(runtime.exchange(), "t1.parcel.events");
-        assert_eq!(runtime.bindings().len(), 2);
+        assert_eq!(runtime.bindings().len(), 3);
     }
 }

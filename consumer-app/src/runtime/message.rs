@@ -14,6 +14,35 @@ use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use serde::de::DeserializeOwned;
 
+/// The UUID v5 namespace of [`follow_up_id`].
+const FOLLOW_UP_NAMESPACE: uuid::Uuid =
+    uuid::Uuid::from_u128(0x847d_5bbe_20d9_4f4d_91b2_0662_9eea_7d5c);
+
+/// The id of the message of type `message_type` that `consumer` sends
+/// because of the message `cause` (consume-transform-produce): a UUID v5 of
+/// the three, the same on every run of the handler.
+///
+/// Why not a fresh id: a handler whose transaction committed its outbox row
+/// and then lost the answer, or one re-run after a crash, enqueues its
+/// follow-up again; under the same id the second enqueue is
+/// `AlreadyEnqueued`, and a copy that reached the broker anyway is
+/// discarded by the next consumer's inbox. A fresh id per run would make
+/// each copy a new message (iterate PR #1711). Including the consumer and
+/// the type keeps the follow-ups of several consumers of one message, or
+/// several kinds from one consumer, apart.
+pub fn follow_up_id(
+    cause: &MessageId,
+    consumer: &inbox_api::ConsumerName,
+    message_type: &str,
+) -> MessageId {
+    let mut name = Vec::with_capacity(16 + consumer.as_str().len() + message_type.len() + 2);
+    name.extend_from_slice(cause.as_uuid().as_bytes());
+    name.extend_from_slice(consumer.as_str().as_bytes());
+    name.push(0);
+    name.extend_from_slice(message_type.as_bytes());
+    MessageId::from_uuid(uuid::Uuid::new_v5(&FOLLOW_UP_NAMESPACE, &name))
+}
+
 /// Why a delivery can never be processed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BadInputReason {

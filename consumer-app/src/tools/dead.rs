@@ -188,6 +188,10 @@ mod tests {
             role_of("parcel-carrier-assignment").ok(),
             Some(Role::Carrier)
         );
+        assert_eq!(
+            role_of("parcel-carrier-assigned-notification").ok(),
+            Some(Role::CarrierAssignedNotification)
+        );
         let error = role_of("carrier").unwrap_err().to_string();
         assert!(error.contains("parcel-carrier-assignment"), "{error}");
     }

@@ -131,10 +131,14 @@ impl Demo {
         ));
         let carrier = Arc::new(StubCarrier::default());
         let notifier = Arc::new(StubNotifier::default());
-        let (notification, carrier_consumer) = consumers(Downstreams {
-            carrier: carrier.clone(),
-            notifier: notifier.clone(),
-        })?;
+        let consumers = consumers(
+            Downstreams {
+                carrier: carrier.clone(),
+                notifier: notifier.clone(),
+            },
+            topology,
+        )?
+        .map(&faults);
         let service = with_handlers(
             store.clone(),
             ServiceConfig {
@@ -146,8 +150,7 @@ impl Demo {
                 ..ServiceConfig::new(&cfg.amqp_url, "")
             },
             topology,
-            faults.wrap(notification),
-            faults.wrap(carrier_consumer),
+            consumers,
         )
         .spawn()?;
         service.wait_consuming(1, Duration::from_secs(30)).await?;
@@ -212,7 +215,7 @@ fn crash_target(plan: &Plan) -> Option<inbox_api::MessageId> {
 async fn wait_drained(tally: &Tally, expected: u64, timeout: Duration) -> bool {
     let deadline = Instant::now() + timeout;
     loop {
-        let done = Role::ALL
+        let done = Role::PARCEL_CREATED
             .iter()
             .all(|role| tally.consumer(role.consumer_name()).finished() >= expected);
         if done {
@@ -343,7 +346,7 @@ impl Report<'_> {
                 rows.double_effects()
             ),
         );
-        for role in Role::ALL {
+        for role in Role::PARCEL_CREATED {
             let dups = get(&self.tally.consumer(role.consumer_name()).duplicates);
             check(
                 &mut out,

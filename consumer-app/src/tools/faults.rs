@@ -17,10 +17,20 @@ use inbox_api::{ConsumerName, InboxError, InboxKey, MessageId};
 use tokio::sync::watch;
 
 use crate::parcel::downstream::Downstreams;
-use crate::parcel::service::{consumers, with_handlers};
+use crate::parcel::service::{Wrap, consumers, with_handlers};
 use crate::parcel::store::ParcelStore;
 use crate::parcel::topology::Topology;
 use crate::runtime::{AppError, Handler, ServiceConfig, ServiceHandle};
+
+/// Every consumer of [`crate::parcel::service::Consumers`] wrapped in the
+/// same faults.
+impl Wrap for std::sync::Arc<Faults> {
+    type Out<H> = Faulty<H>;
+
+    fn wrap<H>(&self, handler: H) -> Faulty<H> {
+        Faults::wrap(self, handler)
+    }
+}
 
 /// The faults to inject, shared by the handlers it wraps.
 #[derive(Debug)]
@@ -64,7 +74,7 @@ impl Faults {
         }
     }
 
-    /// Starts the Parcel service on `store` with both consumers wrapped in
+    /// Starts the Parcel service on `store` with every consumer wrapped in
     /// these faults (what the lab's consume binary and the tests run).
     ///
     /// # Errors
@@ -76,15 +86,8 @@ impl Faults {
         topology: &Topology,
         downstreams: Downstreams,
     ) -> Result<ServiceHandle, AppError> {
-        let (notification, carrier) = consumers(downstreams)?;
-        with_handlers(
-            store,
-            config,
-            topology,
-            self.wrap(notification),
-            self.wrap(carrier),
-        )
-        .spawn()
+        let consumers = consumers(downstreams, topology)?.map(self);
+        with_handlers(store, config, topology, consumers).spawn()
     }
 
     /// The first attempt of `key` dies after its business writes, before

@@ -9,6 +9,8 @@
 //! - [`publish`]: the load generator (events plus copies reusing their ids).
 //! - [`stores`]: opening the store `--store` picks.
 //! - [`faults`]: the fault-injecting handler decorator.
+//! - [`producer`]: `POST /parcels` and a relay in one process, for the
+//!   demo and the tests, and copies of outbox messages.
 //! - [`http`]: a one-request HTTP client, the demo's and the tests' caller
 //!   of `POST /parcels`.
 
@@ -17,5 +19,6 @@ pub mod dead;
 pub mod demo;
 pub mod faults;
 pub mod http;
+pub mod producer;
 pub mod publish;
 pub mod stores;

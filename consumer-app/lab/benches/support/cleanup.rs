@@ -32,7 +32,8 @@ pub(crate) struct Cleanup {
     pub(crate) purge_claims: usize,
 }
 
-fn percentile(samples: &mut [Duration], p: f64) -> Duration {
+/// The `p` quantile of `samples` (sorted in place); zero when empty.
+pub(crate) fn percentile(samples: &mut [Duration], p: f64) -> Duration {
     if samples.is_empty() {
         return Duration::ZERO;
     }

@@ -80,7 +80,7 @@ pub(crate) async fn cell(
             let mut channels = Vec::new();
             let mut workers = Vec::new();
             started = Instant::now();
-            for role in Role::ALL {
+            for role in Role::PARCEL_CREATED {
                 for t in 0..tasks {
                     let channel = consumer_conn.create_channel().await?;
                     channel.basic_qos(32, BasicQosOptions::default()).await?;

@@ -1402,7 +1402,7 @@ async fn check_database(
     let counts = inbox.processed_counts().await?;
     let inbox_total: u64 = counts.values().sum();
     let mut present: HashSet<(uuid::Uuid, String)> = HashSet::new();
-    for role in Role::ALL {
+    for role in Role::PARCEL_CREATED {
         let consumer = ConsumerName::new(role.consumer_name())?;
         for id in valid_ids {
             let key = InboxKey::new(MessageId::from(*id), consumer.clone());

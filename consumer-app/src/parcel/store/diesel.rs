@@ -11,7 +11,7 @@ use inbox_backend_diesel::{DieselStore, DieselTransaction, classify, classify_po
 
 use super::{EffectCounts, ParcelStore, StoreKind, count, sql};
 use crate::parcel::effects::{
-    CarrierAssignment, Intent, Notification, ParcelEffects, app_migration_script,
+    CarrierAssignment, Intent, Notification, NotificationKind, ParcelEffects, app_migration_script,
 };
 use crate::parcel::events::ParcelCreatedEvent;
 use crate::parcel::role::Role;
@@ -27,6 +27,8 @@ struct Calls {
 struct PendingNotification {
     #[diesel(sql_type = SqlUuid)]
     message_id: uuid::Uuid,
+    #[diesel(sql_type = Text)]
+    kind: String,
     #[diesel(sql_type = Text)]
     parcel_id: String,
     #[diesel(sql_type = Text)]
@@ -75,12 +77,22 @@ struct Effects {
     parcels: i64,
 }
 
-async fn effects(store: &DieselStore, query: &str) -> Result<EffectCounts, AppError> {
+async fn effects(
+    store: &DieselStore,
+    query: &str,
+    kind: Option<NotificationKind>,
+) -> Result<EffectCounts, AppError> {
     let mut conn = store.pool().get().await.map_err(classify_pool)?;
-    let row: Effects = diesel::sql_query(query)
-        .get_result(&mut *conn)
-        .await
-        .map_err(classify)?;
+    let row: Effects = match kind {
+        Some(kind) => {
+            diesel::sql_query(query)
+                .bind::<Text, _>(kind.as_str())
+                .get_result(&mut *conn)
+                .await
+        }
+        None => diesel::sql_query(query).get_result(&mut *conn).await,
+    }
+    .map_err(classify)?;
     Ok(EffectCounts {
         rows: count(row.rows),
         distinct_messages: count(row.messages),
@@ -108,9 +120,14 @@ impl ParcelStore for DieselStore {
 
     async fn effect_counts(&self) -> Result<(EffectCounts, EffectCounts), AppError> {
         Ok((
-            effects(self, sql::NOTIFICATIONS).await?,
-            effects(self, sql::CARRIER).await?,
+            self.notification_counts(NotificationKind::ParcelCreated)
+                .await?,
+            effects(self, sql::CARRIER, None).await?,
         ))
+    }
+
+    async fn notification_counts(&self, kind: NotificationKind) -> Result<EffectCounts, AppError> {
+        effects(self, sql::NOTIFICATIONS, Some(kind)).await
     }
 
     async fn parcel_count(&self) -> Result<u64, AppError> {
@@ -177,15 +194,16 @@ impl ParcelStore for DieselStore {
         let mut intents: Vec<Intent> = notifications
             .into_iter()
             .map(|n| {
-                Intent::Notification(Notification {
+                Ok(Intent::Notification(Notification {
                     message_id: n.message_id.into(),
+                    kind: NotificationKind::parse(&n.kind)?,
                     parcel_id: n.parcel_id,
                     tracking_number: n.tracking_number,
                     destination: n.destination,
                     body: n.body,
-                })
+                }))
             })
-            .collect();
+            .collect::<Result<_, AppError>>()?;
         intents.extend(carrier.into_iter().map(|a| {
             Intent::Carrier(CarrierAssignment {
                 message_id: a.message_id.into(),
@@ -200,34 +218,28 @@ impl ParcelStore for DieselStore {
 
 impl ParcelEffects for DieselTransaction {
     async fn record_notification(&mut self, n: &Notification) -> Result<(), AppError> {
-        diesel::sql_query(
-            "INSERT INTO notifications \
-             (message_id, parcel_id, tracking_number, destination, body) \
-             VALUES ($1, $2, $3, $4, $5)",
-        )
-        .bind::<SqlUuid, _>(*n.message_id.as_uuid())
-        .bind::<Text, _>(&n.parcel_id)
-        .bind::<Text, _>(&n.tracking_number)
-        .bind::<Text, _>(&n.destination)
-        .bind::<Text, _>(&n.body)
-        .execute(self.conn())
-        .await
-        .map_err(classify)?;
+        diesel::sql_query(sql::RECORD_NOTIFICATION)
+            .bind::<SqlUuid, _>(*n.message_id.as_uuid())
+            .bind::<Text, _>(n.kind.as_str())
+            .bind::<Text, _>(&n.parcel_id)
+            .bind::<Text, _>(&n.tracking_number)
+            .bind::<Text, _>(&n.destination)
+            .bind::<Text, _>(&n.body)
+            .execute(self.conn())
+            .await
+            .map_err(classify)?;
         Ok(())
     }
 
     async fn reserve_carrier_slot(&mut self, a: &CarrierAssignment) -> Result<(), AppError> {
-        diesel::sql_query(
-            "INSERT INTO carrier_assignments (message_id, parcel_id, carrier, slot) \
-             VALUES ($1, $2, $3, $4)",
-        )
-        .bind::<SqlUuid, _>(*a.message_id.as_uuid())
-        .bind::<Text, _>(&a.parcel_id)
-        .bind::<Text, _>(&a.carrier)
-        .bind::<Text, _>(&a.slot)
-        .execute(self.conn())
-        .await
-        .map_err(classify)?;
+        diesel::sql_query(sql::RESERVE_CARRIER_SLOT)
+            .bind::<SqlUuid, _>(*a.message_id.as_uuid())
+            .bind::<Text, _>(&a.parcel_id)
+            .bind::<Text, _>(&a.carrier)
+            .bind::<Text, _>(&a.slot)
+            .execute(self.conn())
+            .await
+            .map_err(classify)?;
         Ok(())
     }
 

@@ -9,17 +9,25 @@ use inbox_api::{InboxError, MessageId};
 use inbox_backend_memory::{MemoryStore, MemoryTransaction};
 
 use super::{EffectCounts, ParcelStore, StoreKind};
-use crate::parcel::effects::{CarrierAssignment, Intent, Notification, ParcelEffects};
+use crate::parcel::effects::{
+    CarrierAssignment, Intent, Notification, NotificationKind, ParcelEffects,
+};
 use crate::parcel::events::ParcelCreatedEvent;
 use crate::parcel::role::Role;
 use crate::runtime::AppError;
 
-/// Key prefixes of the memory store's "tables".
+/// Key prefixes of the memory store's "tables"; notifications per kind
+/// ([`notifications`]).
 const NOTIFICATIONS: &str = "notifications/";
 /// See [`NOTIFICATIONS`].
 const CARRIER_ASSIGNMENTS: &str = "carrier_assignments/";
 /// See [`NOTIFICATIONS`]; one key per parcel id (the primary key).
 const PARCELS: &str = "parcels/";
+
+/// The key prefix of one kind's notifications.
+fn notifications(kind: NotificationKind) -> String {
+    format!("{NOTIFICATIONS}{}/", kind.as_str())
+}
 
 /// Each row gets a fresh key (message id plus a random row id), like a
 /// BIGSERIAL: a second effect of one message would be a second entry,
@@ -36,12 +44,13 @@ impl ParcelEffects for MemoryTransaction {
     async fn record_notification(&mut self, n: &Notification) -> Result<(), AppError> {
         let value = encode(&serde_json::json!({
             "message_id": n.message_id.to_string(),
+            "kind": n.kind.as_str(),
             "parcel_id": n.parcel_id,
             "tracking_number": n.tracking_number,
             "destination": n.destination,
             "body": n.body,
         }))?;
-        self.put(row_key(NOTIFICATIONS, &n.message_id), value);
+        self.put(row_key(&notifications(n.kind), &n.message_id), value);
         Ok(())
     }
 
@@ -116,9 +125,13 @@ impl ParcelStore for MemoryStore {
 
     async fn effect_counts(&self) -> Result<(EffectCounts, EffectCounts), AppError> {
         Ok((
-            effects(self, NOTIFICATIONS),
+            effects(self, &notifications(NotificationKind::ParcelCreated)),
             effects(self, CARRIER_ASSIGNMENTS),
         ))
+    }
+
+    async fn notification_counts(&self, kind: NotificationKind) -> Result<EffectCounts, AppError> {
+        Ok(effects(self, &notifications(kind)))
     }
 
     async fn parcel_count(&self) -> Result<u64, AppError> {

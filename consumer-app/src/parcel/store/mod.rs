@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use inbox_api::{AttemptLedger, BatchTransaction, InboxStats, InboxStore, MessageId, OutboxStore};
 
-use crate::parcel::effects::{Intent, ParcelEffects};
+use crate::parcel::effects::{Intent, NotificationKind, ParcelEffects};
 use crate::parcel::role::Role;
 use crate::runtime::AppError;
 
@@ -128,8 +128,10 @@ pub struct Stats {
     pub inbox_rows: u64,
     /// Inbox rows per consumer.
     pub inbox_per_consumer: BTreeMap<String, u64>,
-    /// The notification consumer's effects.
+    /// The notification consumer's effects (`parcel_created` notifications).
     pub notifications: EffectCounts,
+    /// The third consumer's effects (`carrier_assigned` notifications).
+    pub carrier_assigned_notifications: EffectCounts,
     /// The carrier consumer's effects.
     pub carrier_assignments: EffectCounts,
 }
@@ -144,6 +146,10 @@ impl fmt::Display for Stats {
         for (name, counts) in [
             ("notifications", self.notifications),
             ("carrier_assignments", self.carrier_assignments),
+            (
+                "carrier_assigned_notifications",
+                self.carrier_assigned_notifications,
+            ),
         ] {
             writeln!(
                 f,
@@ -174,11 +180,17 @@ pub trait ParcelStore:
     /// schema. Idempotent.
     fn migrate_all(&self) -> impl Future<Output = Result<(), AppError>> + Send;
 
-    /// Counts the rows of the two effect tables: notifications, then
-    /// carrier assignments.
+    /// Counts the effects of the two consumers of `parcel.created`:
+    /// notifications of its kind, then carrier assignments.
     fn effect_counts(
         &self,
     ) -> impl Future<Output = Result<(EffectCounts, EffectCounts), AppError>> + Send;
+
+    /// Counts the `notifications` rows of `kind`.
+    fn notification_counts(
+        &self,
+        kind: NotificationKind,
+    ) -> impl Future<Output = Result<EffectCounts, AppError>> + Send;
 
     /// Counts the `parcels` rows.
     fn parcel_count(&self) -> impl Future<Output = Result<u64, AppError>> + Send;
@@ -191,6 +203,9 @@ pub trait ParcelStore:
             let (notifications, carrier_assignments) = self.effect_counts().await?;
             Ok(Stats {
                 parcels: self.parcel_count().await?,
+                carrier_assigned_notifications: self
+                    .notification_counts(NotificationKind::CarrierAssigned)
+                    .await?,
                 inbox_rows: inbox_per_consumer.values().sum(),
                 inbox_per_consumer,
                 notifications,

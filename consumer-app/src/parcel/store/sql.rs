@@ -3,9 +3,15 @@
 
 use crate::parcel::role::Role;
 
+/// Of one kind (`$1`).
 pub(super) const NOTIFICATIONS: &str = "SELECT count(*)::int8 AS rows, \
     count(DISTINCT message_id)::int8 AS messages, count(DISTINCT parcel_id)::int8 AS parcels \
-    FROM notifications";
+    FROM notifications WHERE kind = $1";
+pub(super) const RECORD_NOTIFICATION: &str = "INSERT INTO notifications \
+    (message_id, kind, parcel_id, tracking_number, destination, body) \
+    VALUES ($1, $2, $3, $4, $5, $6)";
+pub(super) const RESERVE_CARRIER_SLOT: &str = "INSERT INTO carrier_assignments \
+    (message_id, parcel_id, carrier, slot) VALUES ($1, $2, $3, $4)";
 pub(super) const CARRIER: &str = "SELECT count(*)::int8 AS rows, \
     count(DISTINCT message_id)::int8 AS messages, count(DISTINCT parcel_id)::int8 AS parcels \
     FROM carrier_assignments";
@@ -17,7 +23,7 @@ pub(super) const MARK_NOTIFICATION: &str = "UPDATE notifications SET dispatched_
     WHERE message_id = $1 AND dispatched_at IS NULL";
 pub(super) const MARK_CARRIER: &str = "UPDATE carrier_assignments SET dispatched_at = now() \
     WHERE message_id = $1 AND dispatched_at IS NULL";
-pub(super) const UNDISPATCHED_NOTIFICATIONS: &str = "SELECT message_id, parcel_id, \
+pub(super) const UNDISPATCHED_NOTIFICATIONS: &str = "SELECT message_id, kind, parcel_id, \
     tracking_number, destination, body FROM notifications \
     WHERE dispatched_at IS NULL AND created_at < now() - make_interval(secs => $1) \
     ORDER BY created_at LIMIT $2";
@@ -37,7 +43,7 @@ pub(super) const FIND_PARCEL: &str = "SELECT parcel_id, tracking_number, destina
 /// The statement marking `role`'s intents dispatched.
 pub(super) fn mark(role: Role) -> &'static str {
     match role {
-        Role::Notification => MARK_NOTIFICATION,
+        Role::Notification | Role::CarrierAssignedNotification => MARK_NOTIFICATION,
         Role::Carrier => MARK_CARRIER,
     }
 }

@@ -9,17 +9,22 @@ use sqlx::Row;
 
 use super::{EffectCounts, ParcelStore, StoreKind, count, sql};
 use crate::parcel::effects::{
-    CarrierAssignment, Intent, Notification, ParcelEffects, app_migration_script,
+    CarrierAssignment, Intent, Notification, NotificationKind, ParcelEffects, app_migration_script,
 };
 use crate::parcel::events::ParcelCreatedEvent;
 use crate::parcel::role::Role;
 use crate::runtime::AppError;
 
-async fn effects(store: &SqlxStore, query: &str) -> Result<EffectCounts, AppError> {
-    let row = sqlx::query(query)
-        .fetch_one(store.pool())
-        .await
-        .map_err(classify)?;
+async fn effects(
+    store: &SqlxStore,
+    query: &str,
+    kind: Option<NotificationKind>,
+) -> Result<EffectCounts, AppError> {
+    let mut query = sqlx::query(query);
+    if let Some(kind) = kind {
+        query = query.bind(kind.as_str());
+    }
+    let row = query.fetch_one(store.pool()).await.map_err(classify)?;
     Ok(EffectCounts {
         rows: count(row.try_get("rows").map_err(classify)?),
         distinct_messages: count(row.try_get("messages").map_err(classify)?),
@@ -45,9 +50,14 @@ impl ParcelStore for SqlxStore {
 
     async fn effect_counts(&self) -> Result<(EffectCounts, EffectCounts), AppError> {
         Ok((
-            effects(self, sql::NOTIFICATIONS).await?,
-            effects(self, sql::CARRIER).await?,
+            self.notification_counts(NotificationKind::ParcelCreated)
+                .await?,
+            effects(self, sql::CARRIER, None).await?,
         ))
+    }
+
+    async fn notification_counts(&self, kind: NotificationKind) -> Result<EffectCounts, AppError> {
+        effects(self, sql::NOTIFICATIONS, Some(kind)).await
     }
 
     async fn parcel_count(&self) -> Result<u64, AppError> {
@@ -103,8 +113,10 @@ impl ParcelStore for SqlxStore {
             .map_err(classify)?;
         for row in rows {
             let id: uuid::Uuid = row.try_get("message_id").map_err(classify)?;
+            let kind: String = row.try_get("kind").map_err(classify)?;
             intents.push(Intent::Notification(Notification {
                 message_id: id.into(),
+                kind: NotificationKind::parse(&kind)?,
                 parcel_id: row.try_get("parcel_id").map_err(classify)?,
                 tracking_number: row.try_get("tracking_number").map_err(classify)?,
                 destination: row.try_get("destination").map_err(classify)?,
@@ -132,34 +144,28 @@ impl ParcelStore for SqlxStore {
 
 impl ParcelEffects for SqlxTransaction {
     async fn record_notification(&mut self, n: &Notification) -> Result<(), AppError> {
-        sqlx::query(
-            "INSERT INTO notifications \
-             (message_id, parcel_id, tracking_number, destination, body) \
-             VALUES ($1, $2, $3, $4, $5)",
-        )
-        .bind(n.message_id.as_uuid())
-        .bind(&n.parcel_id)
-        .bind(&n.tracking_number)
-        .bind(&n.destination)
-        .bind(&n.body)
-        .execute(self.conn())
-        .await
-        .map_err(classify)?;
+        sqlx::query(sql::RECORD_NOTIFICATION)
+            .bind(n.message_id.as_uuid())
+            .bind(n.kind.as_str())
+            .bind(&n.parcel_id)
+            .bind(&n.tracking_number)
+            .bind(&n.destination)
+            .bind(&n.body)
+            .execute(self.conn())
+            .await
+            .map_err(classify)?;
         Ok(())
     }
 
     async fn reserve_carrier_slot(&mut self, a: &CarrierAssignment) -> Result<(), AppError> {
-        sqlx::query(
-            "INSERT INTO carrier_assignments (message_id, parcel_id, carrier, slot) \
-             VALUES ($1, $2, $3, $4)",
-        )
-        .bind(a.message_id.as_uuid())
-        .bind(&a.parcel_id)
-        .bind(&a.carrier)
-        .bind(&a.slot)
-        .execute(self.conn())
-        .await
-        .map_err(classify)?;
+        sqlx::query(sql::RESERVE_CARRIER_SLOT)
+            .bind(a.message_id.as_uuid())
+            .bind(&a.parcel_id)
+            .bind(&a.carrier)
+            .bind(&a.slot)
+            .execute(self.conn())
+            .await
+            .map_err(classify)?;
         Ok(())
     }
 
