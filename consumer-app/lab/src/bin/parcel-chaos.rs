@@ -65,8 +65,10 @@
 //! events; they are killed and restarted, their backends terminated and
 //! their broker connections closed, on the same seeded schedule. Which
 //! creations committed is read from the `parcels` table at the end, and
-//! the checks add: no effect of a creation that did not commit (ghosts),
-//! and no outbox row left unpublished. Copies come from the relays
+//! the checks add: the second hop (the `parcel.carrier-assigned` event the
+//! carrier consumer enqueued, which the relays publish) consumed once per
+//! committed parcel, with its notification; no effect of a creation that
+//! did not commit (ghosts); and no outbox row left unpublished. Copies come from the relays
 //! themselves then, not from the harness. `--broken-relay
 //! publish-before-commit` (the producer publishes each event before its
 //! request) and `--broken-relay mark-before-confirm` (the relays mark a
@@ -82,14 +84,15 @@ use clap::Parser;
 use consumer_app::parcel::api::{ApiServer, CreateParcel, ParcelApi};
 use consumer_app::parcel::dispatch::{CARRIER_LEDGER, NOTIFIER_LEDGER};
 use consumer_app::parcel::events::{
-    EVENT_TYPE, ParcelCreatedEvent, ROUTING_KEY, created_message_id, created_outgoing,
+    CARRIER_ASSIGNED_TYPE, EVENT_TYPE, ParcelCreatedEvent, ROUTING_KEY, created_message_id,
+    created_outgoing,
 };
 use consumer_app::parcel::role::Role;
 use consumer_app::parcel::store::{ParcelStore, StoreKind};
 use consumer_app::parcel::topology::Topology;
 use consumer_app::runtime::amqp::{Outgoing, Publisher, close_bounded, connect};
 use consumer_app::runtime::error::chain;
-use consumer_app::runtime::message::{BadInputReason, header_text};
+use consumer_app::runtime::message::{BadInputReason, follow_up_id, header_text};
 use consumer_app::runtime::redact::redact_url;
 use consumer_app::runtime::{AppError, telemetry};
 use consumer_app::tools::http::request as request_http;
@@ -1345,6 +1348,10 @@ struct Verdict {
     ghosts: u64,
     /// Outbox rows still not published at the end.
     outbox_pending: u64,
+    /// Inbox rows the valid (message, consumer) pairs make.
+    expected_inbox_rows: u64,
+    /// Carrier-assigned events their consumer's inbox holds.
+    carrier_assigned_consumed: u64,
     details: Vec<String>,
 }
 
@@ -1386,39 +1393,73 @@ async fn per_message(
         .map_err(db)
 }
 
-/// Checks the effects of the `valid_ids` (each exactly once) and that the
-/// `not_committed` creations have none (ghosts).
+/// The `parcel.carrier-assigned` event's id that the carrier consumer
+/// enqueues for the `parcel.created` event `id` (the app's own derivation).
+fn follow_up(id: uuid::Uuid) -> Result<uuid::Uuid, AppError> {
+    let carrier = ConsumerName::new(Role::Carrier.consumer_name())?;
+    Ok(uuid::Uuid::from(follow_up_id(
+        &MessageId::from(id),
+        &carrier,
+        CARRIER_ASSIGNED_TYPE,
+    )))
+}
+
+/// Checks the effects of the `valid_ids` (each exactly once per consumer
+/// of `parcel.created`), of their `follow_ups` (the carrier-assigned events
+/// the carrier consumer enqueued; empty when no relay runs, since nothing
+/// publishes them then) once by their consumer, and that the
+/// `not_committed` creations and their follow-ups have none (ghosts).
 async fn check_database(
     pool: &PgPool,
     inbox: &SqlxStore,
     schema: &str,
-    valid_ids: &[uuid::Uuid],
+    (valid_ids, follow_ups): (&[uuid::Uuid], &[uuid::Uuid]),
     not_committed: &HashSet<uuid::Uuid>,
     verdict: &mut Verdict,
 ) -> Result<(), AppError> {
-    let valid: HashSet<uuid::Uuid> = valid_ids.iter().copied().collect();
+    let valid: HashSet<uuid::Uuid> = valid_ids.iter().chain(follow_ups).copied().collect();
+    // Each consumer, the table of its effect, and the ids it must act on.
+    let mut hops = vec![
+        (Role::Notification, "notifications", valid_ids),
+        (Role::Carrier, "carrier_assignments", valid_ids),
+    ];
+    if !follow_ups.is_empty() {
+        hops.push((
+            Role::CarrierAssignedNotification,
+            "notifications",
+            follow_ups,
+        ));
+    }
     // The inbox's rows through the backend's own answers (its table is the
     // backend's business): the totals per consumer, and each valid key.
     let counts = inbox.processed_counts().await?;
     let inbox_total: u64 = counts.values().sum();
     let mut present: HashSet<(uuid::Uuid, String)> = HashSet::new();
-    for role in Role::PARCEL_CREATED {
+    for (role, _, ids) in &hops {
         let consumer = ConsumerName::new(role.consumer_name())?;
-        for id in valid_ids {
+        for id in *ids {
             let key = InboxKey::new(MessageId::from(*id), consumer.clone());
             if inbox.lookup(&key).await?.is_some() {
                 present.insert((*id, role.consumer_name().to_owned()));
             }
         }
+        verdict.expected_inbox_rows += ids.len() as u64;
     }
     verdict.inbox_rows = inbox_total;
-    for (role, table) in [
-        (Role::Notification, "notifications"),
-        (Role::Carrier, "carrier_assignments"),
-    ] {
-        let counts = per_message(pool, schema, table).await?;
+    verdict.carrier_assigned_consumed = present
+        .iter()
+        .filter(|(_, c)| c == Role::CarrierAssignedNotification.consumer_name())
+        .count() as u64;
+    let mut effects: HashMap<&str, HashMap<uuid::Uuid, i64>> = HashMap::new();
+    for (_, table, _) in &hops {
+        if !effects.contains_key(table) {
+            effects.insert(table, per_message(pool, schema, table).await?);
+        }
+    }
+    for (role, table, ids) in &hops {
+        let counts = &effects[table];
         let consumer = role.consumer_name();
-        for id in valid_ids {
+        for id in *ids {
             let n = u64::try_from(counts.get(id).copied().unwrap_or(0)).unwrap_or(0);
             verdict.effects += n;
             verdict.expected_effects += 1;
@@ -1438,7 +1479,9 @@ async fn check_database(
                 ));
             }
         }
-        for (id, n) in &counts {
+    }
+    for (table, counts) in &effects {
+        for (id, n) in counts {
             if not_committed.contains(id) {
                 verdict.ghosts += u64::try_from(*n).unwrap_or(0);
                 verdict.note(format!(
@@ -1484,21 +1527,26 @@ async fn check_database(
         } else {
             verdict.notified = count;
         }
-        for id in valid_ids {
+        // The notifier gets one call per notification: one or two a parcel.
+        let (expected, per_parcel) = match name {
+            NOTIFIER_LEDGER if !follow_ups.is_empty() => (valid.clone(), 2),
+            _ => (valid_ids.iter().copied().collect(), 1),
+        };
+        for id in &expected {
             if !keys.contains(&id.to_string()) {
                 verdict.lost += 1;
                 verdict.note(format!("lost: the stub {name} never got {id}"));
             }
         }
         for (parcel, n) in &parcels {
-            if *n > 1 {
-                verdict.doubles += n - 1;
+            if *n > per_parcel {
+                verdict.doubles += n - per_parcel;
                 verdict.note(format!(
                     "doubled: the stub {name} booked {parcel} {n} times"
                 ));
             }
         }
-        let valid_keys: HashSet<String> = valid_ids.iter().map(ToString::to_string).collect();
+        let valid_keys: HashSet<String> = expected.iter().map(ToString::to_string).collect();
         let ghost_keys: HashSet<String> = not_committed.iter().map(ToString::to_string).collect();
         for key in keys.difference(&valid_keys) {
             if ghost_keys.contains(key) {
@@ -1514,7 +1562,8 @@ async fn check_database(
     Ok(())
 }
 
-/// Drains both dead-letter queues and checks every bad message is in each
+/// Drains every dead-letter queue and checks every bad message is in each
+/// of the `parcel.created` consumers' queues
 /// with its reason, and no valid one.
 async fn check_dead_letters(
     amqp_url: &str,
@@ -1556,6 +1605,11 @@ async fn check_dead_letters(
                     "a valid message dead-lettered from {dlq}: {reason} ({detail})"
                 ));
             }
+        }
+        // The bad input goes to parcel.created: only its consumers see it
+        // (the other dead-letter queue must hold nothing valid either).
+        if !Role::PARCEL_CREATED.contains(&role) {
+            continue;
         }
         for (n, expected) in plan.bad.iter().enumerate() {
             match seen.get(&n) {
@@ -1818,10 +1872,23 @@ async fn run(mut cli: Cli) -> Result<bool, AppError> {
     };
 
     let mut verdict = Verdict::default();
-    let (expected, not_committed) = match cli.relays {
+    let (expected, mut not_committed) = match cli.relays {
         0 => (plan.valid_ids.clone(), HashSet::new()),
         _ => committed_creations(&pool, &names.schema, &plan).await?,
     };
+    // The second hop's events exist only where a relay publishes them.
+    let follow_ups = match cli.relays {
+        0 => Vec::new(),
+        _ => expected
+            .iter()
+            .map(|id| follow_up(*id))
+            .collect::<Result<Vec<_>, _>>()?,
+    };
+    let ghost_follow_ups = not_committed
+        .iter()
+        .map(|id| follow_up(*id))
+        .collect::<Result<Vec<_>, _>>()?;
+    not_committed.extend(ghost_follow_ups);
     if cli.relays > 0 {
         verdict.outbox_pending = inbox.pending_count().await?;
     }
@@ -1829,7 +1896,7 @@ async fn run(mut cli: Cli) -> Result<bool, AppError> {
         &pool,
         &inbox,
         &names.schema,
-        &expected,
+        (&expected, &follow_ups),
         &not_committed,
         &mut verdict,
     )
@@ -1843,7 +1910,7 @@ async fn run(mut cli: Cli) -> Result<bool, AppError> {
     let relay_run = creations.map(|creations| RelayRun {
         creations,
         committed: expected.len() as u64,
-        not_committed: not_committed.len() as u64,
+        not_committed: (plan.valid_ids.len() - expected.len()) as u64,
         crash_points: relays.crash_points,
         unexpected_exits: relays.unexpected_exits,
     });
@@ -2132,7 +2199,7 @@ fn table(
     wall: Duration,
 ) -> String {
     let valid = expected;
-    let pairs = 2 * valid;
+    let pairs = v.expected_inbox_rows;
     let bad = plan.bad.len() as u64;
     let mark = |ok: bool| if ok { "ok" } else { "VIOLATION" };
     let mut rows: Vec<(String, String, String, &str)> = vec![
@@ -2263,6 +2330,12 @@ fn table(
                     "{} ({} backends)",
                     counts.producer_pg_kills, counts.producer_pg_backends
                 ),
+            ),
+            (
+                "carrier-assigned consumed".into(),
+                v.carrier_assigned_consumed.to_string(),
+                r.committed.to_string(),
+                mark(v.carrier_assigned_consumed == r.committed),
             ),
             zero("ghost effects (not committed)", v.ghosts),
             zero("outbox pending at the end", v.outbox_pending),
