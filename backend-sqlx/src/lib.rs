@@ -94,6 +94,8 @@ use inbox_api::{
     BatchTransaction, Claim, InboxError, InboxKey, InboxRecord, InboxStats, InboxStore,
     InboxTransaction,
 };
+/// The inbox table's layouts, shared with the diesel backend.
+pub use inbox_postgres::Layout;
 use inbox_postgres::{Claims, MigrationConnection, SavepointDriver, key_columns, sql};
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgTransactionManager};
@@ -116,6 +118,7 @@ pub use sqlx;
 pub struct SqlxStore {
     pool: PgPool,
     schema: Arc<SchemaName>,
+    layout: Layout,
 }
 
 impl SqlxStore {
@@ -184,7 +187,53 @@ impl SqlxStore {
         Ok(Self {
             pool,
             schema: Arc::new(SchemaName::new(schema)?),
+            layout: Layout::Table,
         })
+    }
+
+    /// The same store with the inbox table laid out as `layout` (the
+    /// default is [`Layout::Table`]). [`SqlxStore::migrate`] creates that
+    /// layout in a new schema and refuses a schema with the other one; the
+    /// claims and the cleanup follow it. See [`Layout`] for the
+    /// partitioned layout's rules.
+    #[must_use]
+    pub fn with_layout(mut self, layout: Layout) -> Self {
+        self.layout = layout;
+        self
+    }
+
+    /// The inbox table's layout.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// The partitioned layout's maintenance: creates the missing day
+    /// partitions from `days_behind` days before today (UTC) to
+    /// `days_ahead` after it ([`inbox_postgres::create_partitions`]) and
+    /// returns how many. Run it daily with `days_behind = 0`; cleanup
+    /// ([`inbox_api::InboxStoreExt::purge_processed_before`]) drops the
+    /// expired days.
+    ///
+    /// # Errors
+    /// [`InboxError::InvalidArgument`] in the table layout; failures of
+    /// the statements as [`classify`] maps them.
+    pub async fn create_partitions(
+        &self,
+        days_behind: u16,
+        days_ahead: u16,
+    ) -> Result<u64, InboxError> {
+        self.partitioned_only()?;
+        let mut conn = self.pool.acquire().await.map_err(classify)?;
+        inbox_postgres::create_partitions(&mut Migrating(&mut conn), days_behind, days_ahead).await
+    }
+
+    fn partitioned_only(&self) -> Result<(), InboxError> {
+        match self.layout {
+            Layout::Partitioned => Ok(()),
+            Layout::Table => Err(InboxError::InvalidArgument {
+                message: "partition maintenance needs the partitioned inbox layout".into(),
+            }),
+        }
     }
 
     /// The pool, for the application's own queries outside the inbox.
@@ -216,7 +265,8 @@ impl SqlxStore {
         // block every later migration of this database. Closing it rolls
         // back on every path; migrating is rare.
         conn.close_on_drop();
-        inbox_postgres::migrate(&mut Migrating(&mut conn), &self.schema).await
+        inbox_postgres::migrate_with_layout(&mut Migrating(&mut conn), &self.schema, self.layout)
+            .await
     }
 }
 
@@ -309,6 +359,7 @@ impl InboxStore for SqlxStore {
         Ok(SqlxTransaction {
             conn: Some(conn),
             claims: Claims::new(),
+            layout: self.layout,
         })
     }
 
@@ -334,8 +385,20 @@ impl InboxStore for SqlxStore {
         cutoff: DateTime<Utc>,
         limit: NonZeroU32,
     ) -> Result<u64, InboxError> {
-        self.purge_batch(sql::PURGE_BATCH, cutoff, limit, "inbox")
-            .await
+        // The partitioned layout drops its expired days whole first (no
+        // row deletes, and no lock that blocks claims of other days), then
+        // deletes the untimed partition's rows in the usual batch.
+        let dropped = match self.layout {
+            Layout::Table => 0,
+            Layout::Partitioned => {
+                let mut conn = self.pool.acquire().await.map_err(classify)?;
+                inbox_postgres::drop_expired_partitions(&mut Migrating(&mut conn), cutoff).await?
+            }
+        };
+        let deleted = self
+            .purge_batch(self.layout.purge_batch(), cutoff, limit, "inbox")
+            .await?;
+        Ok(dropped + deleted)
     }
 }
 
@@ -381,6 +444,8 @@ pub struct SqlxTransaction {
     conn: Option<PoolConnection<Postgres>>,
     /// The keys it holds and its savepoints.
     claims: Claims,
+    /// The store's layout, for its claim statements.
+    layout: Layout,
 }
 
 impl std::fmt::Debug for SqlxTransaction {
@@ -470,12 +535,21 @@ impl SavepointDriver for SqlxTransaction {
 #[async_trait]
 impl InboxTransaction for SqlxTransaction {
     async fn claim(&mut self, key: &InboxKey) -> Result<Claim, InboxError> {
-        let inserted = sqlx::query(sql::CLAIM)
+        let layout = self.layout;
+        let inserted = sqlx::query(layout.claim())
             .bind(key.message_id.as_uuid())
             .bind(key.consumer.as_str())
             .execute(self.conn())
             .await
-            .map_err(classify)?
+            .map_err(|error| {
+                let sqlstate = match &error {
+                    sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+                    _ => None,
+                };
+                layout
+                    .claim_failure(sqlstate.as_deref(), &key.message_id, Utc::now())
+                    .unwrap_or_else(|| classify(error))
+            })?
             .rows_affected();
         self.claims.claimed(key, inserted)
     }
@@ -496,7 +570,7 @@ impl BatchTransaction for SqlxTransaction {
             return Ok(Vec::new());
         }
         let (ids, consumers) = key_columns(keys);
-        let inserted: Vec<(sqlx::types::Uuid, String)> = sqlx::query_as(sql::CLAIM_BATCH)
+        let inserted: Vec<(sqlx::types::Uuid, String)> = sqlx::query_as(self.layout.claim_batch())
             .bind(ids)
             .bind(consumers)
             .fetch_all(self.conn())

@@ -149,6 +149,18 @@ pub enum InboxError {
         source: Arc<InboxError>,
     },
 
+    /// The message is older than the store's retention and the store can no
+    /// longer tell whether it was processed: the record of its first copy
+    /// may already have been dropped (PostgreSQL's partitioned layout drops
+    /// a whole day of ids at once). Permanent: claiming it could run the
+    /// work a second time, so it is dead-lettered with the reason
+    /// `expired` for an operator to decide.
+    #[error("message {message_id} is older than the inbox's retention")]
+    Expired {
+        /// The message id, as text.
+        message_id: String,
+    },
+
     /// Not run in this batch: an earlier copy of the same message in the
     /// batch failed, and its failure decides. Retryable, and not this
     /// delivery's own failure: hand it back without charging it.
@@ -192,6 +204,7 @@ impl InboxError {
             | Self::InvalidConsumerName { .. }
             | Self::InvalidOutgoingMessage { .. }
             | Self::InvalidArgument { .. }
+            | Self::Expired { .. }
             | Self::Schema { .. } => false,
             Self::Connection { .. }
             | Self::PoolTimeout { .. }
@@ -240,6 +253,7 @@ impl InboxError {
             Self::Schema { .. } => "schema",
             Self::Store { .. } => "store",
             Self::Handler { .. } => "handler",
+            Self::Expired { .. } => "expired",
             Self::Deferred => "deferred",
             Self::BatchAborted { source } => source.kind(),
         }
@@ -362,6 +376,13 @@ mod tests {
             (InboxError::retryable_handler(io()), "handler", true),
             (InboxError::permanent_handler(io()), "handler", false),
             (InboxError::Deferred, "deferred", true),
+            (
+                InboxError::Expired {
+                    message_id: "x".into(),
+                },
+                "expired",
+                false,
+            ),
             (
                 InboxError::BatchAborted {
                     source: Arc::new(conflict),

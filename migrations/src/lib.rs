@@ -14,6 +14,10 @@
 //!   (`inbox_attempts`), decoded once for both drivers.
 //! - [`OutboxRow`] and its helpers: the outbox's parameters and rows,
 //!   decoded once for both drivers.
+//! - [`Layout`]: the plain inbox table or the opt-in partitioned one
+//!   (v7 ids by day, dropped whole after the retention), its claim
+//!   statements and its partition upkeep ([`create_partitions`],
+//!   [`drop_expired_partitions`]).
 //! - [`ErrorClass`]: the SQLSTATE table deciding retry or dead-letter.
 //! - [`SchemaName`]: the one validation of a schema name.
 //! - [`SessionTimeouts`]: the time bounds every inbox session sets
@@ -38,6 +42,7 @@
 
 mod attempts;
 mod claims;
+mod layout;
 mod migrate;
 mod outbox;
 mod schema_name;
@@ -47,8 +52,13 @@ mod sqlstate;
 
 pub use attempts::{AttemptColumns, attempt_count, attempt_record};
 pub use claims::{Claims, SavepointDriver, key_columns, rollback_to_savepoint, savepoint};
+pub use layout::{
+    Layout, NO_PARTITION, PARTITIONED_DDL, create_partitions, day_expired, drop_expired_partitions,
+    id_day, partition_day, time_ordered,
+};
 pub use migrate::{
-    ADVISORY_LOCK_KEY, LEDGER_TABLE, MIGRATIONS, Migration, MigrationConnection, migrate, pending,
+    ADVISORY_LOCK_KEY, LEDGER_TABLE, MIGRATIONS, Migration, MigrationConnection, migrate,
+    migrate_with_layout, pending,
 };
 pub use outbox::{
     OutboxColumns, OutboxRow, enqueued, header_columns, id_column, lease_from_rows, lease_millis,

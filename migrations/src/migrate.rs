@@ -21,6 +21,7 @@ use async_trait::async_trait;
 use inbox_api::InboxError;
 
 use crate::SchemaName;
+use crate::layout::{Layout, PARTITIONED_DDL};
 
 /// One embedded migration file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -122,8 +123,25 @@ pub async fn migrate<C: MigrationConnection>(
     conn: &mut C,
     schema: &SchemaName,
 ) -> Result<Vec<i64>, InboxError> {
+    migrate_with_layout(conn, schema, Layout::Table).await
+}
+
+/// [`migrate`] for a schema whose inbox table has `layout`: a schema
+/// without an inbox table gets that layout (the partitioned one's DDL runs
+/// before the migrations, in the same transaction); a schema with one must
+/// already have it, since a store sends its layout's statements.
+///
+/// # Errors
+/// As [`migrate`]; [`InboxError::Schema`] when the schema's inbox table
+/// has the other layout (converting one into the other means copying the
+/// table, which this runner does not do behind an application's back).
+pub async fn migrate_with_layout<C: MigrationConnection>(
+    conn: &mut C,
+    schema: &SchemaName,
+    layout: Layout,
+) -> Result<Vec<i64>, InboxError> {
     conn.execute(BEGIN).await?;
-    match apply(conn, schema).await {
+    match apply(conn, schema, layout).await {
         Ok(applied) => {
             conn.execute("COMMIT").await?;
             if !applied.is_empty() {
@@ -145,6 +163,7 @@ pub async fn migrate<C: MigrationConnection>(
 async fn apply<C: MigrationConnection>(
     conn: &mut C,
     schema: &SchemaName,
+    layout: Layout,
 ) -> Result<Vec<i64>, InboxError> {
     conn.execute(&format!(
         "SELECT pg_advisory_xact_lock({ADVISORY_LOCK_KEY})"
@@ -185,6 +204,7 @@ async fn apply<C: MigrationConnection>(
          )"
     ))
     .await?;
+    ensure_layout(conn, schema, layout).await?;
     let applied = conn
         .query_ledger(&format!("SELECT version, checksum FROM {LEDGER_TABLE}"))
         .await?;
@@ -205,6 +225,43 @@ async fn apply<C: MigrationConnection>(
         newly.push(migration.version);
     }
     Ok(newly)
+}
+
+/// Creates the partitioned table when `layout` asks for it and the schema
+/// has no inbox table yet, and refuses a schema whose table has the other
+/// layout.
+async fn ensure_layout<C: MigrationConnection>(
+    conn: &mut C,
+    schema: &SchemaName,
+    layout: Layout,
+) -> Result<(), InboxError> {
+    let kind = conn
+        .query_text(
+            "SELECT (SELECT relkind::text FROM pg_class WHERE oid = to_regclass('inbox_messages'))",
+        )
+        .await?;
+    let found = match kind.as_deref() {
+        None => {
+            if layout == Layout::Partitioned {
+                conn.execute(PARTITIONED_DDL).await?;
+                tracing::info!(%schema, "partitioned inbox layout created");
+            }
+            return Ok(());
+        }
+        Some("p") => Layout::Partitioned,
+        Some(_) => Layout::Table,
+    };
+    if found == layout {
+        Ok(())
+    } else {
+        Err(InboxError::Schema {
+            source: format!(
+                "schema {schema} has the {found} inbox layout, but the store was configured for \
+                 the {layout} layout"
+            )
+            .into(),
+        })
+    }
 }
 
 /// The migrations not yet in the ledger, given its `(version, checksum)`

@@ -35,6 +35,24 @@ pub const CLAIM_BATCH: &str = "INSERT INTO inbox_messages (id, consumer_type, pr
      ORDER BY id, consumer_type COLLATE \"C\" \
      ON CONFLICT DO NOTHING RETURNING id, consumer_type::text";
 
+/// [`CLAIM`] in the partitioned layout ([`crate::Layout::Partitioned`]):
+/// the same parameters and outcome, and the partition key `time_ordered`
+/// computed from the id by the schema's own function, which the table's
+/// CHECK holds every row to. A subquery names the id once, so each
+/// parameter occurs once, in order (see [`pieces`]).
+pub const CLAIM_PARTITIONED: &str = "INSERT INTO inbox_messages \
+     (id, consumer_type, processed_at, time_ordered) \
+     SELECT k.id, k.consumer_type, now(), inbox_time_ordered(k.id) \
+     FROM (SELECT $1::uuid AS id, $2::text AS consumer_type) AS k ON CONFLICT DO NOTHING";
+
+/// [`CLAIM_BATCH`] in the partitioned layout, as [`CLAIM_PARTITIONED`].
+pub const CLAIM_BATCH_PARTITIONED: &str = "INSERT INTO inbox_messages \
+     (id, consumer_type, processed_at, time_ordered) \
+     SELECT id, consumer_type, now(), inbox_time_ordered(id) \
+     FROM unnest($1::uuid[], $2::text[]) AS k(id, consumer_type) \
+     ORDER BY id, consumer_type COLLATE \"C\" \
+     ON CONFLICT DO NOTHING RETURNING id, consumer_type::text";
+
 /// Gives a key claimed in this transaction back: `$1` id, `$2` consumer.
 ///
 /// Deleting the row this transaction inserted: a claim waiting on it waits
@@ -60,6 +78,24 @@ pub const LOOKUP: &str = "SELECT received_at, processed_at FROM inbox_messages \
 pub const PURGE_BATCH: &str = "DELETE FROM inbox_messages WHERE ctid = ANY(ARRAY(\
      SELECT ctid FROM inbox_messages WHERE processed_at < $1 \
      ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED))";
+
+/// [`PURGE_BATCH`] in the partitioned layout: only the untimed partition's
+/// rows (ids without time) are deleted one by one; the day partitions go
+/// whole ([`crate::drop_expired_partitions`]).
+pub const PURGE_UNTIMED_BATCH: &str = "DELETE FROM inbox_messages_untimed WHERE ctid = ANY(ARRAY(\
+     SELECT ctid FROM inbox_messages_untimed WHERE processed_at < $1 \
+     ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED))";
+
+/// The partitioned layout's day tables in the connection's schema, as one
+/// text `name:state,…` (NULL when there are none), state `attached`,
+/// `pending` (a detach interrupted halfway) or `detached` (a detached
+/// table whose drop was interrupted).
+pub const DAY_PARTITIONS: &str = "SELECT string_agg(c.relname::text || ':' || \
+     CASE WHEN i.inhrelid IS NULL THEN 'detached' \
+          WHEN i.inhdetachpending THEN 'pending' ELSE 'attached' END, ',' ORDER BY c.relname) \
+     FROM pg_class AS c LEFT JOIN pg_inherits AS i ON i.inhrelid = c.oid \
+     WHERE c.relnamespace = to_regnamespace(current_schema()) AND c.relkind = 'r' \
+     AND c.relname ~ '^inbox_messages_p[0-9]{8}$'";
 
 /// Committed inbox rows per consumer. Returns `(consumer_type text, count
 /// int8)`.
@@ -291,6 +327,10 @@ mod tests {
         for (sql, count) in [
             (CLAIM, 2),
             (CLAIM_BATCH, 2),
+            (CLAIM_PARTITIONED, 2),
+            (CLAIM_BATCH_PARTITIONED, 2),
+            (PURGE_UNTIMED_BATCH, 2),
+            (DAY_PARTITIONS, 0),
             (UNCLAIM, 2),
             (LOOKUP, 2),
             (PURGE_BATCH, 2),

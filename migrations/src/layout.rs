@@ -1,0 +1,355 @@
+//! The two layouts of the inbox table, and the partitioned one's upkeep.
+//!
+//! [`Layout::Table`] (the default) is one table, cleaned by bounded row
+//! deletes. [`Layout::Partitioned`] ranges the table on the message id
+//! (see `layouts/partitioned.sql` for the exact rules): UUIDv7 ids by the
+//! UTC day of their timestamp, whole days detached and dropped after the
+//! retention, every other id in one "untimed" partition cleaned by rows.
+//! A message id maps to one partition forever, so a duplicate always meets
+//! its first copy; an id whose day was dropped is refused
+//! ([`InboxError::Expired`]) instead of claimed, since its first copy may
+//! be gone with the day.
+//!
+//! The layout is chosen when a schema is first migrated and checked on
+//! every later migration ([`crate::migrate_with_layout`]); a store sends
+//! the claim statements of its layout ([`Layout::claim`]).
+
+use std::fmt;
+use std::str::FromStr;
+
+use chrono::{DateTime, NaiveDate, NaiveTime, Utc};
+use inbox_api::{InboxError, MessageId};
+
+use crate::MigrationConnection;
+use crate::sql;
+
+/// The partitioned layout's DDL, applied once to a schema without an inbox
+/// table, before the migrations.
+pub const PARTITIONED_DDL: &str = include_str!("../layouts/partitioned.sql");
+
+/// The SQLSTATE of an INSERT whose row has no partition (`check_violation`).
+pub const NO_PARTITION: &str = "23514";
+
+/// The name prefix of the partitioned layout's day partitions, followed by
+/// `YYYYMMDD`.
+const DAY_PREFIX: &str = "inbox_messages_p";
+
+/// How the inbox table is laid out in a schema.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Layout {
+    /// One table, cleaned by bounded row deletes. The default.
+    #[default]
+    Table,
+    /// Range partitions on the id: v7 ids by UTC day (dropped whole after
+    /// the retention), other ids in one untimed partition.
+    Partitioned,
+}
+
+impl Layout {
+    /// The claim of one key in this layout (see [`sql::CLAIM`]).
+    pub fn claim(self) -> &'static str {
+        match self {
+            Self::Table => sql::CLAIM,
+            Self::Partitioned => sql::CLAIM_PARTITIONED,
+        }
+    }
+
+    /// The claim of a batch in this layout (see [`sql::CLAIM_BATCH`]).
+    pub fn claim_batch(self) -> &'static str {
+        match self {
+            Self::Table => sql::CLAIM_BATCH,
+            Self::Partitioned => sql::CLAIM_BATCH_PARTITIONED,
+        }
+    }
+
+    /// One batch of row cleanup in this layout: the whole table, or only
+    /// the untimed partition (rows of a day partition are never deleted
+    /// one by one: their day goes whole).
+    pub fn purge_batch(self) -> &'static str {
+        match self {
+            Self::Table => sql::PURGE_BATCH,
+            Self::Partitioned => sql::PURGE_UNTIMED_BATCH,
+        }
+    }
+
+    /// The name used on the command line and in configuration.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Table => "table",
+            Self::Partitioned => "partitioned",
+        }
+    }
+
+    /// What a claim that failed with `sqlstate` means in this layout, for
+    /// the key with `id`: `None` to classify it as usual.
+    ///
+    /// In the partitioned layout a v7 id without a partition fails with
+    /// [`NO_PARTITION`]. Its day lies before today (UTC): the day was
+    /// dropped after the retention (or never created), and the first copy
+    /// may have gone with it, so the claim is refused as
+    /// [`InboxError::Expired`] (permanent: dead-lettered, never claimed
+    /// blind). Its day is today or later (clock skew, or maintenance not
+    /// run): retryable, since [`create_partitions`] creates the day.
+    pub fn claim_failure(
+        self,
+        sqlstate: Option<&str>,
+        id: &MessageId,
+        now: DateTime<Utc>,
+    ) -> Option<InboxError> {
+        if self != Self::Partitioned || sqlstate != Some(NO_PARTITION) {
+            return None;
+        }
+        let day = id_day(id)?;
+        if day < now.date_naive() {
+            Some(InboxError::Expired {
+                message_id: id.to_string(),
+            })
+        } else {
+            Some(InboxError::Store {
+                retryable: true,
+                source: format!(
+                    "no inbox partition for day {day} of message {id} yet: run the partition \
+                     maintenance (inbox_create_partitions)"
+                )
+                .into(),
+            })
+        }
+    }
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Layout {
+    type Err = InboxError;
+
+    fn from_str(s: &str) -> Result<Self, InboxError> {
+        match s {
+            "table" => Ok(Self::Table),
+            "partitioned" => Ok(Self::Partitioned),
+            other => Err(InboxError::InvalidArgument {
+                message: format!("unknown inbox layout {other:?}: expected table or partitioned"),
+            }),
+        }
+    }
+}
+
+/// Whether `id` carries its time (version nibble 7): the rule that routes
+/// it to a day partition, the same as SQL's `inbox_time_ordered`.
+pub fn time_ordered(id: &MessageId) -> bool {
+    id.as_uuid().as_bytes()[6] >> 4 == 7
+}
+
+/// The UTC day of a time-ordered id's timestamp (its first 48 bits, in
+/// milliseconds), or `None` for an id without time.
+pub fn id_day(id: &MessageId) -> Option<NaiveDate> {
+    if !time_ordered(id) {
+        return None;
+    }
+    let bytes = id.as_uuid().as_bytes();
+    let millis = bytes[..6]
+        .iter()
+        .fold(0_i64, |acc, b| (acc << 8) | i64::from(*b));
+    DateTime::<Utc>::from_timestamp_millis(millis).map(|t| t.date_naive())
+}
+
+/// Creates the missing day partitions from `days_behind` days before
+/// today (UTC) to `days_ahead` days after it, and returns how many it
+/// created. Run it daily (as `parcel-inbox partitions` does) with
+/// `days_behind = 0`: a dropped day is then never recreated, and its ids
+/// stay refused. The connection's `search_path` must name the schema.
+///
+/// # Errors
+/// The driver's errors; [`InboxError::Schema`]-like failures when the
+/// schema does not have the partitioned layout.
+pub async fn create_partitions<C: MigrationConnection>(
+    conn: &mut C,
+    days_behind: u16,
+    days_ahead: u16,
+) -> Result<u64, InboxError> {
+    // Integers only reach the text.
+    let created = conn
+        .query_text(&format!(
+            "SELECT inbox_create_partitions({days_behind}, {days_ahead})::text"
+        ))
+        .await?;
+    let created = created.and_then(|n| n.parse().ok()).unwrap_or(0);
+    if created > 0 {
+        tracing::info!(created, days_behind, days_ahead, "inbox partitions created");
+    }
+    Ok(created)
+}
+
+/// Detaches and drops every day partition whose whole day lies before
+/// `cutoff`, and returns the rows they held.
+///
+/// Each day goes with `DETACH PARTITION … CONCURRENTLY` (which takes no
+/// lock that blocks claims on the other days; it waits for transactions
+/// that might still use the day instead), then a count and a `DROP
+/// TABLE` of what is by then a table of its own. A detach interrupted
+/// halfway is finished (`FINALIZE`) on the next run, a detached table
+/// whose drop was interrupted is dropped. Sends each statement on its own,
+/// outside any transaction block, as `DETACH … CONCURRENTLY` requires.
+///
+/// # Errors
+/// The driver's errors.
+pub async fn drop_expired_partitions<C: MigrationConnection>(
+    conn: &mut C,
+    cutoff: DateTime<Utc>,
+) -> Result<u64, InboxError> {
+    let listed = conn.query_text(sql::DAY_PARTITIONS).await?;
+    let mut dropped = 0;
+    for entry in listed.iter().flat_map(|l| l.split(',')) {
+        let Some((name, state)) = entry.split_once(':') else {
+            continue;
+        };
+        let Some(day) = partition_day(name) else {
+            continue;
+        };
+        if !day_expired(day, cutoff) {
+            continue;
+        }
+        // `name` is the prefix and eight digits (partition_day checked), so
+        // formatting it into a statement is safe.
+        match state {
+            "attached" => {
+                conn.execute(&format!(
+                    "ALTER TABLE inbox_messages DETACH PARTITION {name} CONCURRENTLY"
+                ))
+                .await?;
+            }
+            "pending" => {
+                conn.execute(&format!(
+                    "ALTER TABLE inbox_messages DETACH PARTITION {name} FINALIZE"
+                ))
+                .await?;
+            }
+            _ => {}
+        }
+        let rows = conn
+            .query_text(&format!("SELECT count(*)::text FROM {name}"))
+            .await?
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or(0);
+        conn.execute(&format!("DROP TABLE {name}")).await?;
+        tracing::info!(partition = name, %day, rows, %cutoff, "inbox day partition dropped");
+        dropped += rows;
+    }
+    Ok(dropped)
+}
+
+/// The day of a day partition's name, or `None` for any other name.
+pub fn partition_day(name: &str) -> Option<NaiveDate> {
+    let digits = name.strip_prefix(DAY_PREFIX)?;
+    if digits.len() != 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    NaiveDate::parse_from_str(digits, "%Y%m%d").ok()
+}
+
+/// Whether every id of `day` lies before `cutoff`: the day's end (the next
+/// midnight, UTC) is not after it. Only then may the day be dropped: a
+/// day dropped earlier would forget ids younger than the retention.
+pub fn day_expired(day: NaiveDate, cutoff: DateTime<Utc>) -> bool {
+    day.succ_opt()
+        .map(|next| next.and_time(NaiveTime::MIN).and_utc() <= cutoff)
+        .unwrap_or(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(text: &str) -> MessageId {
+        MessageId::parse(text).expect("a uuid")
+    }
+
+    #[test]
+    fn routing_uses_the_version_nibble() {
+        // A v4 id whose random first bits read as a recent timestamp.
+        let v4 = id("019aeb3c-0000-4000-8000-000000000000");
+        assert!(!time_ordered(&v4));
+        assert_eq!(id_day(&v4), None);
+        let v7 = id("019aeb3c-0000-7000-8000-000000000000");
+        assert!(time_ordered(&v7));
+        assert!(id_day(&v7).is_some());
+        let now = MessageId::from_uuid(uuid::Uuid::now_v7());
+        assert_eq!(id_day(&now), Some(Utc::now().date_naive()));
+    }
+
+    #[test]
+    fn a_day_expires_only_when_all_of_it_is_before_the_cutoff() {
+        let day = NaiveDate::from_ymd_opt(2026, 12, 1).expect("a date");
+        let midnight = |d: u32| {
+            NaiveDate::from_ymd_opt(2026, 12, d)
+                .expect("a date")
+                .and_time(NaiveTime::MIN)
+                .and_utc()
+        };
+        assert!(day_expired(day, midnight(2)));
+        assert!(!day_expired(
+            day,
+            midnight(2) - chrono::Duration::milliseconds(1)
+        ));
+        assert!(!day_expired(day, midnight(1)));
+    }
+
+    #[test]
+    fn only_day_partitions_are_named_days() {
+        assert_eq!(
+            partition_day("inbox_messages_p20261204"),
+            NaiveDate::from_ymd_opt(2026, 12, 4)
+        );
+        for other in [
+            "inbox_messages_untimed",
+            "inbox_messages_p2026120",
+            "inbox_messages_p20261304",
+            "inbox_messages_p2026120x",
+            "inbox_messages_p20261204; DROP",
+        ] {
+            assert_eq!(partition_day(other), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn a_missing_partition_is_expired_in_the_past_and_retryable_ahead() {
+        let now = Utc::now();
+        let past = MessageId::from_uuid(uuid::Uuid::new_v7(uuid::Timestamp::from_unix(
+            uuid::NoContext,
+            u64::try_from((now - chrono::Duration::days(2)).timestamp()).expect("after 1970"),
+            0,
+        )));
+        let future = MessageId::from_uuid(uuid::Uuid::new_v7(uuid::Timestamp::from_unix(
+            uuid::NoContext,
+            u64::try_from((now + chrono::Duration::days(9)).timestamp()).expect("after 1970"),
+            0,
+        )));
+        let p = Layout::Partitioned;
+        let expired = p
+            .claim_failure(Some(NO_PARTITION), &past, now)
+            .expect("mapped");
+        assert_eq!(expired.kind(), "expired");
+        assert!(!expired.is_retryable());
+        let ahead = p
+            .claim_failure(Some(NO_PARTITION), &future, now)
+            .expect("mapped");
+        assert!(ahead.is_retryable());
+        assert!(p.claim_failure(Some("23505"), &past, now).is_none());
+        assert!(
+            Layout::Table
+                .claim_failure(Some(NO_PARTITION), &past, now)
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn layouts_parse_their_names() {
+        for layout in [Layout::Table, Layout::Partitioned] {
+            assert_eq!(layout.as_str().parse::<Layout>().expect("parses"), layout);
+        }
+        assert!("heap".parse::<Layout>().is_err());
+    }
+}
