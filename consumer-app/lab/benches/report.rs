@@ -43,7 +43,10 @@
 //! - claim cost against table size (`support/table_size.rs`): the inbox
 //!   pre-filled with 1,000,000 and 10,000,000 rows of v4 and of v7 ids,
 //!   against an empty one, both drivers, per message and batched; written
-//!   to `docs/benchmark-table-size.svg` too.
+//!   to `docs/benchmark-table-size.svg` too;
+//! - the full loop's latency (`support/latency.rs`): `POST /parcels` at a
+//!   steady rate, from the 201 to the last consumer's transaction of the
+//!   parcel (p50, p99).
 //!
 //! Run: `cargo bench -p parcel-lab --bench report` (PostgreSQL
 //! and RabbitMQ up: `bash .ci/services.sh`).
@@ -56,8 +59,9 @@
 //! batch size and the bare publisher's window, default 100),
 //! `INBOX_BENCH_REPS` (repetitions behind each ratio's spread, at least and
 //! by default 3), `INBOX_BENCH_TABLE_SIZES` (pre-filled sizes, default
-//! `1000000,10000000`; empty skips) and `INBOX_BENCH_TABLE_TASKS` (default
-//! 4).
+//! `1000000,10000000`; empty skips), `INBOX_BENCH_TABLE_TASKS` (default
+//! 4), `INBOX_BENCH_LATENCY_SECS` (default 10; 0 skips) and
+//! `INBOX_BENCH_LATENCY_RATE` (requests/s, default 50).
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -525,6 +529,8 @@ mod chart;
 mod cleanup;
 #[path = "support/e2e.rs"]
 mod e2e;
+#[path = "support/latency.rs"]
+mod latency;
 #[path = "support/relay.rs"]
 mod relay;
 #[path = "support/spread.rs"]
@@ -985,6 +991,34 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
         }
     }
 
+    // End-to-end latency of the full loop, endpoint to last consumer.
+    let latency_secs = std::env::var("INBOX_BENCH_LATENCY_SECS")
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(10.0);
+    let latency_rate = std::env::var("INBOX_BENCH_LATENCY_RATE")
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+        .filter(|r| *r > 0.0)
+        .unwrap_or(50.0);
+    if latency_secs > 0.0 {
+        match latency::run(
+            url,
+            &format!("{schema}_loop"),
+            &format!("{schema}.loop."),
+            latency_rate,
+            latency_secs,
+        )
+        .await
+        {
+            Ok(measured) => {
+                eprintln!("latency: {measured:?}");
+                let _ = write!(out, "\n{}", measured.markdown());
+            }
+            Err(error) => eprintln!("latency rows skipped (is RabbitMQ running?): {error}"),
+        }
+    }
+
     // Cleanup at scale.
     let rows_env = std::env::var("INBOX_BENCH_CLEANUP_ROWS")
         .ok()
@@ -1052,7 +1086,11 @@ fn main() {
         match PgPoolOptions::new().max_connections(1).connect(&url).await {
             Ok(admin) => {
                 // `schema` is built above from digits and hex only.
-                let mut names = vec![schema.clone(), format!("{schema}_app")];
+                let mut names = vec![
+                    schema.clone(),
+                    format!("{schema}_app"),
+                    format!("{schema}_loop"),
+                ];
                 names.extend(table_size::schemas(&schema));
                 for name in names {
                     let drop = format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE");
