@@ -169,6 +169,15 @@ pub fn classify_connection(error: ConnectionError) -> InboxError {
     }
 }
 
+/// The SQLSTATE of `error` when it is a database error, as far as diesel
+/// lets us know it.
+pub(crate) fn sqlstate(error: &DieselError) -> Option<&'static str> {
+    match error {
+        DieselError::DatabaseError(kind, info) => sqlstate_of(*kind, &**info),
+        _ => None,
+    }
+}
+
 /// The SQLSTATE of a database error, as far as diesel lets us know it.
 fn sqlstate_of(
     kind: DatabaseErrorKind,

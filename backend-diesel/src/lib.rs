@@ -111,6 +111,8 @@ pub use diesel;
 pub use diesel_async;
 pub use diesel_async::AsyncPgConnection;
 pub use error::{classify, classify_connection, classify_pool};
+/// The inbox table's layouts, shared with the sqlx backend.
+pub use inbox_postgres::Layout;
 /// The schema-name rules, shared with the sqlx backend.
 pub use inbox_postgres::SchemaName;
 /// The time bounds of every inbox session, shared with the sqlx backend.

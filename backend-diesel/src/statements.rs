@@ -17,6 +17,7 @@ use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::result::{Error as DieselError, QueryResult};
 use diesel::sql_types::{Array, BigInt, Bytea, Integer, Nullable, Text, Timestamptz, Uuid};
 use inbox_api::{InboxKey, OutgoingMessage};
+use inbox_postgres::Layout;
 use inbox_postgres::sql::{self, Piece};
 
 /// Sends `statement`, binding its parameter `$n` with `bind(n, out)`.
@@ -38,21 +39,32 @@ fn no_such_parameter(n: usize) -> DieselError {
     DieselError::QueryBuilderError(format!("statement has no parameter ${n}").into())
 }
 
-/// [`sql::CLAIM`] for one key; executes to the rows inserted (0 or 1).
-pub(crate) struct ClaimOne<'k>(pub(crate) &'k InboxKey);
+/// [`sql::CLAIM`] for one key, or [`sql::CLAIM_PARTITIONED`] when
+/// `PARTITIONED`; executes to the rows inserted (0 or 1). The layout is a
+/// type parameter so that each statement keeps its own static cache key.
+pub(crate) struct ClaimOne<'k, const PARTITIONED: bool>(pub(crate) &'k InboxKey);
 
 /// The statement cache's key for [`ClaimOne`].
-pub(crate) struct ClaimOneId;
+pub(crate) struct ClaimOneId<const PARTITIONED: bool>;
 
-impl QueryId for ClaimOne<'_> {
-    type QueryId = ClaimOneId;
+/// The statement of a layout.
+const fn layout(partitioned: bool) -> Layout {
+    if partitioned {
+        Layout::Partitioned
+    } else {
+        Layout::Table
+    }
+}
+
+impl<const P: bool> QueryId for ClaimOne<'_, P> {
+    type QueryId = ClaimOneId<P>;
     const HAS_STATIC_QUERY_ID: bool = true;
 }
 
-impl QueryFragment<Pg> for ClaimOne<'_> {
+impl<const P: bool> QueryFragment<Pg> for ClaimOne<'_, P> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         let key = self.0;
-        walk(sql::CLAIM, &mut out, |n, out| match n {
+        walk(layout(P).claim(), &mut out, |n, out| match n {
             1 => out.push_bind_param::<Uuid, _>(key.message_id.as_uuid()),
             2 => out.push_bind_param::<Text, _>(key.consumer.as_str()),
             n => Err(no_such_parameter(n)),
@@ -62,30 +74,30 @@ impl QueryFragment<Pg> for ClaimOne<'_> {
 
 /// [`sql::CLAIM_BATCH`] over the keys as two parallel arrays; loads the
 /// `(id, consumer)` rows inserted.
-pub(crate) struct ClaimBatch {
+pub(crate) struct ClaimBatch<const PARTITIONED: bool> {
     pub(crate) ids: Vec<uuid::Uuid>,
     pub(crate) consumers: Vec<String>,
 }
 
-impl ClaimBatch {
+impl<const P: bool> ClaimBatch<P> {
     pub(crate) fn of(keys: &[InboxKey]) -> Self {
         let (ids, consumers) = inbox_postgres::key_columns(keys);
         Self { ids, consumers }
     }
 }
 
-impl QueryId for ClaimBatch {
-    type QueryId = ClaimBatch;
+impl<const P: bool> QueryId for ClaimBatch<P> {
+    type QueryId = ClaimBatch<P>;
     const HAS_STATIC_QUERY_ID: bool = true;
 }
 
-impl Query for ClaimBatch {
+impl<const P: bool> Query for ClaimBatch<P> {
     type SqlType = (Uuid, Text);
 }
 
-impl QueryFragment<Pg> for ClaimBatch {
+impl<const P: bool> QueryFragment<Pg> for ClaimBatch<P> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        walk(sql::CLAIM_BATCH, &mut out, |n, out| match n {
+        walk(layout(P).claim_batch(), &mut out, |n, out| match n {
             1 => out.push_bind_param::<Array<Uuid>, _>(&self.ids),
             2 => out.push_bind_param::<Array<Text>, _>(&self.consumers),
             n => Err(no_such_parameter(n)),

@@ -20,7 +20,7 @@ use diesel_async::{
     TransactionManager,
 };
 use inbox_api::{InboxError, InboxKey, InboxRecord, InboxStats, InboxStore};
-use inbox_postgres::{SessionTimeouts, sql};
+use inbox_postgres::{Layout, SessionTimeouts, sql};
 
 use crate::error::{classify, classify_pool};
 use crate::migrate::Migrating;
@@ -45,6 +45,7 @@ pub type PooledConnection = Object<AsyncDieselConnectionManager<AsyncPgConnectio
 pub struct DieselStore {
     pool: DieselPool,
     schema: SchemaName,
+    layout: Layout,
 }
 
 impl fmt::Debug for DieselStore {
@@ -101,6 +102,7 @@ pub struct DieselStoreBuilder {
     connect_timeout: Duration,
     verify_on_checkout: bool,
     timeouts: SessionTimeouts,
+    layout: Layout,
 }
 
 impl fmt::Debug for DieselStoreBuilder {
@@ -118,6 +120,14 @@ impl fmt::Debug for DieselStoreBuilder {
 }
 
 impl DieselStoreBuilder {
+    /// The inbox table's layout (default [`Layout::Table`]):
+    /// [`DieselStore::migrate`] creates it in a new schema and refuses a
+    /// schema with the other one; the claims and the cleanup follow it.
+    pub fn layout(mut self, layout: Layout) -> Self {
+        self.layout = layout;
+        self
+    }
+
     /// How many connections the pool holds at most (default 10). Every open
     /// inbox transaction holds one for its whole duration.
     pub fn pool_size(mut self, size: usize) -> Self {
@@ -210,6 +220,7 @@ impl DieselStoreBuilder {
         Ok(DieselStore {
             pool,
             schema: self.schema,
+            layout: self.layout,
         })
     }
 
@@ -264,6 +275,7 @@ impl DieselStore {
             connect_timeout: Duration::from_secs(5),
             verify_on_checkout: false,
             timeouts: SessionTimeouts::default(),
+            layout: Layout::Table,
         })
     }
 
@@ -302,7 +314,35 @@ impl DieselStore {
         // A connection of its own, closed afterwards: an interrupted
         // migration then cannot leave a pooled connection mid-transaction.
         let mut conn = Object::take(conn);
-        inbox_postgres::migrate(&mut Migrating(&mut conn), &self.schema).await
+        inbox_postgres::migrate_with_layout(&mut Migrating(&mut conn), &self.schema, self.layout)
+            .await
+    }
+
+    /// The inbox table's layout.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// The partitioned layout's maintenance: creates the missing day
+    /// partitions from `days_behind` days before today (UTC) to
+    /// `days_ahead` after it ([`inbox_postgres::create_partitions`]) and
+    /// returns how many.
+    ///
+    /// # Errors
+    /// As [`inbox_postgres::create_partitions`].
+    pub async fn create_partitions(
+        &self,
+        days_behind: u16,
+        days_ahead: u16,
+    ) -> Result<u64, InboxError> {
+        let mut conn = self.pool.get().await.map_err(classify_pool)?;
+        inbox_postgres::create_partitions(
+            &mut Migrating(&mut conn),
+            self.layout,
+            days_behind,
+            days_ahead,
+        )
+        .await
     }
 
     /// One batch of a cleanup `statement` (`$1` cutoff, `$2` limit, the
@@ -362,6 +402,7 @@ impl InboxStore for DieselStore {
     async fn begin(&self) -> Result<DieselTransaction, InboxError> {
         Ok(DieselTransaction::new(
             self.begin_on_fresh_connection().await?,
+            self.layout,
         ))
     }
 
@@ -404,8 +445,19 @@ impl InboxStore for DieselStore {
         cutoff: DateTime<Utc>,
         limit: NonZeroU32,
     ) -> Result<u64, InboxError> {
-        self.purge_batch(sql::PURGE_BATCH, cutoff, limit, "inbox")
-            .await
+        // The partitioned layout drops its expired days whole first, then
+        // deletes the untimed partition's rows in the usual batch.
+        let dropped = match self.layout {
+            Layout::Table => 0,
+            Layout::Partitioned => {
+                let mut conn = self.pool.get().await.map_err(classify_pool)?;
+                inbox_postgres::drop_expired_partitions(&mut Migrating(&mut conn), cutoff).await?
+            }
+        };
+        let deleted = self
+            .purge_batch(self.layout.purge_batch(), cutoff, limit, "inbox")
+            .await?;
+        Ok(dropped + deleted)
     }
 }
 

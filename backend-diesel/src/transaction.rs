@@ -9,7 +9,7 @@ use diesel_async::{
     TransactionManager,
 };
 use inbox_api::{BatchTransaction, Claim, InboxError, InboxKey, InboxTransaction};
-use inbox_postgres::{Claims, SavepointDriver, sql};
+use inbox_postgres::{Claims, Layout, SavepointDriver, sql};
 
 use crate::error::{classify, is_unrecognised};
 use crate::statements::{ClaimBatch, ClaimOne};
@@ -44,6 +44,8 @@ pub struct DieselTransaction {
     conn: Option<Pooled>,
     /// The keys it holds and its savepoints.
     claims: Claims,
+    /// The store's layout, for its claim statements.
+    layout: Layout,
 }
 
 impl std::fmt::Debug for DieselTransaction {
@@ -58,10 +60,11 @@ impl std::fmt::Debug for DieselTransaction {
 
 impl DieselTransaction {
     /// Wraps a connection on which `BEGIN` succeeded.
-    pub(crate) fn new(conn: Pooled) -> Self {
+    pub(crate) fn new(conn: Pooled, layout: Layout) -> Self {
         Self {
             conn: Some(conn),
             claims: Claims::new(),
+            layout,
         }
     }
 
@@ -195,11 +198,24 @@ impl InboxTransaction for DieselTransaction {
     /// `now()`, the transaction's start): it becomes visible only at COMMIT,
     /// together with the work, so a committed row is a processed message.
     async fn claim(&mut self, key: &InboxKey) -> Result<Claim, InboxError> {
-        match ClaimOne(key).execute(self.conn()).await {
+        let claimed = match self.layout {
+            Layout::Table => ClaimOne::<false>(key).execute(self.conn()).await,
+            Layout::Partitioned => ClaimOne::<true>(key).execute(self.conn()).await,
+        };
+        match claimed {
             Ok(rows) => self
                 .claims
                 .claimed(key, u64::try_from(rows).unwrap_or(u64::MAX)),
-            Err(error) => Err(self.refine(error).await),
+            Err(error) => {
+                let sqlstate = crate::error::sqlstate(&error);
+                match self
+                    .layout
+                    .claim_failure(sqlstate, &key.message_id, chrono::Utc::now())
+                {
+                    Some(mapped) => Err(mapped),
+                    None => Err(self.refine(error).await),
+                }
+            }
         }
     }
 
@@ -262,9 +278,18 @@ impl BatchTransaction for DieselTransaction {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let inserted = ClaimBatch::of(keys)
-            .load::<(uuid::Uuid, String)>(self.conn())
-            .await;
+        let inserted = match self.layout {
+            Layout::Table => {
+                ClaimBatch::<false>::of(keys)
+                    .load::<(uuid::Uuid, String)>(self.conn())
+                    .await
+            }
+            Layout::Partitioned => {
+                ClaimBatch::<true>::of(keys)
+                    .load::<(uuid::Uuid, String)>(self.conn())
+                    .await
+            }
+        };
         match inserted {
             Ok(rows) => self.claims.claimed_batch(keys, rows),
             Err(error) => Err(self.refine(error).await),

@@ -234,6 +234,17 @@ struct PlanLine {
 
 #[async_trait]
 impl PgHarness for DieselHarness {
+    async fn partitioned_store_in(&self, schema: &str, pool: usize) -> DieselStore {
+        common::store_with_layout(
+            schema,
+            pool,
+            Duration::from_secs(15),
+            &SessionTimeouts::default(),
+            inbox_backend_diesel::Layout::Partitioned,
+        )
+        .await
+    }
+
     async fn store_with(
         &self,
         schema: &str,

@@ -210,30 +210,25 @@ impl SqlxStore {
     /// The partitioned layout's maintenance: creates the missing day
     /// partitions from `days_behind` days before today (UTC) to
     /// `days_ahead` after it ([`inbox_postgres::create_partitions`]) and
-    /// returns how many. Run it daily with `days_behind = 0`; cleanup
-    /// ([`inbox_api::InboxStoreExt::purge_processed_before`]) drops the
-    /// expired days.
+    /// returns how many.
     ///
     /// # Errors
-    /// [`InboxError::InvalidArgument`] in the table layout; failures of
-    /// the statements as [`classify`] maps them.
+    /// As [`inbox_postgres::create_partitions`], statements' failures as
+    /// [`classify`] maps them.
     pub async fn create_partitions(
         &self,
         days_behind: u16,
         days_ahead: u16,
     ) -> Result<u64, InboxError> {
-        self.partitioned_only()?;
         let mut conn = self.pool.acquire().await.map_err(classify)?;
-        inbox_postgres::create_partitions(&mut Migrating(&mut conn), days_behind, days_ahead).await
-    }
-
-    fn partitioned_only(&self) -> Result<(), InboxError> {
-        match self.layout {
-            Layout::Partitioned => Ok(()),
-            Layout::Table => Err(InboxError::InvalidArgument {
-                message: "partition maintenance needs the partitioned inbox layout".into(),
-            }),
-        }
+        let layout = self.layout;
+        inbox_postgres::create_partitions(
+            &mut Migrating(&mut conn),
+            layout,
+            days_behind,
+            days_ahead,
+        )
+        .await
     }
 
     /// The pool, for the application's own queries outside the inbox.

@@ -272,6 +272,13 @@ impl PgHarness for SqlxHarness {
         common::store_with(schema, pool, None, timeouts).await
     }
 
+    async fn partitioned_store_in(&self, schema: &str, pool: usize) -> SqlxStore {
+        let pool = u32::try_from(pool).expect("a small pool");
+        common::store_in(schema, pool, None)
+            .await
+            .with_layout(inbox_backend_sqlx::Layout::Partitioned)
+    }
+
     async fn connect_to(&self, url: &str) -> Result<SqlxStore, InboxError> {
         let options = SqlxStore::connect_options(url, "inbox")?;
         let pool = sqlx::postgres::PgPoolOptions::new()

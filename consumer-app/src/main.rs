@@ -113,7 +113,8 @@ enum Command {
         #[arg(long, conflicts_with = "message_ids")]
         all: bool,
     },
-    /// Migrate, consume, publish with copies and a crash, and prove exactly-once effects.
+    /// Run the full loop in process (POST /parcels over HTTP, the relay, three consumers),
+    /// with client retries, message copies and a crash per hop, and prove exactly-once effects.
     Demo {
         /// Distinct events.
         #[arg(long, default_value_t = 200)]

@@ -158,18 +158,24 @@ pub fn id_day(id: &MessageId) -> Option<NaiveDate> {
 
 /// Creates the missing day partitions from `days_behind` days before
 /// today (UTC) to `days_ahead` days after it, and returns how many it
-/// created. Run it daily (as `parcel-inbox partitions` does) with
-/// `days_behind = 0`: a dropped day is then never recreated, and its ids
-/// stay refused. The connection's `search_path` must name the schema.
+/// created. Run it daily with `days_behind = 0`: a dropped day is then
+/// never recreated, and its ids stay refused. The connection's
+/// `search_path` must name the schema, whose layout is `layout`.
 ///
 /// # Errors
-/// The driver's errors; [`InboxError::Schema`]-like failures when the
-/// schema does not have the partitioned layout.
+/// [`InboxError::InvalidArgument`] for [`Layout::Table`]; the driver's
+/// errors.
 pub async fn create_partitions<C: MigrationConnection>(
     conn: &mut C,
+    layout: Layout,
     days_behind: u16,
     days_ahead: u16,
 ) -> Result<u64, InboxError> {
+    if layout != Layout::Partitioned {
+        return Err(InboxError::InvalidArgument {
+            message: "partition maintenance needs the partitioned inbox layout".into(),
+        });
+    }
     // Integers only reach the text.
     let created = conn
         .query_text(&format!(

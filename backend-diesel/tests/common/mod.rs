@@ -17,7 +17,9 @@ use std::time::Duration;
 use diesel::sql_types::{BigInt, Bool, Integer, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use inbox_api::InboxError;
-use inbox_backend_diesel::{DieselStore, DieselTransaction, SchemaName, SessionTimeouts, classify};
+use inbox_backend_diesel::{
+    DieselStore, DieselTransaction, Layout, SchemaName, SessionTimeouts, classify,
+};
 
 pub use inbox_conformance::postgres::support::{
     EFFECTS_TABLE, LIST_SCHEMAS, RECORD_EFFECT, TEST_PREFIX, database_url, drop_schema_sql,
@@ -116,9 +118,21 @@ pub async fn store_with(
     wait: Duration,
     timeouts: &SessionTimeouts,
 ) -> DieselStore {
+    store_with_layout(schema, pool, wait, timeouts, Layout::Table).await
+}
+
+/// As [`store_with`], its inbox table laid out as `layout`.
+pub async fn store_with_layout(
+    schema: &str,
+    pool: usize,
+    wait: Duration,
+    timeouts: &SessionTimeouts,
+    layout: Layout,
+) -> DieselStore {
     let url = url_with_application_name(&database_url(), schema);
     DieselStore::builder(url, schema)
         .expect("valid test schema name")
+        .layout(layout)
         .pool_size(pool)
         .session_timeouts(*timeouts)
         .wait_timeout(wait)

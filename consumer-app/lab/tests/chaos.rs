@@ -231,11 +231,11 @@ fn chaos_catches_a_broken_inbox() {
     );
 }
 
-/// The relays' CI size: 600 creations through the outbox (5 % rolled back
-/// on purpose) from one producer, 3 relay processes crashing at 2 % of
+/// The relays' CI size: 600 creations through `POST /parcels` (5 % failed
+/// at COMMIT on purpose), 3 relay processes crashing at 2 % of
 /// their rounds right after a take and as often right before a mark, 3
 /// kill -9, 3 terminated backends and 3 closed connections per side
-/// (relays and consumers), 3 terminated producer backends.
+/// (relays and consumers), 3 terminated backends of the endpoint.
 const RELAYS: &[&str] = &[
     "--relays",
     "3",

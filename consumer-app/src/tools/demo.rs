@@ -1,16 +1,22 @@
-//! `parcel-inbox demo`: the whole story in one command, checked.
+//! `parcel-inbox demo`: the whole loop in one command, checked.
 //!
-//! Migrates a fresh schema, starts both consumers in process, publishes N
-//! events plus copies that reuse their message ids, makes the first attempt
-//! of one message die mid-transaction (after its business write, before the
-//! commit) so the broker redelivers it, waits until every delivery is
-//! accounted for and the queues are empty, then proves from the database and
-//! the stub downstreams' ledgers:
+//! Migrates a fresh schema, starts the three consumers and the producer
+//! (`POST /parcels` on a real listening server, and an outbox relay) in
+//! process, and creates N parcels through real HTTP requests. Each creation
+//! commits the parcel and its `parcel.created` event; the relay publishes
+//! it; the carrier consumer reserves a slot and enqueues
+//! `parcel.carrier-assigned` in its inbox transaction; the relay publishes
+//! that; the third consumer notifies. On the way: clients retry some
+//! requests (answered 200, nothing written), a copy of some messages of each
+//! kind is published again under its id (what a relay that died between
+//! confirm and mark does), and the first attempt of one message in each hop
+//! dies after its writes, before COMMIT. Then it proves from the database,
+//! the outbox and the stub downstreams' ledgers:
 //!
-//! - carrier bookings = distinct parcels, and no parcel booked twice;
-//! - notifications = distinct parcels;
+//! - parcels = outbox rows published = carrier-assigned events =
+//!   notifications of each kind = carrier bookings, and nothing twice;
 //! - duplicates discarded = copies sent, for each consumer;
-//! - the crashed message was redelivered and processed exactly once.
+//! - each crashed message was redelivered and processed exactly once.
 //!
 //! Any failed check makes it exit non-zero.
 
@@ -18,18 +24,22 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use inbox_api::{ConsumerName, InboxKey};
+use inbox_api::{ConsumerName, InboxKey, MessageId};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 use crate::parcel::downstream::{Downstreams, StubCarrier, StubNotifier};
+use crate::parcel::events::{CARRIER_ASSIGNED_TYPE, ParcelCreatedEvent, created_message_id};
 use crate::parcel::role::Role;
 use crate::parcel::service::{consumers, with_handlers};
 use crate::parcel::store::{ParcelStore, Stats};
 use crate::parcel::topology::Topology;
 use crate::runtime::amqp::{close_bounded, connect};
+use crate::runtime::message::follow_up_id;
 use crate::runtime::tally::{Tally, get};
 use crate::runtime::{AppError, ServiceConfig, WorkerConfig};
 use crate::tools::faults::Faults;
-use crate::tools::publish::{Plan, publish};
+use crate::tools::producer::{Producer, create_parcels, publish_copies};
 use crate::tools::stores::{StoreConfig, WithStore, with_store};
 
 /// Settings of a demo run.
@@ -116,19 +126,30 @@ impl Demo {
         topology: &Topology,
     ) -> Result<String, AppError> {
         let cfg = &self.config;
-        let plan = Plan::new(
-            cfg.events,
-            cfg.duplicate_rate,
-            42,
-            &format!("P{}", self.run_id),
-        )?;
-        let crashed = crash_target(&plan)
-            .ok_or_else(|| AppError::Config("the demo needs at least one event".into()))?;
+        let parcels = parcels(cfg.events, &format!("P{}", self.run_id));
+        if parcels.is_empty() {
+            return Err(AppError::Config("the demo needs at least one event".into()));
+        }
+        let created: Vec<MessageId> = parcels
+            .iter()
+            .map(|p| created_message_id(&p.parcel_id))
+            .collect();
+        let carrier_name = ConsumerName::new(Role::Carrier.consumer_name())?;
+        let follow_ups: Vec<MessageId> = created
+            .iter()
+            .map(|id| follow_up_id(id, &carrier_name, CARRIER_ASSIGNED_TYPE))
+            .collect();
+        // One crash per hop, on messages that get no copy (so that their
+        // redelivery, not a copy, is what processes them).
+        let crashed_follow_up = follow_ups.len().min(2) - 1;
         let faults = Arc::new(Faults::default());
+        faults.crash_first_attempt(InboxKey::new(created[0], carrier_name.clone()));
         faults.crash_first_attempt(InboxKey::new(
-            crashed,
-            ConsumerName::new(Role::Carrier.consumer_name())?,
+            follow_ups[crashed_follow_up],
+            ConsumerName::new(Role::CarrierAssignedNotification.consumer_name())?,
         ));
+        let repeated = repeated(parcels.len(), cfg.duplicate_rate, 2)?;
+
         let carrier = Arc::new(StubCarrier::default());
         let notifier = Arc::new(StubNotifier::default());
         let consumers = consumers(
@@ -154,23 +175,67 @@ impl Demo {
         )
         .spawn()?;
         service.wait_consuming(1, Duration::from_secs(30)).await?;
+        let producer = Producer::start(
+            store.clone(),
+            topology,
+            &cfg.amqp_url,
+            &format!("parcel-inbox demo relay {}", self.run_id),
+        )
+        .await?;
 
         let started = Instant::now();
-        publish(&cfg.amqp_url, topology, &plan.messages, true).await?;
-        let expected_finished = (plan.ids.len() + plan.copies) as u64;
-        let drained = wait_drained(&service.tally, expected_finished, cfg.drain_timeout).await;
+        let answers = create_parcels(producer.addr(), &parcels).await?;
+        let created_201 = answers.iter().filter(|a| a.status == 201).count() as u64;
+        let retry: Vec<ParcelCreatedEvent> = repeated.iter().map(|&i| parcels[i].clone()).collect();
+        let answers = create_parcels(producer.addr(), &retry).await?;
+        let retried_200 = answers.iter().filter(|a| a.status == 200).count() as u64;
+        let tally = Arc::clone(&service.tally);
+        let n = parcels.len() as u64;
+        let mut drained = wait_for(&tally, cfg.drain_timeout, |t, role| {
+            t.consumer(role.consumer_name()).finished() >= n
+        })
+        .await;
+        // Copies of both kinds, under their ids, once the originals are in.
+        let mut copies: Vec<MessageId> = repeated.iter().map(|&i| created[i]).collect();
+        copies.extend(repeated.iter().map(|&i| follow_ups[i]));
+        publish_copies(store, &cfg.amqp_url, &copies).await?;
+        let k = repeated.len() as u64;
+        drained &= wait_for(&tally, cfg.drain_timeout, |t, role| {
+            t.consumer(role.consumer_name()).finished() >= n + k
+        })
+        .await;
+        let deadline = Instant::now() + cfg.drain_timeout;
+        while store.pending_count().await? > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         let ready = queue_depths(&cfg.amqp_url, topology).await?;
         let elapsed = started.elapsed();
+        let relay = producer.relay_tally();
+        producer.stop().await?;
         service.shutdown();
-        let tally = Arc::clone(&service.tally);
         service.join().await?;
+        let mut carrier_assigned_events = 0;
+        for id in &follow_ups {
+            if store
+                .lookup_outgoing(id)
+                .await?
+                .is_some_and(|r| r.published_at.is_some())
+            {
+                carrier_assigned_events += 1;
+            }
+        }
         let stats = store.stats().await?;
 
         let report = Report {
             store: store.kind().as_str(),
-            distinct: plan.ids.len() as u64,
-            copies: plan.copies as u64,
-            published: plan.messages.len() as u64,
+            distinct: n,
+            created_201,
+            retried: retry.len() as u64,
+            retried_200,
+            copies: k,
+            relay_marked: get(&relay.marked),
+            pending: store.pending_count().await?,
+            carrier_assigned_events,
             tally: &tally,
             faults: &faults,
             stats: &stats,
@@ -192,33 +257,50 @@ impl Demo {
     }
 }
 
-/// The message whose first attempt the demo crashes: one published once, so
-/// that its redelivery (not a copy that happened to come first) is what
-/// processes it, as the check says. The first message if all have copies.
-fn crash_target(plan: &Plan) -> Option<inbox_api::MessageId> {
-    let published_once = |id: &inbox_api::MessageId| {
-        let id = id.to_string();
-        plan.messages
-            .iter()
-            .filter(|m| m.message_id.as_deref() == Some(id.as_str()))
-            .count()
-            == 1
-    };
-    plan.ids
-        .iter()
-        .copied()
-        .find(published_once)
-        .or_else(|| plan.ids.first().copied())
+/// `count` parcels `{tag}-000001`…, with tracking numbers and destinations
+/// that vary.
+fn parcels(count: usize, tag: &str) -> Vec<ParcelCreatedEvent> {
+    let destinations = ["Lyon", "Porto", "Gdańsk", "Utrecht", "Bologna", "Ghent"];
+    (0..count)
+        .map(|i| ParcelCreatedEvent {
+            parcel_id: format!("{tag}-{:06}", i + 1),
+            tracking_number: format!(
+                "TN{:010}",
+                (i as u64 + 1).wrapping_mul(7_919) % 10_000_000_000
+            ),
+            destination: destinations[i % destinations.len()].to_owned(),
+        })
+        .collect()
 }
 
-/// Waits until both consumers finished `expected` deliveries each.
-async fn wait_drained(tally: &Tally, expected: u64, timeout: Duration) -> bool {
+/// The parcels whose request is retried and whose messages get a copy:
+/// `round(count × rate)` picks (repeats allowed) among all but the first
+/// `skip` (the crash targets), reproducibly (seed 42).
+fn repeated(count: usize, rate: f64, skip: usize) -> Result<Vec<usize>, AppError> {
+    if !(0.0..=10.0).contains(&rate) {
+        return Err(AppError::Config(format!(
+            "duplicate rate {rate} is outside 0..=10"
+        )));
+    }
+    if count <= skip {
+        return Ok(Vec::new());
+    }
+    #[expect(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_precision_loss,
+        reason = "a count times a small rate, rounded"
+    )]
+    let picks = (count as f64 * rate).round() as usize;
+    let mut rng = StdRng::seed_from_u64(42);
+    Ok((0..picks).map(|_| rng.random_range(skip..count)).collect())
+}
+
+/// Waits until `done` holds for every consumer, or `timeout`.
+async fn wait_for(tally: &Tally, timeout: Duration, done: impl Fn(&Tally, Role) -> bool) -> bool {
     let deadline = Instant::now() + timeout;
     loop {
-        let done = Role::PARCEL_CREATED
-            .iter()
-            .all(|role| tally.consumer(role.consumer_name()).finished() >= expected);
-        if done {
+        if Role::ALL.iter().all(|role| done(tally, *role)) {
             return true;
         }
         if Instant::now() >= deadline {
@@ -249,8 +331,13 @@ async fn queue_depths(amqp_url: &str, topology: &Topology) -> Result<Vec<(String
 struct Report<'a> {
     store: &'static str,
     distinct: u64,
+    created_201: u64,
+    retried: u64,
+    retried_200: u64,
     copies: u64,
-    published: u64,
+    relay_marked: u64,
+    pending: u64,
+    carrier_assigned_events: u64,
     tally: &'a Tally,
     faults: &'a Faults,
     stats: &'a Stats,
@@ -271,17 +358,23 @@ impl Report<'_> {
                 failures.push(what);
             }
         };
+        let n = self.distinct;
         let _ = writeln!(out, "== parcel-inbox demo ({} store) ==", self.store);
         let _ = writeln!(
             out,
-            "published {} messages: {} distinct parcel events + {} copies reusing their message ids; drained in {:.2?}",
-            self.published, self.distinct, self.copies, self.elapsed
+            "POST /parcels: {n} parcels created over HTTP + {} client retries; {} copies of each kind of message published again under their ids; drained in {:.2?}",
+            self.retried, self.copies, self.elapsed
+        );
+        let _ = writeln!(
+            out,
+            "relay: {} outbox rows marked published | {} pending",
+            self.relay_marked, self.pending
         );
         for role in Role::ALL {
             let t = self.tally.consumer(role.consumer_name());
             let _ = writeln!(
                 out,
-                "{:<26} processed {} | duplicates discarded {} | injected crashes {} | redelivered+processed {} | requeued {} | dead-lettered {}",
+                "{:<36} processed {} | duplicates discarded {} | injected crashes {} | redelivered+processed {} | requeued {} | dead-lettered {}",
                 role.consumer_name(),
                 get(&t.processed),
                 get(&t.duplicates),
@@ -301,12 +394,43 @@ impl Report<'_> {
         );
         let _ = write!(out, "database:\n{}", self.stats);
         let _ = writeln!(out, "checks:");
-        let n = self.distinct;
         check(
             &mut out,
             self.drained,
-            "every delivery finished (processed, duplicate or dead-lettered) for both consumers"
+            "every delivery finished (processed, duplicate or dead-lettered) for every consumer"
                 .to_owned(),
+        );
+        check(
+            &mut out,
+            self.created_201 == n && self.stats.parcels == n,
+            format!(
+                "parcels created {} (201) = parcels rows {} = {n}",
+                self.created_201, self.stats.parcels
+            ),
+        );
+        check(
+            &mut out,
+            self.retried_200 == self.retried,
+            format!(
+                "client retries answered 200, nothing written: {} of {}",
+                self.retried_200, self.retried
+            ),
+        );
+        check(
+            &mut out,
+            self.relay_marked == 2 * n && self.pending == 0,
+            format!(
+                "outbox rows published {} = 2 × {n} (parcel.created + parcel.carrier-assigned), {} pending",
+                self.relay_marked, self.pending
+            ),
+        );
+        check(
+            &mut out,
+            self.carrier_assigned_events == n,
+            format!(
+                "carrier-assigned events {} = parcels {n}",
+                self.carrier_assigned_events
+            ),
         );
         let booked = self.carrier.ledger.distinct_keys() as u64;
         check(
@@ -323,30 +447,28 @@ impl Report<'_> {
         let sent = self.notifier.ledger.distinct_keys() as u64;
         check(
             &mut out,
-            sent == n,
-            format!("notifications sent {sent} = distinct parcels {n}"),
+            sent == 2 * n,
+            format!("notifications sent {sent} = 2 kinds × {n} parcels"),
         );
-        let rows = self.stats.notifications;
-        check(
-            &mut out,
-            rows.rows == n && rows.distinct_parcels == n,
-            format!(
-                "notifications rows {} = distinct parcels {n} (double effects {})",
-                rows.rows,
-                rows.double_effects()
+        for (name, rows) in [
+            ("notifications (parcel created)", self.stats.notifications),
+            (
+                "notifications (carrier assigned)",
+                self.stats.carrier_assigned_notifications,
             ),
-        );
-        let rows = self.stats.carrier_assignments;
-        check(
-            &mut out,
-            rows.rows == n && rows.distinct_parcels == n,
-            format!(
-                "carrier_assignments rows {} = distinct parcels {n} (double effects {})",
-                rows.rows,
-                rows.double_effects()
-            ),
-        );
-        for role in Role::PARCEL_CREATED {
+            ("carrier_assignments", self.stats.carrier_assignments),
+        ] {
+            check(
+                &mut out,
+                rows.rows == n && rows.distinct_parcels == n,
+                format!(
+                    "{name} rows {} = distinct parcels {n} (double effects {})",
+                    rows.rows,
+                    rows.double_effects()
+                ),
+            );
+        }
+        for role in Role::ALL {
             let dups = get(&self.tally.consumer(role.consumer_name()).duplicates);
             check(
                 &mut out,
@@ -358,17 +480,20 @@ impl Report<'_> {
                 ),
             );
         }
-        let carrier = self.tally.consumer(Role::Carrier.consumer_name());
-        let crashes = self.faults.crashes(Role::Carrier.consumer_name());
-        check(
-            &mut out,
-            crashes == 1 && get(&carrier.redelivered_processed) >= 1,
-            format!(
-                "the crashed first attempt rolled back and its redelivery was processed ({} crash, {} redelivered+processed)",
-                crashes,
-                get(&carrier.redelivered_processed)
-            ),
-        );
+        for role in [Role::Carrier, Role::CarrierAssignedNotification] {
+            let t = self.tally.consumer(role.consumer_name());
+            let crashes = self.faults.crashes(role.consumer_name());
+            check(
+                &mut out,
+                crashes == 1 && get(&t.redelivered_processed) >= 1,
+                format!(
+                    "{}: the crashed first attempt rolled back and its redelivery was processed ({} crash, {} redelivered+processed)",
+                    role.consumer_name(),
+                    crashes,
+                    get(&t.redelivered_processed)
+                ),
+            );
+        }
         let dead: u64 = Role::ALL
             .iter()
             .map(|r| self.tally.consumer(r.consumer_name()).dead_lettered_total())
@@ -386,8 +511,8 @@ impl Report<'_> {
         );
         check(
             &mut out,
-            self.stats.inbox_rows == 2 * n,
-            format!("inbox rows {} = 2 consumers × {n}", self.stats.inbox_rows),
+            self.stats.inbox_rows == 3 * n,
+            format!("inbox rows {} = 3 consumers × {n}", self.stats.inbox_rows),
         );
         let _ = writeln!(
             out,
@@ -407,14 +532,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_crashed_message_has_no_copy() {
-        let plan = Plan::new(60, 0.5, 42, "P").expect("plan");
-        let crashed = crash_target(&plan).expect("a target").to_string();
-        let published = plan
-            .messages
-            .iter()
-            .filter(|m| m.message_id.as_deref() == Some(crashed.as_str()))
-            .count();
-        assert_eq!(published, 1);
+    fn the_crash_targets_get_no_copy_and_the_count_follows_the_rate() {
+        let picks = repeated(60, 0.5, 2).expect("picks");
+        assert_eq!(picks.len(), 30);
+        assert!(picks.iter().all(|&i| (2..60).contains(&i)));
+        assert!(repeated(2, 0.5, 2).expect("none").is_empty());
+        assert!(repeated(10, 11.0, 2).is_err());
     }
 }

@@ -16,6 +16,7 @@
 
 mod ledger;
 mod outbox;
+mod partitioned;
 mod scenarios;
 pub mod support;
 
@@ -25,6 +26,7 @@ use inbox_postgres::SessionTimeouts;
 
 pub use ledger::*;
 pub use outbox::*;
+pub use partitioned::*;
 pub use scenarios::*;
 
 use crate::{Harness, TxOf};
@@ -49,6 +51,10 @@ pub trait PgHarness: Harness {
         pool: usize,
         timeouts: &SessionTimeouts,
     ) -> Self::Store;
+
+    /// As [`PgHarness::store_in`], for the partitioned inbox layout
+    /// (`Layout::Partitioned`); not migrated.
+    async fn partitioned_store_in(&self, schema: &str, pool: usize) -> Self::Store;
 
     /// A store on the server at `url` (schema `inbox`), connecting now.
     async fn connect_to(&self, url: &str) -> Result<Self::Store, InboxError>;
@@ -137,6 +143,11 @@ macro_rules! __with_postgres_tests {
             outbox_a_dead_relays_lease_runs_out_on_the_database_clock,
             outbox_take_and_purge_use_their_partial_indexes,
             ledger_dead_list_and_purge_use_their_indexes,
+            partitioned_v4_ids_go_to_the_untimed_partition,
+            partitioned_an_expired_id_is_refused_after_its_day_is_dropped,
+            partitioned_a_future_id_waits_for_its_day,
+            partitioned_cleanup_drops_a_day_while_claims_run,
+            partitioned_a_schema_keeps_its_layout,
         }
     };
 }

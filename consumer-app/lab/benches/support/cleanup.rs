@@ -14,6 +14,8 @@ use inbox_api::{ConsumerName, Inbox, InboxError, InboxKey, InboxStore, MessageId
 use inbox_backend_sqlx::sqlx;
 use inbox_backend_sqlx::{SqlxStore, classify};
 
+use super::spread::{self, Spread};
+
 /// What the cleanup run measured.
 #[derive(Debug)]
 pub(crate) struct Cleanup {
@@ -28,6 +30,8 @@ pub(crate) struct Cleanup {
     pub(crate) idle_p99: Duration,
     pub(crate) purge_p50: Duration,
     pub(crate) purge_p99: Duration,
+    /// The p99 during a purge over the p99 idle, per repetition.
+    pub(crate) p99_ratio: Option<Spread>,
     pub(crate) idle_claims: usize,
     pub(crate) purge_claims: usize,
 }
@@ -68,6 +72,8 @@ pub(crate) async fn run(
     batch: NonZeroU32,
     idle: Duration,
 ) -> Result<Cleanup, InboxError> {
+    // The newest row's processed_at is about `base` - 30 days.
+    let base = Utc::now();
     let insert_started = Instant::now();
     // Expired 30 days ago, spread over an hour; ids from md5 so they are
     // distinct uuids.
@@ -89,38 +95,58 @@ pub(crate) async fn run(
     let insert = insert_started.elapsed();
 
     let inbox = Arc::new(Inbox::new(store.clone()));
-    // Idle: the claimer alone.
-    let stop = Arc::new(AtomicBool::new(false));
-    let task = tokio::spawn(claimer(Arc::clone(&inbox), Arc::clone(&stop)));
-    tokio::time::sleep(idle).await;
-    stop.store(true, Ordering::Relaxed);
-    let mut idle_samples = task.await.map_err(|e| InboxError::InvalidArgument {
-        message: format!("claimer: {e}"),
-    })??;
-
-    // During the purge.
-    let stop = Arc::new(AtomicBool::new(false));
-    let task = tokio::spawn(claimer(Arc::clone(&inbox), Arc::clone(&stop)));
-    let cutoff = Utc::now() - chrono::Duration::days(7);
-    let started = Instant::now();
+    // Repetitions: idle, then the purge of the oldest 1/reps of the rows,
+    // then idle again, the next part, and so on; each repetition's p99
+    // ratio is taken within it.
+    let reps = spread::reps();
+    let span = chrono::Duration::milliseconds(i64::try_from(rows.saturating_mul(3)).unwrap_or(0));
+    let oldest = base - chrono::Duration::days(30) - span;
+    let (mut idle_samples, mut purge_samples) = (Vec::new(), Vec::new());
+    let mut p99s: (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
+    let mut total = Duration::ZERO;
     let mut deleted = 0;
     let mut batches = 0;
     let mut longest = Duration::ZERO;
-    loop {
-        let one = Instant::now();
-        let n = store.purge_processed_batch(cutoff, batch).await?;
-        longest = longest.max(one.elapsed());
-        deleted += n;
-        batches += 1;
-        if n < u64::from(batch.get()) {
-            break;
+    for part in 1..=reps {
+        // Idle: the claimer alone.
+        let stop = Arc::new(AtomicBool::new(false));
+        let task = tokio::spawn(claimer(Arc::clone(&inbox), Arc::clone(&stop)));
+        tokio::time::sleep(idle / u32::try_from(reps).unwrap_or(3)).await;
+        stop.store(true, Ordering::Relaxed);
+        let mut idle_part = task.await.map_err(|e| InboxError::InvalidArgument {
+            message: format!("claimer: {e}"),
+        })??;
+
+        // During this part's purge (the last one: everything expired).
+        let cutoff = if part == reps {
+            Utc::now() - chrono::Duration::days(7)
+        } else {
+            oldest + span * i32::try_from(part).unwrap_or(1) / i32::try_from(reps).unwrap_or(3)
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let task = tokio::spawn(claimer(Arc::clone(&inbox), Arc::clone(&stop)));
+        let started = Instant::now();
+        loop {
+            let one = Instant::now();
+            let n = store.purge_processed_batch(cutoff, batch).await?;
+            longest = longest.max(one.elapsed());
+            deleted += n;
+            batches += 1;
+            if n < u64::from(batch.get()) {
+                break;
+            }
         }
+        total += started.elapsed();
+        stop.store(true, Ordering::Relaxed);
+        let mut purge_part = task.await.map_err(|e| InboxError::InvalidArgument {
+            message: format!("claimer: {e}"),
+        })??;
+        p99s.0.push(percentile(&mut idle_part, 0.99).as_secs_f64());
+        p99s.1.push(percentile(&mut purge_part, 0.99).as_secs_f64());
+        idle_samples.extend(idle_part);
+        purge_samples.extend(purge_part);
     }
-    let total = started.elapsed();
-    stop.store(true, Ordering::Relaxed);
-    let mut purge_samples = task.await.map_err(|e| InboxError::InvalidArgument {
-        message: format!("claimer: {e}"),
-    })??;
+    let p99_ratio = Spread::ratios(&p99s.1, &p99s.0);
 
     Ok(Cleanup {
         rows,
@@ -134,6 +160,7 @@ pub(crate) async fn run(
         idle_p99: percentile(&mut idle_samples, 0.99),
         purge_p50: percentile(&mut purge_samples, 0.50),
         purge_p99: percentile(&mut purge_samples, 0.99),
+        p99_ratio,
         idle_claims: idle_samples.len(),
         purge_claims: purge_samples.len(),
     })
@@ -147,15 +174,19 @@ impl Cleanup {
             "### Cleanup at scale\n\n\
              {} expired processed rows (inserted with `generate_series` in {:.1} s), purged with \
              `purge_processed_batch` in batches of {} while one task claims and commits fresh keys \
-             (`Inbox::handle`, empty work) without pause.\n\n\
+             (`Inbox::handle`, empty work) without pause; in {} repetitions of an idle \
+             window and the purge of the next part of the rows (the oldest first), the p99 \
+             ratio of each taken within it.\n\n\
              | rows deleted | batches | total | rows/s | longest batch | claim p50 idle | claim p99 idle \
-             | claim p50 during purge | claim p99 during purge | p99 ratio |\n\
-             |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n\
-             | {} | {} | {:.1} s | {:.0} | {:.0} ms | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} |\n\n\
+             | claim p50 during purge | claim p99 during purge | p99 ratio (all claims) \
+             | p99 ratio per repetition |\n\
+             |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n\
+             | {} | {} | {:.1} s | {:.0} | {:.0} ms | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} | {} |\n\n\
              (claims sampled: {} idle, {} during the purge)\n",
             self.rows,
             self.insert.as_secs_f64(),
             self.batch,
+            spread::reps(),
             self.deleted,
             self.batches,
             self.total.as_secs_f64(),
@@ -166,6 +197,7 @@ impl Cleanup {
             ms(self.purge_p50),
             ms(self.purge_p99),
             ms(self.purge_p99) / ms(self.idle_p99).max(1e-9),
+            spread::cell(self.p99_ratio, 2),
             self.idle_claims,
             self.purge_claims,
         )

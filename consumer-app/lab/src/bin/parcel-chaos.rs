@@ -55,21 +55,24 @@
 //! losses or doubles.
 //!
 //! With `--relays R` the outbox is in the loop: the valid events are parcel
-//! creations, each an outbox row written by the harness's producer in a
-//! transaction of its own (`OutboxTransaction::enqueue`; `--abort-rate` of
-//! them rolled back on purpose after the write, and the producer's
-//! backends terminated at seeded moments, so that some creations do not
-//! commit), and R relay processes (`parcel-lab-relay`: the real relay with
-//! crash points right after a take and right before a mark) publish them;
-//! they are killed and restarted, their backends terminated and their
-//! broker connections closed, on the same seeded schedule. Which creations
-//! committed is read from the outbox table at the end (the relays purge
-//! nothing), and the checks add: no effect of a creation that did not
-//! commit (ghosts), and no outbox row left unpublished. Copies come from
-//! the relays themselves then, not from the harness. `--broken-relay
-//! publish-before-commit` (the producer publishes before it commits) and
-//! `--broken-relay mark-before-confirm` (the relays mark a batch when they
-//! take it) must make the run fail.
+//! creations, `POST /parcels` requests at a steady rate to the endpoint
+//! served in this process (the parcel row and its outbox row in one
+//! transaction), some of which do not commit: `--abort-rate` of them are
+//! failed at COMMIT, after their writes, by a lab-only trigger on the run's
+//! `parcels` table, and the endpoint's backends are terminated at seeded
+//! moments. R relay processes (`parcel-lab-relay`: the real relay with
+//! crash points right after a take and right before a mark) publish the
+//! events; they are killed and restarted, their backends terminated and
+//! their broker connections closed, on the same seeded schedule. Which
+//! creations committed is read from the `parcels` table at the end, and
+//! the checks add: the second hop (the `parcel.carrier-assigned` event the
+//! carrier consumer enqueued, which the relays publish) consumed once per
+//! committed parcel, with its notification; no effect of a creation that
+//! did not commit (ghosts); and no outbox row left unpublished. Copies come from the relays
+//! themselves then, not from the harness. `--broken-relay
+//! publish-before-commit` (the producer publishes each event before its
+//! request) and `--broken-relay mark-before-confirm` (the relays mark a
+//! batch when they take it) must make the run fail.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
@@ -78,21 +81,23 @@ use std::process::{ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use consumer_app::parcel::api::{ApiServer, CreateParcel, ParcelApi};
 use consumer_app::parcel::dispatch::{CARRIER_LEDGER, NOTIFIER_LEDGER};
-use consumer_app::parcel::events::{EVENT_TYPE, ParcelCreatedEvent, ROUTING_KEY};
+use consumer_app::parcel::events::{
+    CARRIER_ASSIGNED_TYPE, EVENT_TYPE, ParcelCreatedEvent, ROUTING_KEY, created_message_id,
+    created_outgoing,
+};
 use consumer_app::parcel::role::Role;
 use consumer_app::parcel::store::{ParcelStore, StoreKind};
 use consumer_app::parcel::topology::Topology;
 use consumer_app::runtime::amqp::{Outgoing, Publisher, close_bounded, connect};
 use consumer_app::runtime::error::chain;
-use consumer_app::runtime::message::{BadInputReason, header_text};
+use consumer_app::runtime::message::{BadInputReason, follow_up_id, header_text};
 use consumer_app::runtime::redact::redact_url;
 use consumer_app::runtime::{AppError, telemetry};
-use consumer_app::tools::stores::{StoreConfig, WithOutbox, WithStore, with_outbox, with_store};
-use inbox_api::{
-    ConsumerName, InboxKey, InboxStats, InboxStore, InboxTransaction, MessageId, OutboxStore,
-    OutboxTransaction, OutgoingMessage,
-};
+use consumer_app::tools::http::request as request_http;
+use consumer_app::tools::stores::{StoreConfig, WithStore, with_store};
+use inbox_api::{ConsumerName, InboxKey, InboxStats, InboxStore, MessageId, OutboxStore};
 use inbox_backend_sqlx::SqlxStore;
 use lapin::options::BasicGetOptions;
 use parcel_lab::broken::BrokenRelay;
@@ -202,9 +207,9 @@ struct Cli {
     #[arg(long, value_parser = clap::value_parser!(u16).range(2..=1000))]
     batch_size: Option<u16>,
     /// Relay processes (`parcel-lab-relay`). With any, the valid events are
-    /// not published by the harness: they are parcel creations, each an
-    /// outbox row written in a transaction of its own (some rolled back on
-    /// purpose, see --abort-rate), which the relays publish; the relays are
+    /// not published by the harness: they are parcel creations through
+    /// `POST /parcels` (some failed at COMMIT on purpose, see
+    /// --abort-rate), which the relays publish; the relays are
     /// killed and restarted, their backends terminated and their broker
     /// connections closed, and they crash at seeded points of their rounds.
     #[arg(long, default_value_t = 0)]
@@ -219,11 +224,12 @@ struct Cli {
     /// while it awaits confirms (default: --relay-kills).
     #[arg(long)]
     relay_amqp_kills: Option<usize>,
-    /// pg_terminate_backend of the producer's connections: creations in
+    /// pg_terminate_backend of the endpoint's connections: creations in
     /// flight then do not commit (default: --relay-kills).
     #[arg(long)]
     producer_pg_kills: Option<usize>,
-    /// Fraction of the creations rolled back on purpose after their writes.
+    /// Fraction of the creations failed on purpose at COMMIT, after their
+    /// writes (a lab-only trigger on the run's `parcels` table).
     #[arg(long, default_value_t = 0.05)]
     abort_rate: f64,
     /// Probability, per relay round, of a crash right after the take, and
@@ -404,7 +410,7 @@ fn bad_message(n: usize, reason: BadInputReason, rng: &mut Rng) -> Result<Outgoi
 impl Plan {
     fn new(cli: &Cli, rng: &mut Rng) -> Result<Self, AppError> {
         let mut messages = Vec::new();
-        let mut valid_ids = Vec::with_capacity(cli.events);
+        let mut valid_ids: Vec<uuid::Uuid> = Vec::with_capacity(cli.events);
         for n in 0..cli.events {
             let id = rng.uuid();
             let event = event_for(format!("C-{n:06}"), rng);
@@ -467,13 +473,20 @@ impl Plan {
             }
         }
         // Drawn last: the plans of runs without relays stay as they were.
-        let aborted = if cli.relays > 0 {
+        let aborted: HashSet<usize> = if cli.relays > 0 {
             (0..cli.events)
                 .filter(|_| rng.unit() < cli.abort_rate)
                 .collect()
         } else {
             HashSet::new()
         };
+        // With relays the events' ids are the endpoint's, derived from
+        // the parcel ids.
+        if cli.relays > 0 {
+            for (n, id) in valid_ids.iter_mut().enumerate() {
+                *id = uuid::Uuid::from(created_message_id(&parcel_id(n, aborted.contains(&n))));
+            }
+        }
         Ok(Self {
             messages,
             valid_ids,
@@ -1122,24 +1135,84 @@ fn broken_relay(cli: &Cli) -> Result<Option<BrokenRelay>, AppError> {
         .transpose()
 }
 
-/// What the producer did; the outbox table, not this, says what committed.
+/// The suffix of the parcel ids the lab's trigger aborts at COMMIT.
+const ABORT_SUFFIX: &str = "-abort";
+
+/// The parcel id of creation `n` (marked for the trigger when it is to be
+/// rolled back).
+fn parcel_id(n: usize, aborted: bool) -> String {
+    if aborted {
+        format!("C-{n:06}{ABORT_SUFFIX}")
+    } else {
+        format!("C-{n:06}")
+    }
+}
+
+/// The lab-only abort after the write: a deferred constraint trigger on
+/// the run's `parcels` table fails the COMMIT of every parcel whose id
+/// ends in [`ABORT_SUFFIX`], after the endpoint wrote the parcel and its
+/// outbox row. The production schema has no such trigger; the run's schema
+/// is its own.
+async fn install_abort_trigger(pool: &PgPool, schema: &str) -> Result<(), AppError> {
+    for statement in [
+        format!(
+            "CREATE FUNCTION \"{schema}\".chaos_abort() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN RAISE EXCEPTION 'parcel-chaos: deliberate abort of %', NEW.parcel_id; END $$"
+        ),
+        format!(
+            "CREATE CONSTRAINT TRIGGER chaos_abort AFTER INSERT ON \"{schema}\".parcels \
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW \
+             WHEN (NEW.parcel_id LIKE '%{ABORT_SUFFIX}') EXECUTE FUNCTION \"{schema}\".chaos_abort()"
+        ),
+    ] {
+        sqlx::query(&statement).execute(pool).await.map_err(db)?;
+    }
+    Ok(())
+}
+
+/// What the producer's requests got; the `parcels` table, not this, says
+/// what committed.
 #[derive(Debug, Default)]
 struct Creations {
-    committed: u64,
-    /// Rolled back on purpose after their writes (lab-only aborts).
-    aborted: u64,
-    /// Failed (a terminated backend, a stopped PostgreSQL): committed or
-    /// not, the table tells.
+    /// Answered 201.
+    created: u64,
+    /// Answered otherwise (the deliberate aborts: 500; a terminated
+    /// backend, a stopped PostgreSQL: 503).
+    refused: u64,
+    /// No answer (committed or not, the table tells).
     failed: u64,
 }
 
-/// The parcel creations of a run with relays: each valid event an outbox
-/// row written in a transaction of its own through
-/// `OutboxTransaction::enqueue`, paced to a steady rate, the planned ones
-/// rolled back after the write.
+/// Starts `POST /parcels` in this process on the run's store (its own
+/// `application_name`, so that its backends can be terminated).
+struct ServeApi(Topology);
+
+impl WithStore for ServeApi {
+    type Output = ApiServer;
+
+    async fn run<S: ParcelStore>(self, store: S) -> Result<ApiServer, AppError> {
+        let any_port = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+        ApiServer::start(any_port, ParcelApi::new(store, &self.0).router()).await
+    }
+}
+
+async fn start_api(cli: &Cli, names: &Names, topology: &Topology) -> Result<ApiServer, AppError> {
+    let store = StoreConfig {
+        kind: cli.store,
+        database_url: with_application_name(&cli.database_url, &names.producer_application_name()),
+        schema: names.schema.clone(),
+        pool_size: 4,
+        timeouts: inbox_backend_sqlx::SessionTimeouts::default(),
+    };
+    with_store(&store, Some(10), ServeApi(topology.clone())).await
+}
+
+/// The parcel creations of a run with relays: a `POST /parcels` per valid
+/// event, paced to a steady rate, one at a time.
 struct Produce {
-    /// (message id, body, roll back) per creation, in order.
-    creations: Vec<(uuid::Uuid, Vec<u8>, bool)>,
+    /// The parcel of each creation, in order.
+    parcels: Vec<ParcelCreatedEvent>,
+    api: std::net::SocketAddr,
     exchange: String,
     rate: f64,
     amqp_url: String,
@@ -1147,21 +1220,24 @@ struct Produce {
 }
 
 impl Produce {
-    fn new(cli: &Cli, plan: &Plan, topology: &Topology) -> Result<Self, AppError> {
-        let creations = plan
-            .messages
-            .iter()
-            .filter_map(|(kind, message)| match kind {
-                Kind::Valid(n) => Some((
-                    plan.valid_ids[*n],
-                    message.body.clone(),
-                    plan.aborted.contains(n),
-                )),
-                Kind::Bad => None,
-            })
-            .collect();
+    fn new(
+        cli: &Cli,
+        plan: &Plan,
+        topology: &Topology,
+        api: std::net::SocketAddr,
+    ) -> Result<Self, AppError> {
+        let mut parcels = Vec::new();
+        for (kind, message) in &plan.messages {
+            if let Kind::Valid(n) = kind {
+                let mut parcel: ParcelCreatedEvent = serde_json::from_slice(&message.body)
+                    .map_err(|e| AppError::Config(format!("a planned event: {e}")))?;
+                parcel.parcel_id = parcel_id(*n, plan.aborted.contains(n));
+                parcels.push(parcel);
+            }
+        }
         Ok(Self {
-            creations,
+            parcels,
+            api,
             exchange: topology.exchange(),
             rate: cli.publish_rate,
             amqp_url: cli.amqp_url.clone(),
@@ -1169,46 +1245,7 @@ impl Produce {
         })
     }
 
-    /// One creation; true when it committed.
-    async fn create<S: OutboxStore>(
-        store: &S,
-        message: &OutgoingMessage,
-        abort: bool,
-        publisher: Option<&Publisher>,
-    ) -> Result<bool, AppError> {
-        let mut transaction = store.begin().await?;
-        // Every creation has an id of its own: never AlreadyEnqueued.
-        let _ = transaction.enqueue(message).await?;
-        if let Some(publisher) = publisher {
-            // BROKEN on purpose (--broken-relay publish-before-commit).
-            let outgoing = Outgoing {
-                message_id: Some(message.id().to_string()),
-                kind: Some(message.message_type().to_owned()),
-                body: message.body().to_vec(),
-            };
-            publisher.publish_all(&[outgoing], 1, |_| {}).await?;
-        }
-        if abort {
-            transaction.rollback().await?;
-            return Ok(false);
-        }
-        transaction.commit().await?;
-        Ok(true)
-    }
-}
-
-impl WithOutbox for Produce {
-    type Output = Creations;
-
-    fn listens(&self) -> bool {
-        false
-    }
-
-    async fn run<S: OutboxStore + Clone + 'static>(
-        self,
-        store: S,
-        _wakeups: Option<futures::stream::BoxStream<'static, ()>>,
-    ) -> Result<Creations, AppError> {
+    async fn run(self) -> Result<Creations, AppError> {
         let broker = match self.broken {
             Some(BrokenRelay::PublishBeforeCommit) => {
                 let connection = connect(&self.amqp_url, "parcel-chaos broken producer").await?;
@@ -1219,25 +1256,41 @@ impl WithOutbox for Produce {
         };
         let started = Instant::now();
         let mut done = Creations::default();
-        for (i, (id, body, abort)) in self.creations.into_iter().enumerate() {
+        for (i, parcel) in self.parcels.iter().enumerate() {
             #[expect(clippy::cast_precision_loss, reason = "a creation index")]
             let due = Duration::from_secs_f64(i as f64 / self.rate.max(1.0));
             if let Some(wait) = due.checked_sub(started.elapsed()) {
                 tokio::time::sleep(wait).await;
             }
-            let message = OutgoingMessage::new(
-                MessageId::from(id),
-                self.exchange.clone(),
-                ROUTING_KEY,
-                EVENT_TYPE,
-                body,
-            )?;
-            match Self::create(&store, &message, abort, broker.as_ref().map(|(_, p)| p)).await {
-                Ok(true) => done.committed += 1,
-                Ok(false) => done.aborted += 1,
+            if let Some((_, publisher)) = &broker {
+                // BROKEN on purpose (--broken-relay publish-before-commit):
+                // the event goes out before the creation's transaction ends.
+                let event = created_outgoing(&self.exchange, parcel)?;
+                let outgoing = Outgoing {
+                    message_id: Some(event.id().to_string()),
+                    kind: Some(event.message_type().to_owned()),
+                    body: event.body().to_vec(),
+                };
+                publisher.publish_all(&[outgoing], 1, |_| {}).await?;
+            }
+            let request = CreateParcel {
+                parcel_id: Some(parcel.parcel_id.clone()),
+                tracking_number: parcel.tracking_number.clone(),
+                destination: parcel.destination.clone(),
+            };
+            let body = serde_json::to_vec(&request)
+                .map_err(|e| AppError::Config(format!("serialise: {e}")))?;
+            match request_http(self.api, "POST", "/parcels", Some("application/json"), body).await {
+                Ok(answer) if answer.status == 201 => done.created += 1,
+                Ok(answer) => {
+                    done.refused += 1;
+                    tracing::debug!(parcel_id = %parcel.parcel_id, status = answer.status,
+                        body = %answer.body, "a creation was refused");
+                }
                 Err(error) => {
                     done.failed += 1;
-                    tracing::info!(message_id = %id, error = %chain(&error), "a creation failed");
+                    tracing::info!(parcel_id = %parcel.parcel_id, error = %chain(&error),
+                        "a creation got no answer");
                 }
             }
         }
@@ -1249,46 +1302,22 @@ impl WithOutbox for Produce {
     }
 }
 
-/// Runs the producer on a thread of its own (its store's future is not
-/// `Send`, so it cannot be a task of the run's runtime).
-fn start_producer(
-    cli: &Cli,
-    names: &Names,
-    produce: Produce,
-) -> std::thread::JoinHandle<Result<Creations, AppError>> {
-    let store = StoreConfig {
-        kind: cli.store,
-        database_url: with_application_name(&cli.database_url, &names.producer_application_name()),
-        schema: names.schema.clone(),
-        pool_size: 4,
-        timeouts: inbox_backend_sqlx::SessionTimeouts::default(),
-    };
-    std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|source| AppError::Io {
-                context: "start the producer's runtime".into(),
-                source,
-            })?;
-        runtime.block_on(with_outbox(&store, Some(10), produce))
-    })
-}
-
-/// Which planned creations committed: those with an outbox row (published
-/// or not; the relays purge nothing in a chaos run).
+/// Which planned creations committed: those with a `parcels` row.
 async fn committed_creations(
-    inbox: &SqlxStore,
+    pool: &PgPool,
+    schema: &str,
     plan: &Plan,
 ) -> Result<(Vec<uuid::Uuid>, HashSet<uuid::Uuid>), AppError> {
+    let rows: Vec<String> =
+        sqlx::query_scalar(&format!("SELECT parcel_id FROM \"{schema}\".parcels"))
+            .fetch_all(pool)
+            .await
+            .map_err(db)?;
+    let stored: HashSet<String> = rows.into_iter().collect();
     let mut committed = Vec::new();
     let mut not_committed = HashSet::new();
-    for id in &plan.valid_ids {
-        if inbox
-            .lookup_outgoing(&MessageId::from(*id))
-            .await?
-            .is_some()
-        {
+    for (n, id) in plan.valid_ids.iter().enumerate() {
+        if stored.contains(&parcel_id(n, plan.aborted.contains(&n))) {
             committed.push(*id);
         } else {
             not_committed.insert(*id);
@@ -1319,6 +1348,10 @@ struct Verdict {
     ghosts: u64,
     /// Outbox rows still not published at the end.
     outbox_pending: u64,
+    /// Inbox rows the valid (message, consumer) pairs make.
+    expected_inbox_rows: u64,
+    /// Carrier-assigned events their consumer's inbox holds.
+    carrier_assigned_consumed: u64,
     details: Vec<String>,
 }
 
@@ -1360,39 +1393,73 @@ async fn per_message(
         .map_err(db)
 }
 
-/// Checks the effects of the `valid_ids` (each exactly once) and that the
-/// `not_committed` creations have none (ghosts).
+/// The `parcel.carrier-assigned` event's id that the carrier consumer
+/// enqueues for the `parcel.created` event `id` (the app's own derivation).
+fn follow_up(id: uuid::Uuid) -> Result<uuid::Uuid, AppError> {
+    let carrier = ConsumerName::new(Role::Carrier.consumer_name())?;
+    Ok(uuid::Uuid::from(follow_up_id(
+        &MessageId::from(id),
+        &carrier,
+        CARRIER_ASSIGNED_TYPE,
+    )))
+}
+
+/// Checks the effects of the `valid_ids` (each exactly once per consumer
+/// of `parcel.created`), of their `follow_ups` (the carrier-assigned events
+/// the carrier consumer enqueued; empty when no relay runs, since nothing
+/// publishes them then) once by their consumer, and that the
+/// `not_committed` creations and their follow-ups have none (ghosts).
 async fn check_database(
     pool: &PgPool,
     inbox: &SqlxStore,
     schema: &str,
-    valid_ids: &[uuid::Uuid],
+    (valid_ids, follow_ups): (&[uuid::Uuid], &[uuid::Uuid]),
     not_committed: &HashSet<uuid::Uuid>,
     verdict: &mut Verdict,
 ) -> Result<(), AppError> {
-    let valid: HashSet<uuid::Uuid> = valid_ids.iter().copied().collect();
+    let valid: HashSet<uuid::Uuid> = valid_ids.iter().chain(follow_ups).copied().collect();
+    // Each consumer, the table of its effect, and the ids it must act on.
+    let mut hops = vec![
+        (Role::Notification, "notifications", valid_ids),
+        (Role::Carrier, "carrier_assignments", valid_ids),
+    ];
+    if !follow_ups.is_empty() {
+        hops.push((
+            Role::CarrierAssignedNotification,
+            "notifications",
+            follow_ups,
+        ));
+    }
     // The inbox's rows through the backend's own answers (its table is the
     // backend's business): the totals per consumer, and each valid key.
     let counts = inbox.processed_counts().await?;
     let inbox_total: u64 = counts.values().sum();
     let mut present: HashSet<(uuid::Uuid, String)> = HashSet::new();
-    for role in Role::PARCEL_CREATED {
+    for (role, _, ids) in &hops {
         let consumer = ConsumerName::new(role.consumer_name())?;
-        for id in valid_ids {
+        for id in *ids {
             let key = InboxKey::new(MessageId::from(*id), consumer.clone());
             if inbox.lookup(&key).await?.is_some() {
                 present.insert((*id, role.consumer_name().to_owned()));
             }
         }
+        verdict.expected_inbox_rows += ids.len() as u64;
     }
     verdict.inbox_rows = inbox_total;
-    for (role, table) in [
-        (Role::Notification, "notifications"),
-        (Role::Carrier, "carrier_assignments"),
-    ] {
-        let counts = per_message(pool, schema, table).await?;
+    verdict.carrier_assigned_consumed = present
+        .iter()
+        .filter(|(_, c)| c == Role::CarrierAssignedNotification.consumer_name())
+        .count() as u64;
+    let mut effects: HashMap<&str, HashMap<uuid::Uuid, i64>> = HashMap::new();
+    for (_, table, _) in &hops {
+        if !effects.contains_key(table) {
+            effects.insert(table, per_message(pool, schema, table).await?);
+        }
+    }
+    for (role, table, ids) in &hops {
+        let counts = &effects[table];
         let consumer = role.consumer_name();
-        for id in valid_ids {
+        for id in *ids {
             let n = u64::try_from(counts.get(id).copied().unwrap_or(0)).unwrap_or(0);
             verdict.effects += n;
             verdict.expected_effects += 1;
@@ -1412,7 +1479,9 @@ async fn check_database(
                 ));
             }
         }
-        for (id, n) in &counts {
+    }
+    for (table, counts) in &effects {
+        for (id, n) in counts {
             if not_committed.contains(id) {
                 verdict.ghosts += u64::try_from(*n).unwrap_or(0);
                 verdict.note(format!(
@@ -1458,21 +1527,26 @@ async fn check_database(
         } else {
             verdict.notified = count;
         }
-        for id in valid_ids {
+        // The notifier gets one call per notification: one or two a parcel.
+        let (expected, per_parcel) = match name {
+            NOTIFIER_LEDGER if !follow_ups.is_empty() => (valid.clone(), 2),
+            _ => (valid_ids.iter().copied().collect(), 1),
+        };
+        for id in &expected {
             if !keys.contains(&id.to_string()) {
                 verdict.lost += 1;
                 verdict.note(format!("lost: the stub {name} never got {id}"));
             }
         }
         for (parcel, n) in &parcels {
-            if *n > 1 {
-                verdict.doubles += n - 1;
+            if *n > per_parcel {
+                verdict.doubles += n - per_parcel;
                 verdict.note(format!(
                     "doubled: the stub {name} booked {parcel} {n} times"
                 ));
             }
         }
-        let valid_keys: HashSet<String> = valid_ids.iter().map(ToString::to_string).collect();
+        let valid_keys: HashSet<String> = expected.iter().map(ToString::to_string).collect();
         let ghost_keys: HashSet<String> = not_committed.iter().map(ToString::to_string).collect();
         for key in keys.difference(&valid_keys) {
             if ghost_keys.contains(key) {
@@ -1488,7 +1562,8 @@ async fn check_database(
     Ok(())
 }
 
-/// Drains both dead-letter queues and checks every bad message is in each
+/// Drains every dead-letter queue and checks every bad message is in each
+/// of the `parcel.created` consumers' queues
 /// with its reason, and no valid one.
 async fn check_dead_letters(
     amqp_url: &str,
@@ -1530,6 +1605,11 @@ async fn check_dead_letters(
                     "a valid message dead-lettered from {dlq}: {reason} ({detail})"
                 ));
             }
+        }
+        // The bad input goes to parcel.created: only its consumers see it
+        // (the other dead-letter queue must hold nothing valid either).
+        if !Role::PARCEL_CREATED.contains(&role) {
+            continue;
         }
         for (n, expected) in plan.bad.iter().enumerate() {
             match seen.get(&n) {
@@ -1592,7 +1672,7 @@ struct FaultCounts {
 /// What a run with relays adds to the summary.
 struct RelayRun {
     creations: Creations,
-    /// Creations with an outbox row at the end (the truth).
+    /// Creations with a `parcels` row at the end (the truth).
     committed: u64,
     not_committed: u64,
     crash_points: usize,
@@ -1747,9 +1827,16 @@ async fn run(mut cli: Cli) -> Result<bool, AppError> {
         &names.schema,
     )
     .await?;
-    let produce = match cli.relays {
+    let api = match cli.relays {
         0 => None,
-        _ => Some(Produce::new(&cli, &plan, &topology)?),
+        _ => {
+            install_abort_trigger(&pool, &names.schema).await?;
+            Some(start_api(&cli, &names, &topology).await?)
+        }
+    };
+    let produce = match &api {
+        None => None,
+        Some(api) => Some(Produce::new(&cli, &plan, &topology, api.local_addr())?),
     };
     let mut consumers = Consumers::new(&cli, &names, binary);
     consumers.start_all()?;
@@ -1768,6 +1855,9 @@ async fn run(mut cli: Cli) -> Result<bool, AppError> {
         (&mut consumers, &mut relays),
     )
     .await;
+    if let Some(api) = api {
+        api.stop().await;
+    }
     relays.stop_all().await;
     consumers.stop_all().await;
     let (counts, drained, creations) = match outcome {
@@ -1782,10 +1872,23 @@ async fn run(mut cli: Cli) -> Result<bool, AppError> {
     };
 
     let mut verdict = Verdict::default();
-    let (expected, not_committed) = match cli.relays {
+    let (expected, mut not_committed) = match cli.relays {
         0 => (plan.valid_ids.clone(), HashSet::new()),
-        _ => committed_creations(&inbox, &plan).await?,
+        _ => committed_creations(&pool, &names.schema, &plan).await?,
     };
+    // The second hop's events exist only where a relay publishes them.
+    let follow_ups = match cli.relays {
+        0 => Vec::new(),
+        _ => expected
+            .iter()
+            .map(|id| follow_up(*id))
+            .collect::<Result<Vec<_>, _>>()?,
+    };
+    let ghost_follow_ups = not_committed
+        .iter()
+        .map(|id| follow_up(*id))
+        .collect::<Result<Vec<_>, _>>()?;
+    not_committed.extend(ghost_follow_ups);
     if cli.relays > 0 {
         verdict.outbox_pending = inbox.pending_count().await?;
     }
@@ -1793,7 +1896,7 @@ async fn run(mut cli: Cli) -> Result<bool, AppError> {
         &pool,
         &inbox,
         &names.schema,
-        &expected,
+        (&expected, &follow_ups),
         &not_committed,
         &mut verdict,
     )
@@ -1807,7 +1910,7 @@ async fn run(mut cli: Cli) -> Result<bool, AppError> {
     let relay_run = creations.map(|creations| RelayRun {
         creations,
         committed: expected.len() as u64,
-        not_committed: not_committed.len() as u64,
+        not_committed: (plan.valid_ids.len() - expected.len()) as u64,
         crash_points: relays.crash_points,
         unexpected_exits: relays.unexpected_exits,
     });
@@ -1898,7 +2001,7 @@ async fn drive(
         direct,
         cli.publish_rate,
     ));
-    let mut producer = produce.map(|produce| start_producer(cli, names, produce));
+    let mut producer = produce.map(|produce| tokio::spawn(produce.run()));
     let mut creations: Option<Creations> = None;
     let mut published = false;
     let mut counts = FaultCounts::default();
@@ -1923,12 +2026,12 @@ async fn drive(
         frozen = consumers.thaw(false).await;
         if producer
             .as_ref()
-            .is_some_and(std::thread::JoinHandle::is_finished)
+            .is_some_and(tokio::task::JoinHandle::is_finished)
             && let Some(done) = producer.take()
         {
             let done = done
-                .join()
-                .map_err(|_| AppError::Unavailable("the producer panicked".into()))??;
+                .await
+                .map_err(|e| AppError::Unavailable(format!("the producer failed: {e}")))??;
             tracing::info!(elapsed = ?t0.elapsed(), ?done, "every creation requested");
             creations = Some(done);
         }
@@ -2096,7 +2199,7 @@ fn table(
     wall: Duration,
 ) -> String {
     let valid = expected;
-    let pairs = 2 * valid;
+    let pairs = v.expected_inbox_rows;
     let bad = plan.bad.len() as u64;
     let mark = |ok: bool| if ok { "ok" } else { "VIOLATION" };
     let mut rows: Vec<(String, String, String, &str)> = vec![
@@ -2186,12 +2289,20 @@ fn table(
     if let Some(r) = relay_run {
         rows.extend([
             fact("creations requested", plan.valid_ids.len().to_string()),
-            fact("  committed (outbox rows)", r.committed.to_string()),
+            fact("  committed (parcels rows)", r.committed.to_string()),
             fact(
                 "  not committed",
                 format!(
-                    "{} ({} abort, {} failed)",
-                    r.not_committed, r.creations.aborted, r.creations.failed
+                    "{} ({} planned aborts)",
+                    r.not_committed,
+                    plan.aborted.len()
+                ),
+            ),
+            fact(
+                "  answers (201 / other / none)",
+                format!(
+                    "{} / {} / {}",
+                    r.creations.created, r.creations.refused, r.creations.failed
                 ),
             ),
             fact(
@@ -2219,6 +2330,12 @@ fn table(
                     "{} ({} backends)",
                     counts.producer_pg_kills, counts.producer_pg_backends
                 ),
+            ),
+            (
+                "carrier-assigned consumed".into(),
+                v.carrier_assigned_consumed.to_string(),
+                r.committed.to_string(),
+                mark(v.carrier_assigned_consumed == r.committed),
             ),
             zero("ghost effects (not committed)", v.ghosts),
             zero("outbox pending at the end", v.outbox_pending),

@@ -153,7 +153,7 @@ impl fmt::Display for Stats {
         ] {
             writeln!(
                 f,
-                "{name:<26} rows {} | distinct messages {} | distinct parcels {} | double effects {}",
+                "{name:<30} rows {} | distinct messages {} | distinct parcels {} | double effects {}",
                 counts.rows,
                 counts.distinct_messages,
                 counts.distinct_parcels,
