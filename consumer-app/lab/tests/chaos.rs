@@ -225,9 +225,19 @@ fn chaos_catches_a_broken_inbox() {
     ]);
     assert_eq!(code, Some(1), "a violation must exit 1:\n{stdout}");
     assert!(stdout.contains("RESULT: FAIL"), "{stdout}");
+    // Its defect shows in two ways: a kill between the early-committed
+    // claim and the effect loses the effect (lost, inbox rows without an
+    // effect), and the start-up check's probe claim, rolled back by a real
+    // store, stays behind (stray inbox rows). With other chaos runs on the
+    // same two cores the kills can miss the first window, so either counts;
+    // the run must still exit 1 above.
+    let violations = ["lost", "doubles", "stray", "inbox_mismatch"]
+        .iter()
+        .map(|name| field(&stdout, name))
+        .sum::<u64>();
     assert!(
-        field(&stdout, "lost") + field(&stdout, "doubles") > 0,
-        "losses or doubles reported:\n{stdout}"
+        violations > 0,
+        "exactly-once violations reported:\n{stdout}"
     );
 }
 
