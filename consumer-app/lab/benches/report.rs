@@ -62,6 +62,8 @@
 //! `1000000,10000000`; empty skips), `INBOX_BENCH_TABLE_TASKS` (default
 //! 4), `INBOX_BENCH_LATENCY_SECS` (default 10; 0 skips) and
 //! `INBOX_BENCH_LATENCY_RATE` (requests/s, default 50).
+//! `INBOX_BENCH_SECTIONS` (for example `relay,cleanup`) measures only the
+//! sections named (`support/sections.rs`) and then leaves `docs/` alone.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -74,6 +76,7 @@ use inbox_backend_sqlx::{SqlxStore, classify};
 
 use diesel::ExpressionMethods as _;
 use inbox_backend_diesel::{DieselStore, classify as classify_diesel};
+use sections::{Section, Sections};
 
 diesel::table! {
     /// `bench_events` for diesel's DSL. The table has no primary key;
@@ -533,6 +536,8 @@ mod e2e;
 mod latency;
 #[path = "support/relay.rs"]
 mod relay;
+#[path = "support/sections.rs"]
+mod sections;
 #[path = "support/spread.rs"]
 mod spread;
 #[path = "support/table_size.rs"]
@@ -644,7 +649,7 @@ fn worst_ratio(row: &Row, baseline: &Row) -> Option<(usize, Spread)> {
         .min_by(|a, b| a.1.median.total_cmp(&b.1.median))
 }
 
-async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
+async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, String), BoxError> {
     let secs = env_secs();
     let tasks = env_tasks();
     let pool_size = u32::try_from(tasks.iter().copied().max().unwrap_or(16))
@@ -662,8 +667,10 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
     );
 
     // Warm up: connections, prepared statements, caches.
-    for &variant in &variants {
-        run_slice(&bench, variant, 4, 1, Duration::from_millis(300)).await;
+    if sections.has(Section::Postgres) || sections.has(Section::Race) {
+        for &variant in &variants {
+            run_slice(&bench, variant, 4, 1, Duration::from_millis(300)).await;
+        }
     }
 
     let mut out = String::new();
@@ -681,7 +688,7 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
 
     // Every message new and delivered once.
     let mut rates: Vec<Vec<Measured>> = vec![Vec::new(); variants.len()];
-    for &n in &tasks {
+    for &n in tasks.iter().filter(|_| sections.has(Section::Postgres)) {
         let cell = measure(&bench, &variants, n, 1, secs).await;
         eprintln!(
             "{n:>2} tasks, single deliveries: {:.0?}",
@@ -692,18 +699,26 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
         }
     }
     let of = |v: Variant| -> (Vec<Option<f64>>, Vec<Vec<f64>>) {
-        variants.iter().position(|x| *x == v).map_or_else(
-            || (vec![None; tasks.len()], vec![Vec::new(); tasks.len()]),
-            |i| {
-                (
-                    rates[i].iter().map(|m| Some(m.rate)).collect(),
-                    rates[i].iter().map(|m| m.reps.clone()).collect(),
-                )
-            },
-        )
+        variants
+            .iter()
+            .position(|x| *x == v)
+            .filter(|i| !rates[*i].is_empty())
+            .map_or_else(
+                || (vec![None; tasks.len()], vec![Vec::new(); tasks.len()]),
+                |i| {
+                    (
+                        rates[i].iter().map(|m| Some(m.rate)).collect(),
+                        rates[i].iter().map(|m| m.reps.clone()).collect(),
+                    )
+                },
+            )
     };
     let mut memory = Vec::new();
     for &n in &tasks {
+        if !sections.has(Section::Memory) {
+            memory.push(None);
+            continue;
+        }
         let rate = memory_rate(n, secs)?;
         eprintln!("{n:>2} tasks, memory store on one core: {rate:.0}");
         memory.push(Some(rate));
@@ -722,7 +737,11 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
     // alternate within a repetition, in a rotated order.
     let mut e2e_reps: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); tasks.len()]; modes.len()];
     let e2e_result: Result<(), BoxError> = async {
-        for (c, &n) in tasks.iter().enumerate() {
+        for (c, &n) in tasks
+            .iter()
+            .enumerate()
+            .filter(|_| sections.has(Section::EndToEnd))
+        {
             for rep in 0..spread::reps() {
                 for k in 0..modes.len() {
                     let m = (k + rep) % modes.len();
@@ -944,7 +963,11 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
     let _ = writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let pair = [Variant::Inbox, Variant::Article, Variant::DieselInbox];
     let max_pairs = usize::try_from(pool_size - 1).unwrap_or(16) / 2;
-    let mut pair_tasks: Vec<usize> = tasks.iter().map(|n| (*n).min(max_pairs)).collect();
+    let mut pair_tasks: Vec<usize> = tasks
+        .iter()
+        .filter(|_| sections.has(Section::Race))
+        .map(|n| (*n).min(max_pairs))
+        .collect();
     pair_tasks.dedup();
     for n in pair_tasks {
         let rates = measure(&bench, &pair, n, 2, secs).await;
@@ -969,7 +992,7 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
 
     // The outbox relay against a bare publisher.
     let relay_messages = env_count("INBOX_BENCH_RELAY_MESSAGES", 10_000);
-    if relay_messages > 0 {
+    if relay_messages > 0 && sections.has(Section::Relay) {
         let batch = std::num::NonZeroU32::new(
             u32::try_from(env_count("INBOX_BENCH_RELAY_BATCH", 100)).unwrap_or(100),
         )
@@ -1001,7 +1024,7 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
         .and_then(|v| v.parse::<f64>().ok())
         .filter(|r| *r > 0.0)
         .unwrap_or(50.0);
-    if latency_secs > 0.0 {
+    if latency_secs > 0.0 && sections.has(Section::Latency) {
         match latency::run(
             url,
             &format!("{schema}_loop"),
@@ -1025,7 +1048,7 @@ async fn bench(url: &str, schema: &str) -> Result<(String, String), BoxError> {
         .and_then(|v| v.parse::<u64>().ok())
         .unwrap_or(1_000_000);
     let mut cleanup_md = String::new();
-    if rows_env > 0 {
+    if rows_env > 0 && sections.has(Section::Cleanup) {
         let result = cleanup::run(
             bench.inbox.store(),
             rows_env,
@@ -1062,14 +1085,26 @@ fn main() {
     let random = uuid::Uuid::new_v4().simple().to_string();
     let schema = format!("inbox_bench_{secs}_{}", &random[..8]);
 
+    let sections = match Sections::from_env() {
+        Ok(sections) => sections,
+        Err(error) => {
+            eprintln!("{error}");
+            std::process::exit(2);
+        }
+    };
+
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .expect("tokio runtime");
-    let result = rt.block_on(bench(&url, &schema));
+    let result = rt.block_on(bench(&url, &schema, &sections));
     // Claim cost against table size, after the rest (whose pools are
     // closed by then): its own schemas and pools.
-    let sizes = table_size::sizes_from_env();
+    let sizes = if sections.has(Section::TableSize) {
+        table_size::sizes_from_env()
+    } else {
+        Vec::new()
+    };
     let table_size = match &result {
         Ok(_) if !sizes.is_empty() => match rt.block_on(table_size::run(&url, &schema, &sizes)) {
             Ok(measured) => Some(measured),
@@ -1114,6 +1149,10 @@ fn main() {
                 }
             }
             println!("{report}");
+            if !sections.complete() {
+                eprintln!("a partial run (INBOX_BENCH_SECTIONS): docs/ left as it was");
+                return;
+            }
             // Into the workspace's docs/, for the README.
             let docs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs");
             let md = format!(
