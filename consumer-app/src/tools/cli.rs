@@ -93,6 +93,13 @@ pub struct Global {
         default_value = "quorum"
     )]
     pub queue_type: QueueType,
+    /// The inbox table's layout, table or partitioned (daily partitions
+    /// of v7 ids, dropped whole by the cleanup). `migrate` creates it in
+    /// a new schema and refuses a schema of the other layout; every other
+    /// command must name the layout its schema has, since the claims'
+    /// statements differ.
+    #[arg(long, env = "INBOX_LAYOUT", global = true, default_value = "table")]
+    pub layout: inbox_postgres::Layout,
 }
 
 impl Global {
@@ -344,6 +351,7 @@ impl Global {
                 )),
                 ..SessionTimeouts::default()
             },
+            layout: self.layout,
         }
     }
 }
