@@ -597,8 +597,7 @@ where
                     let worker = worker.clone();
                     let stop = shutdown.clone();
                     in_flight.spawn(async move {
-                        worker.process(deliveries, stop).await;
-                        drop(permit);
+                        worker.process(deliveries, stop, permit).await;
                     });
                     if let Some(error) = failed {
                         break Some(error);
@@ -608,8 +607,7 @@ where
                     let worker = worker.clone();
                     let stop = shutdown.clone();
                     in_flight.spawn(async move {
-                        worker.process(vec![delivery], stop).await;
-                        drop(permit);
+                        worker.process(vec![delivery], stop, permit).await;
                     });
                 }
             },
