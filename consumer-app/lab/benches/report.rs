@@ -37,8 +37,10 @@
 //!   and batched (K = 100), draining a pre-published queue; and the runtime
 //!   alone (per message, a handler doing only (b)'s business write) against
 //!   (b) run beside it at the same concurrency: the runtime's own cost;
-//! - cleanup at scale (`support/cleanup.rs`): 1,000,000 expired rows purged
-//!   in batches of 10,000, with the claim latency beside it;
+//! - cleanup at scale (`support/cleanup.rs`): 1,000,000 expired rows in
+//!   each layout, the plain table's purged in unpaced batches of 10,000
+//!   and with the cleanup's default pacing, the partitioned one's day
+//!   partitions dropped, with the claim latency beside each;
 //! - the outbox relay's publish rate (`support/relay.rs`) over the sqlx and
 //!   the diesel outbox, against a bare lapin publisher with confirms and
 //!   the same window, in interleaved repetitions;
@@ -64,6 +66,8 @@
 //! `1000000,10000000`; empty skips), `INBOX_BENCH_TABLE_TASKS` (default
 //! 4), `INBOX_BENCH_LATENCY_SECS` (default 10; 0 skips) and
 //! `INBOX_BENCH_LATENCY_RATE` (requests/s, default 50).
+//! `INBOX_BENCH_CLEANUP_PACINGS` (the plain table's cleanups to compare,
+//! `batch/pause-ms` comma-separated, for example `10000/0,1000/20`).
 //! `INBOX_BENCH_SECTIONS` (for example `relay,cleanup`) measures only the
 //! sections named (`support/sections.rs`) and then leaves `docs/` alone.
 
@@ -1076,21 +1080,20 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
         }
     }
 
-    // Cleanup at scale.
+    // Cleanup at scale, on both layouts, in schemas of its own.
     let rows_env = std::env::var("INBOX_BENCH_CLEANUP_ROWS")
         .ok()
-        .and_then(|v| v.parse::<u64>().ok())
+        .and_then(|v| v.replace('_', "").parse::<u64>().ok())
         .unwrap_or(1_000_000);
     let mut cleanup_md = String::new();
     if rows_env > 0 && sections.has(Section::Cleanup) {
         let result = cleanup::run(
-            bench.inbox.store(),
+            url,
+            schema,
             rows_env,
-            std::num::NonZeroU32::new(10_000).expect("non-zero"),
-            Duration::from_secs_f64(secs.max(1.0) * 2.0),
+            Duration::from_secs_f64(secs.max(2.0)),
         )
         .await?;
-        eprintln!("cleanup: {result:?}");
         cleanup_md = result.markdown();
     }
     let _ = writeln!(out, "\nLoad average at the end: {}.", load_average());
@@ -1161,6 +1164,7 @@ fn main() {
                     format!("{schema}_loop"),
                 ];
                 names.extend(table_size::schemas(&schema));
+                names.extend(cleanup::schemas(&schema));
                 for name in names {
                     let drop = format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE");
                     if let Err(error) = sqlx::query(&drop).execute(&admin).await {

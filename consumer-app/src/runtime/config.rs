@@ -105,14 +105,19 @@ impl CleanupConfig {
     ///
     /// Why small and paced: a delete batch competes with the claims running
     /// beside it for the CPU, the WAL and its flush at COMMIT, and a claim
-    /// that lands on a batch waits for it. The benchmark (`cleanup` section
-    /// of `docs/benchmark.md`) measured claim p99 during unpaced batches of
-    /// 10,000 rows at 3.5–5.4× idle; batches of 1,000 rows keep each
-    /// collision short, and the pause after each leaves the database to
-    /// the claims most of the time (a batch of 1,000 takes a few
-    /// milliseconds). The price is time: about 40,000 rows/s at most, so
-    /// an hour of 1,000 messages/s goes in about 90 s. The partitioned
-    /// layout drops whole days instead and needs no pacing for them.
+    /// that lands on a batch waits for it. Two quiet-machine runs of the
+    /// benchmark measured claim p99 during unpaced batches of 10,000 rows
+    /// at 3.5× and 5.3× idle (target 2×). Batches of 1,000 keep each
+    /// collision a few milliseconds long, and the pause after each leaves
+    /// the database to the claims most of the time; the `cleanup` section
+    /// of the report compares the pacings (one run on a machine loaded by
+    /// other builds, 1 M rows, p99 ratio median (range) over 3
+    /// repetitions: 1,000 + 20 ms 1.32 (0.77–1.73), 500 + 20 ms 0.88
+    /// (0.80–1.18), 1,000 unpaced 1.52 (1.46–1.85); there the load's own
+    /// tail hid the unpaced 10,000's cost: 1.09 (1.08–1.24)). The price is
+    /// time: 15,000 rows/s in that run, so an hour of 1,000 messages/s goes
+    /// in about four minutes. The partitioned layout drops whole days
+    /// instead, needing no pacing for them.
     pub const DEFAULT_BATCH: NonZeroU32 = NonZeroU32::new(1000).expect("non-zero");
     /// The default pause between two batches; see
     /// [`CleanupConfig::DEFAULT_BATCH`].
