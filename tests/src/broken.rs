@@ -428,6 +428,10 @@ impl<H: Harness> Harness for BrokenHarness<H> {
         format!("{} broken by {:?}", self.inner.name(), self.kind)
     }
 
+    fn layout(&self) -> inbox_postgres::Layout {
+        self.inner.layout()
+    }
+
     async fn fresh_store(&self) -> Self::Store {
         BrokenStore::new(self.inner.fresh_store().await, self.kind)
     }
