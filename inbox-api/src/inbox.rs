@@ -189,14 +189,9 @@ impl<S: InboxStore> Inbox<S> {
                 E::from(error)
             };
 
-            let mut tx = self
-                .store
-                .begin()
-                .await
-                .map_err(|e| store_failed("begin", e))?;
-            match tx.claim(key).await {
-                Ok(Claim::Fresh) => {}
-                Ok(Claim::Duplicate) => {
+            let mut tx = match self.store.begin_claim(key).await {
+                Ok((tx, Claim::Fresh)) => tx,
+                Ok((tx, Claim::Duplicate)) => {
                     // Nothing was written; the row that made this a duplicate
                     // is committed, so a failed rollback changes nothing.
                     if let Err(error) = tx.rollback().await {
@@ -212,8 +207,8 @@ impl<S: InboxStore> Inbox<S> {
                         "duplicate delivery discarded");
                     return Ok(Handled::Duplicate);
                 }
-                Err(error) => return Err(store_failed("claim", error)),
-            }
+                Err((step, error)) => return Err(store_failed(step.as_str(), error)),
+            };
 
             let value = match work(&mut tx).await {
                 Ok(value) => value,

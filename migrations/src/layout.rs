@@ -54,6 +54,15 @@ impl Layout {
         }
     }
 
+    /// The claim of one key in this layout for a pipeline behind
+    /// [`sql::BEGIN_PIPELINED`] (see [`sql::CLAIM_PIPELINED`]).
+    pub fn claim_pipelined(self) -> &'static str {
+        match self {
+            Self::Table => sql::CLAIM_PIPELINED,
+            Self::Partitioned => sql::CLAIM_PARTITIONED_PIPELINED,
+        }
+    }
+
     /// The claim of a batch in this layout (see [`sql::CLAIM_BATCH`]).
     pub fn claim_batch(self) -> &'static str {
         match self {

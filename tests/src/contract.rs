@@ -136,6 +136,10 @@ pub async fn claim_is_fresh_then_duplicate<H: Harness>(h: &H) -> Outcome {
         );
         tx.rollback().await?;
     }
+    // The same through the one-step open-and-claim the middleware uses.
+    let (tx, claim) = store.begin_claim(&key).await.map_err(|(_, e)| e)?;
+    check_eq!(claim, Claim::Duplicate, "redelivery through begin_claim");
+    tx.rollback().await?;
     expect_processed_once(h, &store, &key).await
 }
 
@@ -216,11 +220,9 @@ async fn concurrent_claim<H: Harness>(h: &H, ending: Ending) -> Outcome {
 
     let b_store = store.clone();
     let b_key = key.clone();
-    let mut b = pin!(async move {
-        let mut tx = b_store.begin().await?;
-        let claim = tx.claim(&b_key).await?;
-        Ok::<_, InboxError>((tx, claim))
-    });
+    // B opens and claims in one step, as the middleware does: a backend
+    // that sends BEGIN and the claim together must wait all the same.
+    let mut b = pin!(async move { b_store.begin_claim(&b_key).await.map_err(|(_, e)| e) });
     check!(
         stays_pending(h, &mut b).await,
         "B's claim of {key} returned while A still held it uncommitted; it must wait"
@@ -520,8 +522,8 @@ pub async fn a_shared_store_forwards_every_call<H: Harness>(h: &H) -> Outcome {
     let store = h.fresh_store().await;
     let shared = std::sync::Arc::new(store.clone());
     let key = new_key("c1");
-    let mut tx = shared.begin().await?;
-    check_eq!(tx.claim(&key).await?, Claim::Fresh, "claim through the Arc");
+    let (mut tx, claim) = shared.begin_claim(&key).await.map_err(|(_, e)| e)?;
+    check_eq!(claim, Claim::Fresh, "begin_claim through the Arc");
     h.record_effect(&mut tx, &key).await?;
     tx.commit().await?;
     expect_processed_once(h, &store, &key).await?;
