@@ -28,6 +28,9 @@ struct SqlxHarness {
     relays: Mutex<HashMap<String, Arc<Relay>>>,
     /// The inbox layout of every store it makes.
     layout: Layout,
+    /// Run on every store's schema after its migration, to break it on
+    /// purpose (`inbox_conformance::broken`'s layouts).
+    breakage: Option<&'static str>,
 }
 
 impl SqlxHarness {
@@ -52,6 +55,7 @@ async fn harness() -> SqlxHarness {
     SqlxHarness {
         relays: Mutex::default(),
         layout: Layout::Table,
+        breakage: None,
     }
 }
 
@@ -89,6 +93,12 @@ impl Harness for SqlxHarness {
         .await
         .with_layout(self.layout);
         store.migrate().await.expect("migrate a fresh schema");
+        if let Some(breakage) = self.breakage {
+            sqlx::query(breakage)
+                .execute(&mut side(&store).await)
+                .await
+                .expect("break the store's layout");
+        }
         common::create_effects_table(&store).await;
         self.relays
             .lock()
@@ -265,6 +275,27 @@ impl inbox_conformance::OutboxHarness for SqlxHarness {
 }
 
 inbox_conformance::ledger_conformance_tests!(harness);
+
+/// The suite can fail on a layout: a partitioned inbox whose partition is
+/// chosen by arrival time instead of by the id lets a later duplicate miss
+/// its first copy, and the contract tests reject it.
+#[test]
+fn the_suite_rejects_a_layout_partitioned_by_arrival_time() {
+    let rt = inbox_conformance::runtime();
+    let failures = rt.block_on(async {
+        let harness = SqlxHarness {
+            breakage: Some(inbox_conformance::broken::LAYOUT_PARTITIONED_BY_ARRIVAL),
+            ..partitioned_harness().await
+        };
+        inbox_conformance::contract::run_all(&harness).await
+    });
+    let names: Vec<_> = failures.iter().map(|(name, _)| *name).collect();
+    println!("a layout partitioned by arrival rejected by {names:?}");
+    assert!(
+        names.contains(&"claim_is_fresh_then_duplicate"),
+        "a duplicate met no first copy, yet the suite did not say so: {names:?}"
+    );
+}
 
 /// The whole suite again, every store with the partitioned inbox layout in
 /// a schema of its own: the contract and both crash-point models, the
