@@ -115,8 +115,8 @@ pub struct RelayConfig {
     pub retry_base_delay: Duration,
     /// The longest such pause.
     pub retry_max_delay: Duration,
-    /// How often the `outbox_pending_messages` gauge is refreshed (a count
-    /// of the pending rows, so not every round).
+    /// How often the `outbox_pending_messages` and `outbox_dead_messages`
+    /// gauges are refreshed (counts of rows, so not every round).
     pub gauge_interval: Duration,
     /// Publish with the `mandatory` flag: a message no queue is bound for
     /// comes back and stays pending (counted as `returned`) instead of
@@ -125,6 +125,13 @@ pub struct RelayConfig {
     /// The backoff and dead-letter limit of a message the broker refuses
     /// (nack, returned).
     pub retry: PublishRetry,
+    /// Exchanges declared ([`crate::runtime::topology::declare_exchange`]:
+    /// durable, topic, as a consumer's topology declares them) on every
+    /// channel the relay opens, before it publishes: a message to one of
+    /// them goes out even before any consumer has declared its topology.
+    /// Empty by default: the relay knows no domain, and an exchange of
+    /// another kind must be declared by its owner.
+    pub exchanges: Vec<String>,
     /// Background purge of published rows (`None`: off): every `interval`,
     /// the rows published longer than `retention` ago go, `batch_size` per
     /// transaction ([`purge_published_once`]). Published rows serve only
@@ -151,6 +158,7 @@ impl RelayConfig {
             gauge_interval: Duration::from_secs(15),
             mandatory: true,
             retry: PublishRetry::default(),
+            exchanges: Vec::new(),
             purge: Some(CleanupConfig::default()),
         }
     }
@@ -193,6 +201,7 @@ impl fmt::Debug for RelayConfig {
             .field("gauge_interval", &self.gauge_interval)
             .field("mandatory", &self.mandatory)
             .field("retry", &self.retry)
+            .field("exchanges", &self.exchanges)
             .field("purge", &self.purge)
             .finish()
     }
@@ -432,6 +441,9 @@ impl<S: OutboxStore + Clone + 'static> Relay<S> {
         if let Err(error) = self.store.record_pending().await {
             tracing::debug!(error = %chain(&error), "counting pending outbox rows failed");
         }
+        if let Err(error) = self.store.record_dead().await {
+            tracing::debug!(error = %chain(&error), "counting dead outbox rows failed");
+        }
     }
 
     /// The confirm-mode channel, (re)opened when it or its connection died.
@@ -445,7 +457,7 @@ impl<S: OutboxStore + Clone + 'static> Relay<S> {
                 return Ok(channel.clone());
             }
             if connection.status().connected() {
-                *channel = open_confirm_channel(connection).await?;
+                *channel = self.open_channel(connection).await?;
                 return Ok(channel.clone());
             }
             tracing::warn!("RabbitMQ connection lost; reconnecting");
@@ -459,8 +471,17 @@ impl<S: OutboxStore + Clone + 'static> Relay<S> {
         )
         .await?;
         bump(&self.tally.connections);
-        let channel = open_confirm_channel(&connection).await?;
+        let channel = self.open_channel(&connection).await?;
         *broker = Some((connection, channel.clone()));
+        Ok(channel)
+    }
+
+    /// A confirm-mode channel on which [`RelayConfig::exchanges`] exist.
+    async fn open_channel(&self, connection: &Connection) -> Result<Channel, AppError> {
+        let channel = open_confirm_channel(connection).await?;
+        for exchange in &self.config.exchanges {
+            crate::runtime::topology::declare_exchange(&channel, exchange).await?;
+        }
         Ok(channel)
     }
 
