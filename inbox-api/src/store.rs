@@ -269,9 +269,33 @@ pub trait InboxStoreExt: InboxStore {
         cutoff: DateTime<Utc>,
         batch_size: NonZeroU32,
     ) -> Result<u64, InboxError> {
-        purge_in_batches(batch_size, crate::metrics::PURGED_ROWS, || {
-            self.purge_processed_batch(cutoff, batch_size)
-        })
+        self.purge_processed_paced(cutoff, batch_size, || std::future::ready(()))
+            .await
+    }
+
+    /// [`InboxStoreExt::purge_processed_before`] with `pause` awaited after
+    /// every full batch, before the next one: a paced cleanup, which
+    /// leaves the database to the claims between its batches (the
+    /// application's cleanup sleeps there; see its default pacing).
+    ///
+    /// # Errors
+    /// As [`InboxStoreExt::purge_processed_before`].
+    async fn purge_processed_paced<P, F>(
+        &self,
+        cutoff: DateTime<Utc>,
+        batch_size: NonZeroU32,
+        pause: P,
+    ) -> Result<u64, InboxError>
+    where
+        P: FnMut() -> F + Send,
+        F: std::future::Future<Output = ()> + Send,
+    {
+        purge_in_batches(
+            batch_size,
+            crate::metrics::PURGED_ROWS,
+            || self.purge_processed_batch(cutoff, batch_size),
+            pause,
+        )
         .await
     }
 }
@@ -279,16 +303,19 @@ pub trait InboxStoreExt: InboxStore {
 impl<S: InboxStore + ?Sized> InboxStoreExt for S {}
 
 /// Runs `batch` until it deletes fewer than `batch_size` rows, counting each
-/// batch's rows in the counter `metric`: the loop of every cleanup, inbox's
-/// and outbox's.
-pub(crate) async fn purge_in_batches<F, Fut>(
+/// batch's rows in the counter `metric` and awaiting `pause` between two
+/// batches: the loop of every cleanup, inbox's and outbox's.
+pub(crate) async fn purge_in_batches<B, BF, P, PF>(
     batch_size: NonZeroU32,
     metric: &'static str,
-    mut batch: F,
+    mut batch: B,
+    mut pause: P,
 ) -> Result<u64, InboxError>
 where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<u64, InboxError>>,
+    B: FnMut() -> BF,
+    BF: std::future::Future<Output = Result<u64, InboxError>>,
+    P: FnMut() -> PF,
+    PF: std::future::Future<Output = ()>,
 {
     let mut total = 0;
     loop {
@@ -299,5 +326,6 @@ where
             tracing::debug!(total, metric, "purge finished");
             return Ok(total);
         }
+        pause().await;
     }
 }

@@ -34,7 +34,9 @@
 //!   current-thread runtime on its own thread);
 //! - end to end through RabbitMQ (`support/e2e.rs`): bare consume+ack with
 //!   no database, against the app (`consumer_app::parcel::service`) per message
-//!   and batched (K = 100), draining a pre-published queue;
+//!   and batched (K = 100), draining a pre-published queue; and the runtime
+//!   alone (per message, a handler doing only (b)'s business write) against
+//!   (b) run beside it at the same concurrency: the runtime's own cost;
 //! - cleanup at scale (`support/cleanup.rs`): 1,000,000 expired rows purged
 //!   in batches of 10,000, with the claim latency beside it;
 //! - the outbox relay's publish rate (`support/relay.rs`) over the sqlx and
@@ -734,10 +736,12 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
         .unwrap_or(10_000);
     let app_schema = format!("{schema}_app");
     let app_store = e2e::store(url, &app_schema, pool_size).await?;
-    let modes = [E2e::Bare, E2e::PerMessage, E2e::Batched(100)];
+    let modes = [E2e::Bare, E2e::PerMessage, E2e::Batched(100), E2e::Runtime];
     // Per mode, per concurrency, the rate of each repetition; the modes
     // alternate within a repetition, in a rotated order.
     let mut e2e_reps: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); tasks.len()]; modes.len()];
+    // (b) run right after each runtime-alone drain, as long as it took.
+    let mut beside_runtime: Vec<Vec<f64>> = vec![Vec::new(); tasks.len()];
     let e2e_result: Result<(), BoxError> = async {
         for (c, &n) in tasks
             .iter()
@@ -749,7 +753,17 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
                     let m = (k + rep) % modes.len();
                     let mode = modes[m];
                     let prefix = format!("{schema}.{m}.{n}.{rep}.");
-                    let rate = e2e::cell(mode, n, e2e_events, &app_store, &prefix).await?;
+                    let rate = if mode == E2e::Runtime {
+                        let store = bench.inbox.store();
+                        let (rate, took) = e2e::runtime_cell(n, e2e_events, store, &prefix).await?;
+                        let db = run_slice(&bench, Variant::Inbox, n, 1, took).await;
+                        let db_rate = db.processed as f64 / db.elapsed.as_secs_f64();
+                        eprintln!("{n:>2} tasks, rep {rep}, (b) beside the runtime: {db_rate:.0}");
+                        beside_runtime[c].push(db_rate);
+                        rate
+                    } else {
+                        e2e::cell(mode, n, e2e_events, &app_store, &prefix).await?
+                    };
                     eprintln!(
                         "{n:>2} tasks, rep {rep}, end to end {mode:?}: {rate:.0} deliveries/s"
                     );
@@ -764,17 +778,16 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
     if let Err(error) = e2e_result {
         eprintln!("end-to-end rows skipped (is RabbitMQ running?): {error}");
         e2e_reps = vec![vec![Vec::new(); tasks.len()]; modes.len()];
+        beside_runtime = vec![Vec::new(); tasks.len()];
     }
     // A drain's rate is its repetitions' median.
-    let e2e_rates: Vec<Vec<Option<f64>>> = e2e_reps
-        .iter()
-        .map(|per_task| {
-            per_task
-                .iter()
-                .map(|reps| Spread::of(reps.iter().copied()).map(|s| s.median))
-                .collect()
-        })
-        .collect();
+    let medians = |per_task: &Vec<Vec<f64>>| -> Vec<Option<f64>> {
+        per_task
+            .iter()
+            .map(|reps| Spread::of(reps.iter().copied()).map(|s| s.median))
+            .collect()
+    };
+    let e2e_rates: Vec<Vec<Option<f64>>> = e2e_reps.iter().map(medians).collect();
 
     let rows = vec![
         Row {
@@ -855,6 +868,18 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
             reps: e2e_reps[2].clone(),
             baseline: Some(10),
         },
+        Row {
+            label: "(b) inbox per message (sqlx), beside the runtime's drains".into(),
+            rates: medians(&beside_runtime),
+            reps: beside_runtime,
+            baseline: None,
+        },
+        Row {
+            label: "RabbitMQ + runtime per message, business write only (sqlx)".into(),
+            rates: e2e_rates[3].clone(),
+            reps: e2e_reps[3].clone(),
+            baseline: Some(13),
+        },
     ];
 
     let _ = write!(out, "| messages/s | ");
@@ -893,7 +918,10 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
          tasks = consumers per queue (bare) or the app's concurrency per queue (prefetch \
          max(32, 4 × tasks) per message, 2 × 100 × tasks batched so that the next batch arrives while one commits, batch wait 20 ms); \
          the three drains of a concurrency alternate, in a rotated order, for {reps} repetitions, \
-         and each shows its median rate.\n\n\
+         and each shows its median rate. The runtime row: the same events on one queue, \
+         drained by `consumer_app::runtime::Service` per message (prefetch as the app's) with \
+         a handler doing only (b)'s business write, and (b) itself run right after each drain \
+         for as long as the drain took, in the same schema and pool.\n\n\
          Ratios: median (lowest–highest) over {reps} repetitions, each taken within one \
          repetition (the database rows: the cell's time cut into rounds of one slice per \
          variant, in a rotated order, the rounds grouped into {reps} repetitions).",
@@ -927,6 +955,12 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
         ),
         ("per-message inbox ≥ 0.80 × bare tx (sqlx)", 2, 0, 0.8),
         ("per-message inbox ≥ 0.80 × bare tx (diesel)", 3, 1, 0.8),
+        (
+            "runtime per message ≥ 0.8 × database-only inbox (b)",
+            14,
+            13,
+            0.8,
+        ),
     ] {
         let worst = worst_ratio(&rows[a], &rows[b]);
         let _ = writeln!(

@@ -62,7 +62,7 @@ use inbox_api::metrics as names;
 use inbox_api::{Handled, Inbox, InboxKey, LastError, MessageId};
 use lapin::Channel;
 use lapin::message::Delivery;
-use tokio::sync::watch;
+use tokio::sync::{OwnedSemaphorePermit, watch};
 
 use crate::runtime::ack::{AckTracker, Frame, settle_one};
 use crate::runtime::amqp::Publisher;
@@ -155,11 +155,23 @@ where
     /// shutdown a pending requeue goes at once, and a pending retry is
     /// handed back to the broker instead (nack + requeue: not the message's
     /// fault, and the inbox makes the redelivery safe).
+    ///
+    /// `slot` is the worker's share of the consumer's concurrency. It is
+    /// given back as soon as an attempt leaves nothing to do but ack: the
+    /// slot bounds the work in progress (open transactions), not acks in
+    /// flight, and an ack's frame goes through lapin's RPC task to the
+    /// socket before its future resolves. Held until then, that hop sat
+    /// between every two transactions of a worker. The prefetch still
+    /// bounds the unacked deliveries. Every other ending (requeue pauses,
+    /// backoffs, dead-letter publishes) keeps the slot, to slow the
+    /// consumer down while messages fail.
     pub(crate) async fn process(
         self,
         deliveries: Vec<Delivery>,
         mut shutdown: watch::Receiver<bool>,
+        slot: OwnedSemaphorePermit,
     ) {
+        let mut slot = Some(slot);
         let batched = self.config.batch.is_some();
         let mut items = Vec::with_capacity(deliveries.len());
         for delivery in deliveries {
@@ -307,6 +319,14 @@ where
                         dead.push((i, reason, detail, failed, LastError::new(&last_error)));
                     }
                 }
+            }
+            let only_acks = again.is_empty()
+                && handed_back.is_empty()
+                && requeue.is_empty()
+                && dead.is_empty()
+                && released.is_empty();
+            if only_acks {
+                drop(slot.take());
             }
             let acked: Vec<&Delivery> = acks.iter().map(|&i| &items[i].delivery).collect();
             self.ack_all(&acked).await;

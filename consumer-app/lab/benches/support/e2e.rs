@@ -9,9 +9,15 @@
 //!   32) that ack every delivery one by one and touch no database;
 //! - the app per message: `consumer_app::parcel::service::spawn` on the sqlx store,
 //!   concurrency `tasks` per queue (one transaction per delivery);
-//! - the app batched: the same with `--batch-size 100 --batch-wait 20`.
+//! - the app batched: the same with `--batch-size 100 --batch-wait 20`;
+//! - the runtime alone ([`runtime_cell`]): `consumer_app::runtime::Service`
+//!   per message on one queue, with a handler that does only the report's
+//!   business write (no Parcel domain, whose consumers add two more
+//!   transactions per message), to set against the database-only inbox (b)
+//!   at the same concurrency: the runtime's own cost.
 //!
-//! Rates are deliveries per second (both queues together).
+//! Rates are deliveries per second (both queues together; one queue for
+//! the runtime alone).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,11 +29,14 @@ use consumer_app::parcel::role::Role;
 use consumer_app::parcel::service::spawn;
 use consumer_app::parcel::store::ParcelStore;
 use consumer_app::parcel::topology::Topology;
+use consumer_app::runtime;
 use consumer_app::runtime::amqp::{Outgoing, Publisher, close_bounded, connect};
-use consumer_app::runtime::{BatchConfig, ServiceConfig, WorkerConfig};
+use consumer_app::runtime::{
+    AppError, BatchConfig, Handler, Service, ServiceConfig, ServiceHandle, WorkerConfig,
+};
 use futures::StreamExt as _;
-use inbox_api::MessageId;
-use inbox_backend_sqlx::SqlxStore;
+use inbox_api::{ConsumerName, MessageId};
+use inbox_backend_sqlx::{SqlxStore, SqlxTransaction, classify};
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 
@@ -39,6 +48,8 @@ pub(crate) enum E2e {
     Bare,
     PerMessage,
     Batched(usize),
+    /// The runtime alone, on the report's own store: [`runtime_cell`].
+    Runtime,
 }
 
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -56,6 +67,51 @@ fn events(n: usize, tag: &str) -> Result<Vec<Outgoing>, BoxError> {
         .collect()
 }
 
+/// The prefetch of the app's consumers per message: enough that the next
+/// delivery is there when a worker's slot frees, at any concurrency.
+fn per_message_prefetch(tasks: usize) -> u16 {
+    u16::try_from((4 * tasks).max(32)).unwrap_or(u16::MAX)
+}
+
+/// Declares `topology` and publishes `messages` to its exchange under
+/// `routing_key`, with confirms: the queue to drain. Returns the connection
+/// and publisher, to delete the topology with after the drain.
+async fn prepublish(
+    topology: &runtime::Topology,
+    routing_key: &str,
+    messages: &[Outgoing],
+) -> Result<(lapin::Connection, Publisher), BoxError> {
+    let connection = connect(AMQP_URL, "inbox bench publisher").await?;
+    let publisher = Publisher::new(&connection, topology.exchange(), routing_key).await?;
+    topology.declare(publisher.channel()).await?;
+    publisher.publish_all(messages, 512, |_| {}).await?;
+    Ok((connection, publisher))
+}
+
+/// Waits until `service`'s consumers named `consumers` have finished
+/// `deliveries` deliveries between them, then stops it; the time from
+/// `started` to the last one.
+async fn drain(
+    service: ServiceHandle,
+    consumers: &[&str],
+    deliveries: u64,
+    started: Instant,
+) -> Result<Duration, BoxError> {
+    let tally = Arc::clone(&service.tally);
+    while consumers
+        .iter()
+        .map(|name| tally.consumer(name).finished())
+        .sum::<u64>()
+        < deliveries
+    {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let elapsed = started.elapsed();
+    service.shutdown();
+    service.join().await?;
+    Ok(elapsed)
+}
+
 /// One cell: deliveries/s for `mode` at `tasks`, draining `n` events.
 pub(crate) async fn cell(
     mode: E2e,
@@ -64,12 +120,12 @@ pub(crate) async fn cell(
     store: &SqlxStore,
     prefix: &str,
 ) -> Result<f64, BoxError> {
+    if mode == E2e::Runtime {
+        return Err("the runtime-alone cell runs on the report's store: call runtime_cell".into());
+    }
     let topology = Topology::new(prefix);
-    let connection = connect(AMQP_URL, "inbox bench publisher").await?;
-    let publisher = Publisher::new(&connection, &topology.exchange(), ROUTING_KEY).await?;
-    topology.declare(publisher.channel()).await?;
-    let messages = events(n, prefix)?;
-    publisher.publish_all(&messages, 512, |_| {}).await?;
+    let amqp = topology.runtime();
+    let (connection, publisher) = prepublish(&amqp, ROUTING_KEY, &events(n, prefix)?).await?;
     let deliveries = 2 * n as u64;
 
     let started;
@@ -115,14 +171,14 @@ pub(crate) async fn cell(
             }
             close_bounded(&consumer_conn, "bye").await;
             let rate = deliveries as f64 / elapsed.as_secs_f64();
-            finish(&publisher, &topology).await;
+            finish(&publisher, &amqp).await;
             close_bounded(&connection, "bye").await;
             Ok(rate)
         }
-        E2e::PerMessage | E2e::Batched(_) => {
+        E2e::PerMessage | E2e::Batched(_) | E2e::Runtime => {
             let prefetch = match mode {
                 E2e::Batched(k) => u16::try_from(2 * k * tasks).unwrap_or(u16::MAX),
-                _ => u16::try_from((4 * tasks).max(32)).unwrap_or(u16::MAX),
+                _ => per_message_prefetch(tasks),
             };
             let batch = match mode {
                 E2e::Batched(k) => BatchConfig::effective(k, Duration::from_millis(20), prefetch),
@@ -150,29 +206,91 @@ pub(crate) async fn cell(
                 },
             )?;
             started = Instant::now();
-            let tally = Arc::clone(&service.tally);
-            while Role::ALL
-                .iter()
-                .map(|r| tally.consumer(r.consumer_name()).finished())
-                .sum::<u64>()
-                < deliveries
-            {
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-            let elapsed = started.elapsed();
-            service.shutdown();
-            service.join().await?;
+            let consumers = Role::ALL.map(|r| r.consumer_name());
+            let elapsed = drain(service, &consumers, deliveries, started).await?;
             let rate = deliveries as f64 / elapsed.as_secs_f64();
-            finish(&publisher, &topology).await;
+            finish(&publisher, &amqp).await;
             close_bounded(&connection, "bye").await;
             Ok(rate)
         }
     }
 }
 
-async fn finish(publisher: &Publisher, topology: &Topology) {
+/// The AMQP `type` of the runtime-alone cell's messages.
+const BUSINESS_WRITE: &str = "bench.write";
+
+/// The report's business write as a runtime [`Handler`]: the INSERT of (a)
+/// and (b), nothing else, so the runtime-alone cell differs from (b) only by
+/// the runtime around it. The message is the payload, a JSON string.
+struct BusinessWrite(ConsumerName);
+
+impl Handler<SqlxTransaction> for BusinessWrite {
+    type Message = String;
+    type Intent = ();
+
+    fn name(&self) -> &ConsumerName {
+        &self.0
+    }
+
+    fn message_type(&self) -> &str {
+        BUSINESS_WRITE
+    }
+
+    async fn handle(
+        &self,
+        tx: &mut SqlxTransaction,
+        id: MessageId,
+        payload: &String,
+    ) -> Result<(), AppError> {
+        inbox_backend_sqlx::sqlx::query(crate::BUSINESS)
+            .bind(id.as_uuid())
+            .bind(payload)
+            .execute(tx.conn())
+            .await
+            .map_err(classify)?;
+        Ok(())
+    }
+}
+
+/// The runtime alone: `n` messages pre-published to one queue, drained by
+/// [`Service`] per message at concurrency `tasks` on `store` (whose schema
+/// has the report's `bench_events`), with [`BusinessWrite`] as the handler.
+/// Returns deliveries/s and the drain's time.
+pub(crate) async fn runtime_cell(
+    tasks: usize,
+    n: usize,
+    store: &SqlxStore,
+    prefix: &str,
+) -> Result<(f64, Duration), BoxError> {
+    let queue = format!("{prefix}writes");
+    let topology = runtime::Topology::new(format!("{prefix}bench")).bind(&queue, BUSINESS_WRITE);
+    let messages = (0..n)
+        .map(|_| Outgoing::json(&MessageId::new_v7(), BUSINESS_WRITE, &crate::PAYLOAD))
+        .collect::<Result<Vec<_>, _>>()?;
+    let (connection, publisher) = prepublish(&topology, BUSINESS_WRITE, &messages).await?;
+    let handler = BusinessWrite(ConsumerName::new("bench-runtime")?);
+    let config = ServiceConfig {
+        worker: WorkerConfig {
+            prefetch: per_message_prefetch(tasks),
+            concurrency: tasks,
+            ..WorkerConfig::default()
+        },
+        cleanup: None,
+        ..ServiceConfig::new(AMQP_URL, format!("inbox bench {prefix}"))
+    };
+    let service = Service::new(store.clone(), config, topology.clone())
+        .consume(queue, handler)
+        .spawn()?;
+    let started = Instant::now();
+    let elapsed = drain(service, &["bench-runtime"], n as u64, started).await?;
+    finish(&publisher, &topology).await;
+    close_bounded(&connection, "bye").await;
+    Ok((n as f64 / elapsed.as_secs_f64(), elapsed))
+}
+
+async fn finish(publisher: &Publisher, topology: &runtime::Topology) {
     if let Err(error) = topology.delete(publisher.channel()).await {
-        eprintln!("could not delete {}: {error}", topology.prefix());
+        eprintln!("could not delete {}: {error}", topology.exchange());
     }
 }
 
