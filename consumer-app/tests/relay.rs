@@ -286,8 +286,10 @@ async fn two_relays_share_the_messages_without_taking_one_twice() {
     let (broker, store) = (Broker::declare(&id).await, sqlx_store(&id).await);
     let committed: Vec<OutgoingMessage> =
         (0..200).map(|n| broker.message(&broker.good, n)).collect();
-    enqueue_committed(&store, &committed).await;
 
+    // Both connected and polling before the first commit: a relay that is
+    // still connecting while the other (pipelined) drains the outbox would
+    // take nothing, and the test would prove nothing about sharing.
     let relays = [
         Relay::new(store.clone(), config(&id, 5))
             .expect("valid config")
@@ -296,6 +298,11 @@ async fn two_relays_share_the_messages_without_taking_one_twice() {
             .expect("valid config")
             .spawn(),
     ];
+    for relay in &relays {
+        let connected = relay.broker_connected();
+        wait_until("both relays hold a channel", async || *connected.borrow()).await;
+    }
+    enqueue_committed(&store, &committed).await;
     wait_until("every message is marked published", async || {
         store.pending_count().await.expect("count") == 0
     })
@@ -1514,8 +1521,7 @@ async fn the_relay_takes_the_next_batches_while_a_mark_is_pending() {
         takes: std::sync::Arc::new(tokio::sync::watch::Sender::new(0)),
         takes_before_mark: 3,
     };
-    let messages: Vec<OutgoingMessage> =
-        (0..15).map(|n| broker.message(&broker.good, n)).collect();
+    let messages: Vec<OutgoingMessage> = (0..15).map(|n| broker.message(&broker.good, n)).collect();
     enqueue_committed(&store, &messages).await;
     let relay = Relay::new(
         store.clone(),
