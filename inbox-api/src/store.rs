@@ -22,6 +22,26 @@ pub enum Claim {
     Duplicate,
 }
 
+/// The step of [`InboxStore::begin_claim`] that failed: what the metric
+/// `inbox_failed_total` labels `stage`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FirstStep {
+    /// Opening the transaction (a connection, `BEGIN`).
+    Begin,
+    /// The claim, inside the open transaction.
+    Claim,
+}
+
+impl FirstStep {
+    /// The stage label: `begin` or `claim`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Begin => "begin",
+            Self::Claim => "claim",
+        }
+    }
+}
+
 /// One committed inbox row, as read back for diagnostics.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InboxRecord {
@@ -66,6 +86,36 @@ pub trait InboxStore: Send + Sync + 'static {
     /// # Errors
     /// Retryable when no connection is available.
     async fn begin(&self) -> Result<Self::Transaction, InboxError>;
+
+    /// Opens a transaction and claims `key` as its first write: exactly
+    /// [`InboxStore::begin`] followed by [`InboxTransaction::claim`], which
+    /// is what this default does.
+    ///
+    /// A backend whose driver can send both in one round trip overrides it
+    /// (the diesel backend pipelines `BEGIN` and the claim on its
+    /// connection). Per message, that round trip is the whole difference
+    /// between a bare transaction (BEGIN, the business write, COMMIT) and
+    /// an inbox one, so [`crate::Inbox::handle`] opens its transactions
+    /// here. An override must keep the claim's semantics to the letter:
+    /// the claim runs inside the transaction or not at all.
+    ///
+    /// # Errors
+    /// The failed step and its error, as [`InboxStore::begin`] and
+    /// [`InboxTransaction::claim`] give them.
+    async fn begin_claim(
+        &self,
+        key: &InboxKey,
+    ) -> Result<(Self::Transaction, Claim), (FirstStep, InboxError)> {
+        let mut tx = self
+            .begin()
+            .await
+            .map_err(|error| (FirstStep::Begin, error))?;
+        let claim = tx
+            .claim(key)
+            .await
+            .map_err(|error| (FirstStep::Claim, error))?;
+        Ok((tx, claim))
+    }
 
     /// Reads the committed row of `key`, without waiting for open
     /// transactions.
@@ -214,6 +264,13 @@ impl<S: InboxStore> InboxStore for Arc<S> {
 
     async fn begin(&self) -> Result<Self::Transaction, InboxError> {
         (**self).begin().await
+    }
+
+    async fn begin_claim(
+        &self,
+        key: &InboxKey,
+    ) -> Result<(Self::Transaction, Claim), (FirstStep, InboxError)> {
+        (**self).begin_claim(key).await
     }
 
     async fn lookup(&self, key: &InboxKey) -> Result<Option<InboxRecord>, InboxError> {
