@@ -1,4 +1,6 @@
-//! Claim-and-commit throughput of the memory store, as a Markdown table.
+//! Claim-and-commit throughput of the memory store, as a Markdown table,
+//! with the floor beneath it (the same two hash-map inserts with no store
+//! around them) measured in the same run.
 //!
 //! `cargo bench -p inbox-backend-memory` runs each scenario for
 //! `INBOX_BENCH_SECONDS` (default 1.5) on one core (a current-thread tokio
@@ -20,9 +22,11 @@
 //! Run as a test (`cargo test --all-targets`, no `--bench` argument) it only
 //! does a short smoke run, so CI stays fast.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
+use foldhash::fast::RandomState;
 use inbox_api::{
     Claim, ConsumerName, Inbox, InboxError, InboxKey, InboxStore, InboxTransaction, MessageId,
 };
@@ -40,6 +44,12 @@ enum Scenario {
     Handle,
     /// A redelivery: begin, claim (Duplicate), rollback.
     Duplicate,
+    /// No store: the two hash-map inserts every claim+commit makes (the
+    /// inbox row, the business value), into plain foldhash maps that grow
+    /// as the store's do. The floor under `raw` and `handle` on this
+    /// machine, measured in the same run: what is left between them and it
+    /// is the store's and the middleware's own cost.
+    Floor,
 }
 
 impl Scenario {
@@ -48,6 +58,7 @@ impl Scenario {
             Self::Raw => "raw",
             Self::Handle => "handle",
             Self::Duplicate => "duplicate",
+            Self::Floor => "floor",
         }
     }
 
@@ -56,6 +67,7 @@ impl Scenario {
             Self::Raw => "begin, claim Fresh, put, commit",
             Self::Handle => "`Inbox::handle` (claim, put, commit)",
             Self::Duplicate => "redelivery: begin, claim Duplicate, rollback",
+            Self::Floor => "floor: the same two map inserts, no store",
         }
     }
 }
@@ -120,6 +132,10 @@ async fn worker(
         Budget::Time(time) => Some(Instant::now() + time),
         Budget::Messages(_) => None,
     };
+    // The floor's maps: an inbox row is a key and a slot of the store's
+    // size (owner, timestamp, waiters: 32 bytes).
+    let mut rows: HashMap<InboxKey, [u64; 4], RandomState> = HashMap::default();
+    let mut values: HashMap<String, Vec<u8>, RandomState> = HashMap::default();
     let mut n: u64 = 0;
     loop {
         match (stop, deadline) {
@@ -146,6 +162,12 @@ async fn worker(
                     .await
                     .expect("handle");
                 assert!(!outcome.is_duplicate());
+            }
+            Scenario::Floor => {
+                let key = key(task, n, &consumer);
+                let fresh = rows.insert(key, [task, n, 0, 0]).is_none();
+                assert!(fresh);
+                values.insert(format!("effect/{task}/{n}"), b"done".to_vec());
             }
             Scenario::Duplicate => {
                 let key = key(task, n % DUPLICATE_POOL, &consumer);
@@ -279,7 +301,12 @@ fn main() {
         .expect("tokio runtime");
     let only = std::env::var("INBOX_BENCH_ONLY").unwrap_or_default();
     let mut rows = Vec::new();
-    for scenario in [Scenario::Raw, Scenario::Handle, Scenario::Duplicate] {
+    for scenario in [
+        Scenario::Floor,
+        Scenario::Raw,
+        Scenario::Handle,
+        Scenario::Duplicate,
+    ] {
         if row_id(scenario, Flavour::OneCore, 1).contains(&only) {
             rows.push(run_one_core(scenario, stop));
         }
