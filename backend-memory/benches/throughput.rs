@@ -119,23 +119,29 @@ async fn seed_duplicates(store: &MemoryStore, task: u64) {
     }
 }
 
-/// One task's loop; returns how many messages it handled.
+/// The floor scenario's maps: an inbox row is a key and a slot of the
+/// store's size (owner, timestamp, waiters: 32 bytes).
+#[derive(Default)]
+struct FloorMaps {
+    rows: HashMap<InboxKey, [u64; 4], RandomState>,
+    values: HashMap<String, Vec<u8>, RandomState>,
+}
+
+/// One task's loop; returns how many messages it handled, and the floor's
+/// maps, to be freed after the clock stops as the store's rows are.
 async fn worker(
     scenario: Scenario,
     inbox: Arc<Inbox<MemoryStore>>,
     task: u64,
     stop: Budget,
-) -> u64 {
+) -> (u64, FloorMaps) {
     let consumer = ConsumerName::new("bench").expect("valid consumer name");
     let store = inbox.store();
     let deadline = match stop {
         Budget::Time(time) => Some(Instant::now() + time),
         Budget::Messages(_) => None,
     };
-    // The floor's maps: an inbox row is a key and a slot of the store's
-    // size (owner, timestamp, waiters: 32 bytes).
-    let mut rows: HashMap<InboxKey, [u64; 4], RandomState> = HashMap::default();
-    let mut values: HashMap<String, Vec<u8>, RandomState> = HashMap::default();
+    let mut floor = FloorMaps::default();
     let mut n: u64 = 0;
     loop {
         match (stop, deadline) {
@@ -165,9 +171,11 @@ async fn worker(
             }
             Scenario::Floor => {
                 let key = key(task, n, &consumer);
-                let fresh = rows.insert(key, [task, n, 0, 0]).is_none();
+                let fresh = floor.rows.insert(key, [task, n, 0, 0]).is_none();
                 assert!(fresh);
-                values.insert(format!("effect/{task}/{n}"), b"done".to_vec());
+                floor
+                    .values
+                    .insert(format!("effect/{task}/{n}"), b"done".to_vec());
             }
             Scenario::Duplicate => {
                 let key = key(task, n % DUPLICATE_POOL, &consumer);
@@ -179,7 +187,7 @@ async fn worker(
         }
         n += 1;
     }
-    n
+    (n, floor)
 }
 
 /// Where the tasks run.
@@ -238,11 +246,12 @@ fn run_one_core(scenario: Scenario, stop: Budget) -> Row {
     }
     let cpu_before = thread_cpu_time();
     let started = Instant::now();
-    let messages = runtime.block_on(worker(scenario, Arc::clone(&inbox), 0, stop));
+    let (messages, floor) = runtime.block_on(worker(scenario, Arc::clone(&inbox), 0, stop));
     let elapsed = started.elapsed();
     let cpu = thread_cpu_time()
         .zip(cpu_before)
         .map(|(after, before)| after.saturating_sub(before));
+    drop(floor);
     Row {
         scenario,
         flavour: Flavour::OneCore,
@@ -276,19 +285,24 @@ fn run(runtime: &tokio::runtime::Runtime, scenario: Scenario, tasks: u64, stop: 
         .collect();
     barrier.wait();
     let started = Instant::now();
-    let messages = runtime.block_on(async {
+    let (messages, floors) = runtime.block_on(async {
         let mut messages = 0;
+        let mut floors = Vec::new();
         for handle in handles {
-            messages += handle.await.expect("bench task");
+            let (n, floor) = handle.await.expect("bench task");
+            messages += n;
+            floors.push(floor);
         }
-        messages
+        (messages, floors)
     });
+    let elapsed = started.elapsed();
+    drop(floors);
     Row {
         scenario,
         flavour: Flavour::TwoWorkers,
         tasks,
         messages,
-        elapsed: started.elapsed(),
+        elapsed,
         cpu: None,
     }
 }
