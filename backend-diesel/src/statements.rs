@@ -40,12 +40,16 @@ fn no_such_parameter(n: usize) -> DieselError {
 }
 
 /// [`sql::CLAIM`] for one key, or [`sql::CLAIM_PARTITIONED`] when
-/// `PARTITIONED`; executes to the rows inserted (0 or 1). The layout is a
-/// type parameter so that each statement keeps its own static cache key.
-pub(crate) struct ClaimOne<'k, const PARTITIONED: bool>(pub(crate) &'k InboxKey);
+/// `PARTITIONED`, or their pipelined forms ([`sql::CLAIM_PIPELINED`]) when
+/// `PIPELINED`; executes to the rows inserted (0 or 1). The layout and the
+/// form are type parameters so that each statement keeps its own static
+/// cache key.
+pub(crate) struct ClaimOne<'k, const PARTITIONED: bool, const PIPELINED: bool>(
+    pub(crate) &'k InboxKey,
+);
 
 /// The statement cache's key for [`ClaimOne`].
-pub(crate) struct ClaimOneId<const PARTITIONED: bool>;
+pub(crate) struct ClaimOneId<const PARTITIONED: bool, const PIPELINED: bool>;
 
 /// The statement of a layout.
 const fn layout(partitioned: bool) -> Layout {
@@ -56,15 +60,20 @@ const fn layout(partitioned: bool) -> Layout {
     }
 }
 
-impl<const P: bool> QueryId for ClaimOne<'_, P> {
-    type QueryId = ClaimOneId<P>;
+impl<const P: bool, const Q: bool> QueryId for ClaimOne<'_, P, Q> {
+    type QueryId = ClaimOneId<P, Q>;
     const HAS_STATIC_QUERY_ID: bool = true;
 }
 
-impl<const P: bool> QueryFragment<Pg> for ClaimOne<'_, P> {
+impl<const P: bool, const Q: bool> QueryFragment<Pg> for ClaimOne<'_, P, Q> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         let key = self.0;
-        walk(layout(P).claim(), &mut out, |n, out| match n {
+        let statement = if Q {
+            layout(P).claim_pipelined()
+        } else {
+            layout(P).claim()
+        };
+        walk(statement, &mut out, |n, out| match n {
             1 => out.push_bind_param::<Uuid, _>(key.message_id.as_uuid()),
             2 => out.push_bind_param::<Text, _>(key.consumer.as_str()),
             n => Err(no_such_parameter(n)),

@@ -19,7 +19,7 @@ use diesel_async::{
     AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
     TransactionManager,
 };
-use inbox_api::{InboxError, InboxKey, InboxRecord, InboxStats, InboxStore};
+use inbox_api::{Claim, FirstStep, InboxError, InboxKey, InboxRecord, InboxStats, InboxStore};
 use inbox_postgres::{Layout, SessionTimeouts, sql};
 
 use crate::error::{classify, classify_pool};
@@ -404,6 +404,34 @@ impl InboxStore for DieselStore {
             self.begin_on_fresh_connection().await?,
             self.layout,
         ))
+    }
+
+    /// BEGIN and the claim pipelined in one round trip
+    /// ([`DieselTransaction::begin_claim`]); retried on another connection
+    /// when a pooled one turns out to be dead at BEGIN, as
+    /// [`InboxStore::begin`] is (the claim wrote nothing then).
+    async fn begin_claim(
+        &self,
+        key: &InboxKey,
+    ) -> Result<(DieselTransaction, Claim), (FirstStep, InboxError)> {
+        const ATTEMPTS: usize = 3;
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let conn = self
+                .pool
+                .get()
+                .await
+                .map_err(|error| (FirstStep::Begin, classify_pool(error)))?;
+            match DieselTransaction::begin_claim(conn, self.layout, key).await {
+                Err((FirstStep::Begin, error @ InboxError::Connection { .. }))
+                    if attempt < ATTEMPTS =>
+                {
+                    tracing::debug!(error = %error, attempt, "BEGIN on a dead pooled connection; retrying");
+                }
+                outcome => return outcome,
+            }
+        }
     }
 
     async fn lookup(&self, key: &InboxKey) -> Result<Option<InboxRecord>, InboxError> {

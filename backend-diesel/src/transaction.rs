@@ -3,12 +3,13 @@
 use async_trait::async_trait;
 use deadpool::managed::Object;
 
+use diesel::connection::TransactionDepthChange;
 use diesel::sql_types::{Text, Uuid};
 use diesel_async::{
     AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
     TransactionManager,
 };
-use inbox_api::{BatchTransaction, Claim, InboxError, InboxKey, InboxTransaction};
+use inbox_api::{BatchTransaction, Claim, FirstStep, InboxError, InboxKey, InboxTransaction};
 use inbox_postgres::{Claims, Layout, SavepointDriver, sql};
 
 use crate::error::{classify, is_unrecognised};
@@ -186,23 +187,69 @@ impl SavepointDriver for DieselTransaction {
     }
 }
 
-#[async_trait]
-impl InboxTransaction for DieselTransaction {
-    /// `INSERT … ON CONFLICT DO NOTHING`: one statement, atomic. One row
-    /// inserted → `Fresh` (and the row lock makes concurrent claims of the
-    /// key wait for this transaction); none → a committed row (or this
-    /// transaction's own) exists → `Duplicate`. A unique violation can never
-    /// surface, so a duplicate is never an error.
+impl DieselTransaction {
+    /// Opens a transaction on `conn` and claims `key` in one round trip:
+    /// [`sql::BEGIN_PIPELINED`] and the pipelined claim
+    /// ([`sql::CLAIM_PIPELINED`]) go out together. tokio-postgres pipelines
+    /// the queries of futures polled concurrently, in the order they are
+    /// first polled, and `join` polls BEGIN first, so the server runs BEGIN,
+    /// then the claim inside its transaction. Were BEGIN to fail, the claim
+    /// would run alone and its guard would keep it from writing; BEGIN's
+    /// error is what is reported then.
     ///
-    /// The row carries `processed_at = CURRENT_TIMESTAMP` (PostgreSQL's
-    /// `now()`, the transaction's start): it becomes visible only at COMMIT,
-    /// together with the work, so a committed row is a processed message.
-    async fn claim(&mut self, key: &InboxKey) -> Result<Claim, InboxError> {
-        let claimed = match self.layout {
-            Layout::Table => ClaimOne::<false>(key).execute(self.conn()).await,
-            Layout::Partitioned => ClaimOne::<true>(key).execute(self.conn()).await,
+    /// Per message this saves the round trip that separates the inbox from
+    /// a bare transaction (BEGIN, write, COMMIT); the claim itself (its
+    /// lock wait, `Duplicate`, its crash points) is the same statement's.
+    pub(crate) async fn begin_claim(
+        conn: Pooled,
+        layout: Layout,
+        key: &InboxKey,
+    ) -> Result<(Self, Claim), (FirstStep, InboxError)> {
+        // Owned from the start: dropped midway (a timeout around the
+        // handler), the transaction closes the connection like any other.
+        let mut tx = Self::new(conn, layout);
+        let shared: &AsyncPgConnection = tx.conn();
+        let begin = async move {
+            let mut conn = shared;
+            conn.batch_execute(sql::BEGIN_PIPELINED).await
         };
-        match claimed {
+        let claim = async move {
+            let mut conn = shared;
+            match layout {
+                Layout::Table => ClaimOne::<false, true>(key).execute(&mut conn).await,
+                Layout::Partitioned => ClaimOne::<true, true>(key).execute(&mut conn).await,
+            }
+        };
+        let (begun, claimed) = futures::future::join(begin, claim).await;
+        if let Err(error) = begun {
+            let error = tx.refine(error).await;
+            tx.discard();
+            return Err((FirstStep::Begin, error));
+        }
+        // BEGIN went around diesel's transaction manager: tell it, so that
+        // commit, rollback and the work's nested transactions see depth 1.
+        let entered = AnsiTransactionManager::transaction_manager_status_mut(tx.conn())
+            .transaction_state()
+            .and_then(|state| {
+                state.change_transaction_depth(TransactionDepthChange::IncreaseDepth)
+            });
+        if let Err(error) = entered {
+            tx.discard();
+            return Err((FirstStep::Begin, classify(error)));
+        }
+        match tx.claimed(key, claimed).await {
+            Ok(claim) => Ok((tx, claim)),
+            Err(error) => Err((FirstStep::Claim, error)),
+        }
+    }
+
+    /// The claim's outcome from its statement's result.
+    async fn claimed(
+        &mut self,
+        key: &InboxKey,
+        result: diesel::QueryResult<usize>,
+    ) -> Result<Claim, InboxError> {
+        match result {
             Ok(rows) => self
                 .claims
                 .claimed(key, u64::try_from(rows).unwrap_or(u64::MAX)),
@@ -217,6 +264,26 @@ impl InboxTransaction for DieselTransaction {
                 }
             }
         }
+    }
+}
+
+#[async_trait]
+impl InboxTransaction for DieselTransaction {
+    /// `INSERT … ON CONFLICT DO NOTHING`: one statement, atomic. One row
+    /// inserted → `Fresh` (and the row lock makes concurrent claims of the
+    /// key wait for this transaction); none → a committed row (or this
+    /// transaction's own) exists → `Duplicate`. A unique violation can never
+    /// surface, so a duplicate is never an error.
+    ///
+    /// The row carries `processed_at = CURRENT_TIMESTAMP` (PostgreSQL's
+    /// `now()`, the transaction's start): it becomes visible only at COMMIT,
+    /// together with the work, so a committed row is a processed message.
+    async fn claim(&mut self, key: &InboxKey) -> Result<Claim, InboxError> {
+        let claimed = match self.layout {
+            Layout::Table => ClaimOne::<false, false>(key).execute(self.conn()).await,
+            Layout::Partitioned => ClaimOne::<true, false>(key).execute(self.conn()).await,
+        };
+        self.claimed(key, claimed).await
     }
 
     async fn commit(mut self) -> Result<(), InboxError> {
@@ -292,6 +359,15 @@ impl BatchTransaction for DieselTransaction {
         };
         match inserted {
             Ok(rows) => self.claims.claimed_batch(keys, rows),
+            Err(error)
+                if self
+                    .layout
+                    .batch_claim_refused_a_key(crate::error::sqlstate(&error)) =>
+            {
+                Err(InboxError::KeyRefusedInBatch {
+                    source: Box::new(error),
+                })
+            }
             Err(error) => Err(self.refine(error).await),
         }
     }

@@ -687,6 +687,13 @@ async fn hot_statements_are_prepared_once_per_connection() {
         let k = key("prepared");
         let mut tx = store.begin().await.expect("begin");
         assert_eq!(tx.claim(&k).await.expect("claim"), Claim::Fresh);
+        tx.commit().await.expect("commit");
+        // The pipelined claim, behind its BEGIN, is prepared once too.
+        let (mut tx, claim) = store
+            .begin_claim(&key("prepared"))
+            .await
+            .expect("begin_claim");
+        assert_eq!(claim, Claim::Fresh);
         // Batches of different sizes share one statement too.
         let batch: Vec<InboxKey> = (0..=round).map(|_| key("prepared")).collect();
         let claims = tx.claim_batch(&batch).await.expect("claim batch");
@@ -702,7 +709,8 @@ async fn hot_statements_are_prepared_once_per_connection() {
     .expect("pg_prepared_statements");
     for start in [
         "INSERT INTO inbox_messages (id, consumer_type, processed_at) VALUES",
-        "INSERT INTO inbox_messages (id, consumer_type, processed_at) SELECT",
+        "INSERT INTO inbox_messages (id, consumer_type, processed_at) SELECT id",
+        "INSERT INTO inbox_messages (id, consumer_type, processed_at) SELECT $1",
     ] {
         let n = prepared.iter().filter(|s| s.starts_with(start)).count();
         assert_eq!(n, 1, "{start}… prepared {n} times: {prepared:#?}");
@@ -711,6 +719,41 @@ async fn hot_statements_are_prepared_once_per_connection() {
         !prepared.iter().any(|s| s.contains("UPDATE")),
         "no UPDATE on the hot path: {prepared:#?}"
     );
+}
+
+/// The pipelined claim writes only inside the transaction its BEGIN opened
+/// (`inbox_postgres::sql::BEGIN_PIPELINED`): were BEGIN to fail, the claim
+/// would run alone, and must not commit a row without its work.
+#[tokio::test]
+async fn a_pipelined_claim_without_its_begin_writes_nothing() {
+    let store = common::fresh_store(1).await;
+    async fn claim_alone(store: &DieselStore, k: &InboxKey) -> usize {
+        let mut conn = store.pool().get().await.expect("connection");
+        diesel::sql_query(inbox_postgres::sql::CLAIM_PIPELINED)
+            .bind::<diesel::sql_types::Uuid, _>(k.message_id.as_uuid())
+            .bind::<Text, _>(k.consumer.as_str())
+            .execute(&mut *conn)
+            .await
+            .expect("the claim alone")
+    }
+    let alone = key("guard");
+    assert_eq!(claim_alone(&store, &alone).await, 0, "inserted alone");
+    assert_eq!(store.lookup(&alone).await.expect("lookup"), None);
+
+    let k = key("guard");
+    let (mut tx, claim) = store.begin_claim(&k).await.expect("begin_claim");
+    assert_eq!(claim, Claim::Fresh);
+    common::record_effect(&mut tx, &k).await.expect("work");
+    tx.commit().await.expect("commit");
+    assert_exactly_once(&store, &k).await;
+
+    // COMMIT ended the mark with the transaction, on the same connection.
+    assert_eq!(
+        claim_alone(&store, &alone).await,
+        0,
+        "inserted after COMMIT"
+    );
+    assert_eq!(store.lookup(&alone).await.expect("lookup"), None);
 }
 
 /// The outbox's hot statements (the producer's enqueue, the relay's take)

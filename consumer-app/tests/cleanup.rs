@@ -67,6 +67,7 @@ async fn one_cleanup_of_n_rows_adds_exactly_n_to_the_purged_counter() {
         interval: Duration::from_secs(3600),
         // Three batches (2, 2, 1): a per-batch count and a total both show.
         batch_size: NonZeroU32::new(2).expect("non-zero"),
+        ..CleanupConfig::default()
     };
 
     let deleted = cleanup_once(&store, &config).await.expect("cleanup");
@@ -235,6 +236,7 @@ async fn the_service_cleanup_loops_of_two_instances_delete_the_old_rows_only() {
                 retention: Duration::from_secs(7 * 86_400),
                 interval: Duration::from_millis(50),
                 batch_size: NonZeroU32::new(10).expect("non-zero"),
+                ..CleanupConfig::default()
             }),
             ..ServiceConfig::new(AMQP_URL, format!("parcel-inbox test cleanup {schema} {n}"))
         };
@@ -309,6 +311,7 @@ async fn cleanup_purges_old_attempt_ledger_rows_and_keeps_new_ones() {
         retention: Duration::from_secs(24 * 3600),
         interval: Duration::from_secs(3600),
         batch_size: NonZeroU32::new(2).expect("non-zero"),
+        ..CleanupConfig::default()
     };
 
     cleanup_once(&store, &config).await.expect("cleanup");
@@ -428,6 +431,7 @@ async fn one_outbox_purge_of_n_rows_adds_exactly_n_to_its_counter() {
         retention: Duration::ZERO,
         interval: Duration::from_secs(3600),
         batch_size: NonZeroU32::new(2).expect("non-zero"),
+        ..CleanupConfig::default()
     };
 
     let deleted = purge_published_once(&store, &config).await.expect("purge");

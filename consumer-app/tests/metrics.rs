@@ -279,6 +279,7 @@ async fn metric_values_follow_what_the_service_did() {
         retention: Duration::ZERO,
         interval: Duration::from_secs(3600),
         batch_size: NonZeroU32::new(10).expect("non-zero"),
+        ..CleanupConfig::default()
     };
     let purged = cleanup_once(&store, &config).await.expect("cleanup");
     assert_eq!(purged, 41);

@@ -529,6 +529,7 @@ async fn the_relay_purges_published_rows_after_their_retention() {
                 retention: Duration::from_millis(200),
                 interval: Duration::from_millis(50),
                 batch_size: std::num::NonZeroU32::new(2).expect("non-zero"),
+                ..consumer_app::runtime::CleanupConfig::default()
             }),
             ..config(&id, 10)
         },

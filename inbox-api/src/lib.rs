@@ -45,5 +45,6 @@ pub use outbox::{
     OutboxTransaction, OutgoingMessage, PublishRetry, Refused,
 };
 pub use store::{
-    BatchTransaction, Claim, InboxRecord, InboxStats, InboxStore, InboxStoreExt, InboxTransaction,
+    BatchTransaction, Claim, FirstStep, InboxRecord, InboxStats, InboxStore, InboxStoreExt,
+    InboxTransaction,
 };

@@ -607,9 +607,32 @@ pub trait OutboxStoreExt: OutboxStore {
         cutoff: DateTime<Utc>,
         batch_size: NonZeroU32,
     ) -> Result<u64, InboxError> {
-        crate::store::purge_in_batches(batch_size, crate::metrics::OUTBOX_PURGED_ROWS, || {
-            self.purge_published_batch(cutoff, batch_size)
-        })
+        self.purge_published_paced(cutoff, batch_size, || std::future::ready(()))
+            .await
+    }
+
+    /// [`OutboxStoreExt::purge_published_before`] with `pause` awaited after every full
+    /// batch, before the next one (a paced cleanup, as
+    /// [`crate::InboxStoreExt::purge_processed_paced`]).
+    ///
+    /// # Errors
+    /// As [`OutboxStoreExt::purge_published_before`].
+    async fn purge_published_paced<P, F>(
+        &self,
+        cutoff: DateTime<Utc>,
+        batch_size: NonZeroU32,
+        pause: P,
+    ) -> Result<u64, InboxError>
+    where
+        P: FnMut() -> F + Send,
+        F: std::future::Future<Output = ()> + Send,
+    {
+        crate::store::purge_in_batches(
+            batch_size,
+            crate::metrics::OUTBOX_PURGED_ROWS,
+            || self.purge_published_batch(cutoff, batch_size),
+            pause,
+        )
         .await
     }
 

@@ -22,6 +22,26 @@ pub enum Claim {
     Duplicate,
 }
 
+/// The step of [`InboxStore::begin_claim`] that failed: what the metric
+/// `inbox_failed_total` labels `stage`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FirstStep {
+    /// Opening the transaction (a connection, `BEGIN`).
+    Begin,
+    /// The claim, inside the open transaction.
+    Claim,
+}
+
+impl FirstStep {
+    /// The stage label: `begin` or `claim`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Begin => "begin",
+            Self::Claim => "claim",
+        }
+    }
+}
+
 /// One committed inbox row, as read back for diagnostics.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InboxRecord {
@@ -66,6 +86,36 @@ pub trait InboxStore: Send + Sync + 'static {
     /// # Errors
     /// Retryable when no connection is available.
     async fn begin(&self) -> Result<Self::Transaction, InboxError>;
+
+    /// Opens a transaction and claims `key` as its first write: exactly
+    /// [`InboxStore::begin`] followed by [`InboxTransaction::claim`], which
+    /// is what this default does.
+    ///
+    /// A backend whose driver can send both in one round trip overrides it
+    /// (the diesel backend pipelines `BEGIN` and the claim on its
+    /// connection). Per message, that round trip is the whole difference
+    /// between a bare transaction (BEGIN, the business write, COMMIT) and
+    /// an inbox one, so [`crate::Inbox::handle`] opens its transactions
+    /// here. An override must keep the claim's semantics to the letter:
+    /// the claim runs inside the transaction or not at all.
+    ///
+    /// # Errors
+    /// The failed step and its error, as [`InboxStore::begin`] and
+    /// [`InboxTransaction::claim`] give them.
+    async fn begin_claim(
+        &self,
+        key: &InboxKey,
+    ) -> Result<(Self::Transaction, Claim), (FirstStep, InboxError)> {
+        let mut tx = self
+            .begin()
+            .await
+            .map_err(|error| (FirstStep::Begin, error))?;
+        let claim = tx
+            .claim(key)
+            .await
+            .map_err(|error| (FirstStep::Claim, error))?;
+        Ok((tx, claim))
+    }
 
     /// Reads the committed row of `key`, without waiting for open
     /// transactions.
@@ -216,6 +266,13 @@ impl<S: InboxStore> InboxStore for Arc<S> {
         (**self).begin().await
     }
 
+    async fn begin_claim(
+        &self,
+        key: &InboxKey,
+    ) -> Result<(Self::Transaction, Claim), (FirstStep, InboxError)> {
+        (**self).begin_claim(key).await
+    }
+
     async fn lookup(&self, key: &InboxKey) -> Result<Option<InboxRecord>, InboxError> {
         (**self).lookup(key).await
     }
@@ -269,9 +326,33 @@ pub trait InboxStoreExt: InboxStore {
         cutoff: DateTime<Utc>,
         batch_size: NonZeroU32,
     ) -> Result<u64, InboxError> {
-        purge_in_batches(batch_size, crate::metrics::PURGED_ROWS, || {
-            self.purge_processed_batch(cutoff, batch_size)
-        })
+        self.purge_processed_paced(cutoff, batch_size, || std::future::ready(()))
+            .await
+    }
+
+    /// [`InboxStoreExt::purge_processed_before`] with `pause` awaited after
+    /// every full batch, before the next one: a paced cleanup, which
+    /// leaves the database to the claims between its batches (the
+    /// application's cleanup sleeps there; see its default pacing).
+    ///
+    /// # Errors
+    /// As [`InboxStoreExt::purge_processed_before`].
+    async fn purge_processed_paced<P, F>(
+        &self,
+        cutoff: DateTime<Utc>,
+        batch_size: NonZeroU32,
+        pause: P,
+    ) -> Result<u64, InboxError>
+    where
+        P: FnMut() -> F + Send,
+        F: std::future::Future<Output = ()> + Send,
+    {
+        purge_in_batches(
+            batch_size,
+            crate::metrics::PURGED_ROWS,
+            || self.purge_processed_batch(cutoff, batch_size),
+            pause,
+        )
         .await
     }
 }
@@ -279,16 +360,19 @@ pub trait InboxStoreExt: InboxStore {
 impl<S: InboxStore + ?Sized> InboxStoreExt for S {}
 
 /// Runs `batch` until it deletes fewer than `batch_size` rows, counting each
-/// batch's rows in the counter `metric`: the loop of every cleanup, inbox's
-/// and outbox's.
-pub(crate) async fn purge_in_batches<F, Fut>(
+/// batch's rows in the counter `metric` and awaiting `pause` between two
+/// batches: the loop of every cleanup, inbox's and outbox's.
+pub(crate) async fn purge_in_batches<B, BF, P, PF>(
     batch_size: NonZeroU32,
     metric: &'static str,
-    mut batch: F,
+    mut batch: B,
+    mut pause: P,
 ) -> Result<u64, InboxError>
 where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<u64, InboxError>>,
+    B: FnMut() -> BF,
+    BF: std::future::Future<Output = Result<u64, InboxError>>,
+    P: FnMut() -> PF,
+    PF: std::future::Future<Output = ()>,
 {
     let mut total = 0;
     loop {
@@ -299,5 +383,6 @@ where
             tracing::debug!(total, metric, "purge finished");
             return Ok(total);
         }
+        pause().await;
     }
 }

@@ -54,6 +54,15 @@ impl Layout {
         }
     }
 
+    /// The claim of one key in this layout for a pipeline behind
+    /// [`sql::BEGIN_PIPELINED`] (see [`sql::CLAIM_PIPELINED`]).
+    pub fn claim_pipelined(self) -> &'static str {
+        match self {
+            Self::Table => sql::CLAIM_PIPELINED,
+            Self::Partitioned => sql::CLAIM_PARTITIONED_PIPELINED,
+        }
+    }
+
     /// The claim of a batch in this layout (see [`sql::CLAIM_BATCH`]).
     pub fn claim_batch(self) -> &'static str {
         match self {
@@ -114,6 +123,18 @@ impl Layout {
                 .into(),
             })
         }
+    }
+}
+
+impl Layout {
+    /// Whether a batch's claim that failed with `sqlstate` failed because
+    /// of a key it does not name: in the partitioned layout a key without a
+    /// partition ([`NO_PARTITION`]) fails the batch's one INSERT. The store
+    /// then answers [`InboxError::KeyRefusedInBatch`], and the batch claims
+    /// its keys one by one, where [`Layout::claim_failure`] charges only the
+    /// refused ones.
+    pub fn batch_claim_refused_a_key(self, sqlstate: Option<&str>) -> bool {
+        self == Self::Partitioned && sqlstate == Some(NO_PARTITION)
     }
 }
 

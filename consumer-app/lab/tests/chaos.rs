@@ -195,6 +195,41 @@ fn chaos_diesel_exactly_once() {
     passed(code, &stdout);
 }
 
+/// The partitioned layout's size: 600 events (+15 % copies, +6 % bad; a
+/// fifth of the ids v4, the rest v7), 3 consumers, 3 kill -9, 3
+/// pg_terminate_backend, 3 close_connection: the contract's run on the
+/// other layout, kept short (the plain layout's runs above carry the
+/// operational faults).
+const PARTITIONED: &[&str] = &[
+    "--layout",
+    "partitioned",
+    "--consumers",
+    "3",
+    "--events",
+    "600",
+    "--kills",
+    "3",
+    "--seed",
+    "20261214",
+];
+
+/// Exactly once on the partitioned layout, whose claims go to a day
+/// partition (v7 ids) or the untimed one (v4): the run fails unless both
+/// took claims.
+#[test]
+fn chaos_sqlx_partitioned_exactly_once() {
+    let (code, stdout) = chaos(&[&["--store", "sqlx"], PARTITIONED].concat());
+    passed(code, &stdout);
+    assert!(stdout.contains("layout partitioned"), "{stdout}");
+}
+
+#[test]
+fn chaos_diesel_partitioned_exactly_once() {
+    let (code, stdout) = chaos(&[&["--store", "diesel"], PARTITIONED].concat());
+    passed(code, &stdout);
+    assert!(stdout.contains("layout partitioned"), "{stdout}");
+}
+
 /// The harness can fail: with the claim committed in its own transaction, a
 /// kill between that commit and the work's loses the effect for good.
 ///

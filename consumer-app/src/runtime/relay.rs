@@ -557,7 +557,7 @@ pub async fn purge_published_once<S: OutboxStore>(
 ) -> Result<u64, AppError> {
     let cutoff = purge.cutoff()?;
     let deleted = store
-        .purge_published_before(cutoff, purge.batch_size)
+        .purge_published_paced(cutoff, purge.batch_size, || tokio::time::sleep(purge.pause))
         .await?;
     tracing::info!(deleted, %cutoff, "outbox purge of published rows");
     Ok(deleted)

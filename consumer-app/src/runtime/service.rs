@@ -777,10 +777,14 @@ pub async fn cleanup_once<S: InboxStore + AttemptLedger>(
 ) -> Result<u64, AppError> {
     let cutoff = cleanup.cutoff()?;
     let deleted = store
-        .purge_processed_before(cutoff, cleanup.batch_size)
+        .purge_processed_paced(cutoff, cleanup.batch_size, || {
+            tokio::time::sleep(cleanup.pause)
+        })
         .await?;
     let attempts = store
-        .purge_attempts_before(cutoff, cleanup.batch_size)
+        .purge_attempts_paced(cutoff, cleanup.batch_size, || {
+            tokio::time::sleep(cleanup.pause)
+        })
         .await?;
     tracing::info!(deleted, attempts, %cutoff, "inbox cleanup");
     Ok(deleted)

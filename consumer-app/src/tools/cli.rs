@@ -93,6 +93,13 @@ pub struct Global {
         default_value = "quorum"
     )]
     pub queue_type: QueueType,
+    /// The inbox table's layout, table or partitioned (daily partitions
+    /// of v7 ids, dropped whole by the cleanup). `migrate` creates it in
+    /// a new schema and refuses a schema of the other layout; every other
+    /// command must name the layout its schema has, since the claims'
+    /// statements differ.
+    #[arg(long, env = "INBOX_LAYOUT", global = true, default_value = "table")]
+    pub layout: inbox_postgres::Layout,
 }
 
 impl Global {
@@ -184,8 +191,13 @@ pub struct CleanupArgs {
     #[arg(long, env = "INBOX_RETENTION_DAYS", default_value_t = 7.0)]
     pub retention_days: f64,
     /// Rows per delete transaction.
-    #[arg(long, env = "INBOX_CLEANUP_BATCH", default_value = "1000")]
+    #[arg(long, env = "INBOX_CLEANUP_BATCH", default_value_t = CleanupConfig::DEFAULT_BATCH)]
     pub cleanup_batch: std::num::NonZeroU32,
+    /// Milliseconds to pause after each full delete batch (the pacing that
+    /// keeps the claims' latency during a cleanup near idle; see
+    /// `CleanupConfig::DEFAULT_BATCH`).
+    #[arg(long, env = "INBOX_CLEANUP_PAUSE_MS", default_value_t = pause_ms_default())]
+    pub cleanup_pause_ms: u64,
 }
 
 impl CleanupArgs {
@@ -198,8 +210,14 @@ impl CleanupArgs {
             retention: retention(self.retention_days, "days", 86_400.0)?,
             interval,
             batch_size: self.cleanup_batch,
+            pause: Duration::from_millis(self.cleanup_pause_ms),
         })
     }
+}
+
+/// The cleanups' default pause in milliseconds, for their flags.
+fn pause_ms_default() -> u64 {
+    u64::try_from(CleanupConfig::DEFAULT_PAUSE.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// A retention flag's value, `amount` of a unit of `unit_secs` seconds.
@@ -222,8 +240,12 @@ pub struct OutboxPurgeArgs {
     #[arg(long, env = "OUTBOX_RETENTION_HOURS", default_value_t = 168.0)]
     pub published_retention_hours: f64,
     /// Published outbox rows per delete transaction.
-    #[arg(long, env = "OUTBOX_PURGE_BATCH", default_value = "1000")]
+    #[arg(long, env = "OUTBOX_PURGE_BATCH", default_value_t = CleanupConfig::DEFAULT_BATCH)]
     pub purge_batch: NonZeroU32,
+    /// Milliseconds to pause after each full delete batch (the same pacing
+    /// as the inbox's cleanup).
+    #[arg(long, env = "OUTBOX_PURGE_PAUSE_MS", default_value_t = pause_ms_default())]
+    pub purge_pause_ms: u64,
 }
 
 impl OutboxPurgeArgs {
@@ -236,6 +258,7 @@ impl OutboxPurgeArgs {
             retention: retention(self.published_retention_hours, "hours", 3600.0)?,
             interval,
             batch_size: self.purge_batch,
+            pause: Duration::from_millis(self.purge_pause_ms),
         })
     }
 }
@@ -344,6 +367,7 @@ impl Global {
                 )),
                 ..SessionTimeouts::default()
             },
+            layout: self.layout,
         }
     }
 }

@@ -26,6 +26,10 @@ pub struct StoreConfig {
     pub pool_size: u32,
     /// The time bounds each PostgreSQL session sets.
     pub timeouts: inbox_postgres::SessionTimeouts,
+    /// The inbox table's layout (the Postgres stores; the memory store
+    /// has none): what `migrate` creates in a new schema, and the claim
+    /// and cleanup statements the store sends.
+    pub layout: inbox_postgres::Layout,
 }
 
 impl fmt::Debug for StoreConfig {
@@ -39,6 +43,7 @@ impl fmt::Debug for StoreConfig {
             .field("schema", &self.schema)
             .field("pool_size", &self.pool_size)
             .field("timeouts", &self.timeouts)
+            .field("layout", &self.layout)
             .finish()
     }
 }
@@ -254,7 +259,7 @@ async fn open_sqlx(
             .connect_with(options)
             .await
             .map_err(classify)?;
-        SqlxStore::new(pool, &config.schema)
+        Ok(SqlxStore::new(pool, &config.schema)?.with_layout(config.layout))
     })
     .await
 }
@@ -269,6 +274,7 @@ async fn open_diesel(
         inbox_backend_diesel::DieselStore::builder(config.database_url.as_str(), &config.schema)?
             .pool_size(pool_size)
             .session_timeouts(config.timeouts)
+            .layout(config.layout)
             .connect()
             .await
     })

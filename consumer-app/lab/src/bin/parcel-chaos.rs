@@ -98,7 +98,7 @@ use consumer_app::runtime::{AppError, telemetry};
 use consumer_app::tools::http::request as request_http;
 use consumer_app::tools::stores::{StoreConfig, WithStore, with_store};
 use inbox_api::{ConsumerName, InboxKey, InboxStats, InboxStore, MessageId, OutboxStore};
-use inbox_backend_sqlx::SqlxStore;
+use inbox_backend_sqlx::{Layout, SqlxStore};
 use lapin::options::BasicGetOptions;
 use parcel_lab::broken::BrokenRelay;
 use parcel_lab::relay_faults::CRASH_EXIT;
@@ -114,6 +114,11 @@ use tokio::process::{Child, Command};
 const MAX_BODY: usize = 4096;
 /// Deliveries each consume process handles at once (per queue).
 const CONCURRENCY: u16 = 4;
+/// The share of the valid events published under a v4 (random) id; the
+/// others carry a v7 id, as a producer using `MessageId::new_v7` would: in
+/// the partitioned layout the v7 ones land in the day partitions, the v4
+/// ones in the untimed partition, and both must be deduplicated.
+const V4_SHARE: f64 = 0.2;
 
 /// Chaos run: K consume processes, duplicates, bad input, kill -9, PostgreSQL
 /// backends terminated, AMQP connections closed; then exactly-once checked.
@@ -131,6 +136,13 @@ struct Cli {
     /// The consumers' store: sqlx or diesel.
     #[arg(long, default_value = "sqlx")]
     store: StoreKind,
+    /// The inbox table's layout: table, or partitioned (daily partitions
+    /// of v7 ids, the others in one untimed partition). The run's schema
+    /// is migrated to it and its day partitions created ahead; the plan's
+    /// ids are mostly v7 either way (see [`V4_SHARE`]), so a partitioned
+    /// run claims into day partitions and the untimed one alike.
+    #[arg(long, default_value = "table")]
+    layout: Layout,
     /// Consume processes (at least 3).
     #[arg(long, default_value_t = 3)]
     consumers: usize,
@@ -329,6 +341,12 @@ impl Rng {
     fn uuid(&mut self) -> uuid::Uuid {
         uuid::Builder::from_random_bytes(self.0.random()).into_uuid()
     }
+
+    /// A v7 id of the time `millis` (since the Unix epoch), its other bits
+    /// from the seed.
+    fn uuid_v7(&mut self, millis: u64) -> uuid::Uuid {
+        uuid::Builder::from_unix_timestamp_millis(millis, &self.0.random()).into_uuid()
+    }
 }
 
 /// What a published message is, for the checks.
@@ -408,11 +426,18 @@ fn bad_message(n: usize, reason: BadInputReason, rng: &mut Rng) -> Result<Outgoi
 }
 
 impl Plan {
-    fn new(cli: &Cli, rng: &mut Rng) -> Result<Self, AppError> {
+    /// The plan of `cli`'s run, drawn from `rng`; the valid events' v7 ids
+    /// carry the time `now_millis` plus their number in milliseconds (so a
+    /// replayed seed gives the same ids but for their time bits).
+    fn new(cli: &Cli, rng: &mut Rng, now_millis: u64) -> Result<Self, AppError> {
         let mut messages = Vec::new();
         let mut valid_ids: Vec<uuid::Uuid> = Vec::with_capacity(cli.events);
         for n in 0..cli.events {
-            let id = rng.uuid();
+            let id = if rng.unit() < V4_SHARE {
+                rng.uuid()
+            } else {
+                rng.uuid_v7(now_millis + n as u64)
+            };
             let event = event_for(format!("C-{n:06}"), rng);
             messages.push((
                 Kind::Valid(n),
@@ -732,6 +757,8 @@ impl<'a> Consumers<'a> {
                 &self.cli.amqp_url,
                 "--schema",
                 &self.names.schema,
+                "--layout",
+                self.cli.layout.as_str(),
                 "--prefix",
                 &self.names.prefix,
                 "--pool-size",
@@ -803,6 +830,8 @@ impl<'a> Consumers<'a> {
                 &amqp_url,
                 "--schema",
                 &self.names.schema,
+                "--layout",
+                self.cli.layout.as_str(),
                 "--prefix",
                 &self.names.prefix,
                 "--pool-size",
@@ -1203,6 +1232,7 @@ async fn start_api(cli: &Cli, names: &Names, topology: &Topology) -> Result<ApiS
         schema: names.schema.clone(),
         pool_size: 4,
         timeouts: inbox_backend_sqlx::SessionTimeouts::default(),
+        layout: cli.layout,
     };
     with_store(&store, Some(10), ServeApi(topology.clone())).await
 }
@@ -1352,7 +1382,29 @@ struct Verdict {
     expected_inbox_rows: u64,
     /// Carrier-assigned events their consumer's inbox holds.
     carrier_assigned_consumed: u64,
+    /// Partitioned layout: inbox rows in the day partitions and in the
+    /// untimed one, and the day partitions holding rows.
+    partitions: Option<PartitionSpread>,
     details: Vec<String>,
+}
+
+/// Where a partitioned inbox's rows went.
+#[derive(Debug, Default, Clone, Copy)]
+struct PartitionSpread {
+    timed: u64,
+    untimed: u64,
+    days: u64,
+    /// Whether the plan's ids should have filled both kinds (the harness
+    /// published them: v7 and v4; with relays the ids are the endpoint's).
+    both_expected: bool,
+}
+
+impl PartitionSpread {
+    /// Both kinds of partition took claims, where both were expected: a
+    /// partitioned run that claimed into only one proves less than it says.
+    fn exercised(&self) -> bool {
+        !self.both_expected || (self.timed > 0 && self.untimed > 0)
+    }
 }
 
 impl Verdict {
@@ -1367,6 +1419,7 @@ impl Verdict {
             && self.ghosts == 0
             && self.outbox_pending == 0
             && self.effects == self.expected_effects
+            && self.partitions.is_none_or(|p| p.exercised())
     }
 
     fn note(&mut self, text: String) {
@@ -1391,6 +1444,29 @@ async fn per_message(
         .map(|r| Ok((r.try_get("message_id")?, r.try_get("n")?)))
         .collect::<Result<_, sqlx::Error>>()
         .map_err(db)
+}
+
+/// Where the partitioned inbox of `schema` holds its rows.
+async fn partition_spread(
+    pool: &PgPool,
+    schema: &str,
+    both_expected: bool,
+) -> Result<PartitionSpread, AppError> {
+    let (timed, untimed, days): (i64, i64, i64) = sqlx::query_as(&format!(
+        "SELECT count(*) FILTER (WHERE time_ordered), count(*) FILTER (WHERE NOT time_ordered), \
+                count(DISTINCT tableoid) FILTER (WHERE time_ordered) \
+         FROM \"{schema}\".inbox_messages"
+    ))
+    .fetch_one(pool)
+    .await
+    .map_err(db)?;
+    let count = |n: i64| u64::try_from(n).unwrap_or(0);
+    Ok(PartitionSpread {
+        timed: count(timed),
+        untimed: count(untimed),
+        days: count(days),
+        both_expected,
+    })
 }
 
 /// The `parcel.carrier-assigned` event's id that the carrier consumer
@@ -1731,8 +1807,9 @@ async fn run(mut cli: Cli) -> Result<bool, AppError> {
             .map_or(1, |d| d.as_nanos() as u64)
     });
     println!(
-        "parcel-chaos seed {seed} (replay: --seed {seed}); store {}, {} consumers, {} relays, {} events, broken: {}, broken relay: {}",
+        "parcel-chaos seed {seed} (replay: --seed {seed}); store {}, layout {}, {} consumers, {} relays, {} events, broken: {}, broken relay: {}",
         cli.store,
+        cli.layout,
         cli.consumers,
         cli.relays,
         cli.events,
@@ -1767,7 +1844,10 @@ async fn run(mut cli: Cli) -> Result<bool, AppError> {
         servers.rabbit = Some(rabbit);
     }
     let mut rng = Rng::new(seed);
-    let plan = Plan::new(&cli, &mut rng)?;
+    let now_millis = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(0));
+    let plan = Plan::new(&cli, &mut rng, now_millis)?;
     #[expect(clippy::cast_precision_loss, reason = "a message count")]
     let publish_secs = plan.messages.len() as f64 / cli.publish_rate.max(1.0);
     let faults = schedule(&cli, Duration::from_secs_f64(publish_secs + 2.0), &mut rng);
@@ -1808,6 +1888,7 @@ async fn run(mut cli: Cli) -> Result<bool, AppError> {
         schema: names.schema.clone(),
         pool_size: 2,
         timeouts: inbox_backend_sqlx::SessionTimeouts::default(),
+        layout: cli.layout,
     };
     with_store(&store, Some(10), Migrate).await?;
     let topology = Topology::new(&names.prefix);
@@ -1826,7 +1907,14 @@ async fn run(mut cli: Cli) -> Result<bool, AppError> {
         &with_application_name(&cli.database_url, "parcel-chaos"),
         &names.schema,
     )
-    .await?;
+    .await?
+    .with_layout(cli.layout);
+    if cli.layout == Layout::Partitioned {
+        // The maintenance a deployment runs daily: today and the days
+        // ahead, so that no v7 id of the run lacks its partition.
+        let created = inbox.create_partitions(0, 3).await?;
+        println!("partitioned inbox: {created} day partitions created ahead");
+    }
     let api = match cli.relays {
         0 => None,
         _ => {
@@ -1902,6 +1990,9 @@ async fn run(mut cli: Cli) -> Result<bool, AppError> {
     )
     .await?;
     check_dead_letters(&cli.amqp_url, &topology, &plan, &mut verdict).await?;
+    if cli.layout == Layout::Partitioned {
+        verdict.partitions = Some(partition_spread(&pool, &names.schema, cli.relays == 0).await?);
+    }
     if !drained {
         verdict.note("the queues did not drain within --drain-timeout-secs".into());
     }
@@ -2359,6 +2450,15 @@ fn table(
             mark(v.inbox_rows == pairs && v.inbox_mismatch == 0),
         ),
         (
+            "  in day partitions / untimed".into(),
+            v.partitions.map_or_else(
+                || "(table layout)".to_owned(),
+                |p| format!("{} in {} days / {}", p.timed, p.days, p.untimed),
+            ),
+            String::new(),
+            mark(v.partitions.is_none_or(|p| p.exercised())),
+        ),
+        (
             "carrier bookings".into(),
             v.bookings.to_string(),
             valid.to_string(),
@@ -2409,8 +2509,9 @@ fn table(
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "\nparcel-chaos summary: seed {seed}, store {}, {} consumers, {} relays, broken {}, broken relay {}",
+        "\nparcel-chaos summary: seed {seed}, store {}, layout {}, {} consumers, {} relays, broken {}, broken relay {}",
         cli.store,
+        cli.layout,
         cli.consumers,
         cli.relays,
         cli.broken.as_deref().unwrap_or("no"),
