@@ -359,6 +359,15 @@ impl BatchTransaction for DieselTransaction {
         };
         match inserted {
             Ok(rows) => self.claims.claimed_batch(keys, rows),
+            Err(error)
+                if self
+                    .layout
+                    .batch_claim_refused_a_key(crate::error::sqlstate(&error)) =>
+            {
+                Err(InboxError::KeyRefusedInBatch {
+                    source: Box::new(error),
+                })
+            }
             Err(error) => Err(self.refine(error).await),
         }
     }

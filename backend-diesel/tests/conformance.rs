@@ -15,7 +15,7 @@ use diesel::sql_types::{BigInt, Bool, Double, Integer, Text, Timestamptz};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use inbox_api::{InboxError, InboxKey, InboxRecord, InboxTransaction as _};
 use inbox_backend_diesel::classify;
-use inbox_backend_diesel::{DieselStore, DieselTransaction, SessionTimeouts};
+use inbox_backend_diesel::{DieselStore, DieselTransaction, Layout, SessionTimeouts};
 use inbox_conformance::{CrashKind, Harness, PgHarness};
 
 /// The suite's view of the diesel backend.
@@ -23,6 +23,8 @@ struct DieselHarness {
     /// Kills transactions' server processes: a connection of its own,
     /// outside every store's pool (see `common::kill`).
     killer: tokio::sync::Mutex<AsyncPgConnection>,
+    /// The inbox layout of every store it makes.
+    layout: Layout,
 }
 
 /// Builds the harness: checks that the database is there (failing loudly if
@@ -32,6 +34,15 @@ async fn harness() -> DieselHarness {
     common::sweep_old_schemas(&mut admin).await;
     DieselHarness {
         killer: tokio::sync::Mutex::new(admin),
+        layout: Layout::Table,
+    }
+}
+
+/// As [`harness`], every store with the partitioned inbox layout.
+async fn partitioned_harness() -> DieselHarness {
+    DieselHarness {
+        layout: Layout::Partitioned,
+        ..harness().await
     }
 }
 
@@ -70,7 +81,11 @@ impl Harness for DieselHarness {
     }
 
     async fn fresh_store(&self) -> DieselStore {
-        common::fresh_store(10).await
+        common::fresh_store_laid_out(10, self.layout).await
+    }
+
+    fn layout(&self) -> Layout {
+        self.layout
     }
 
     async fn record_effect(
@@ -208,6 +223,16 @@ impl inbox_conformance::OutboxHarness for DieselHarness {
 
 inbox_conformance::ledger_conformance_tests!(harness);
 
+/// The whole suite again, every store with the partitioned inbox layout in
+/// a schema of its own: the contract and both crash-point models, the
+/// Postgres scenarios, the outbox and the ledger. The suite's keys mix
+/// time-ordered (v7) and random (v4) ids, so its claims land in real day
+/// partitions and in the untimed one; tests whose expectation depends on
+/// the layout ask the harness's (`Harness::layout`).
+mod partitioned {
+    inbox_conformance::postgres_store_tests!(super::partitioned_harness);
+}
+
 #[async_trait]
 impl inbox_conformance::LedgerHarness for DieselHarness {
     async fn age_attempts(&self, store: &DieselStore, age: Duration) {
@@ -234,13 +259,13 @@ struct PlanLine {
 
 #[async_trait]
 impl PgHarness for DieselHarness {
-    async fn partitioned_store_in(&self, schema: &str, pool: usize) -> DieselStore {
+    async fn store_laid_out(&self, schema: &str, pool: usize, layout: Layout) -> DieselStore {
         common::store_with_layout(
             schema,
             pool,
             Duration::from_secs(15),
             &SessionTimeouts::default(),
-            inbox_backend_diesel::Layout::Partitioned,
+            layout,
         )
         .await
     }
@@ -251,7 +276,8 @@ impl PgHarness for DieselHarness {
         pool: usize,
         timeouts: &SessionTimeouts,
     ) -> DieselStore {
-        common::store_with(schema, pool, Duration::from_secs(15), timeouts).await
+        common::store_with_layout(schema, pool, Duration::from_secs(15), timeouts, self.layout)
+            .await
     }
 
     async fn connect_to(&self, url: &str) -> Result<DieselStore, InboxError> {

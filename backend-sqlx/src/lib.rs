@@ -527,6 +527,14 @@ impl SavepointDriver for SqlxTransaction {
     }
 }
 
+/// The SQLSTATE of a database error, for the layout's claim rules.
+fn sqlstate_of(error: &sqlx::Error) -> Option<String> {
+    match error {
+        sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+        _ => None,
+    }
+}
+
 #[async_trait]
 impl InboxTransaction for SqlxTransaction {
     async fn claim(&mut self, key: &InboxKey) -> Result<Claim, InboxError> {
@@ -537,10 +545,7 @@ impl InboxTransaction for SqlxTransaction {
             .execute(self.conn())
             .await
             .map_err(|error| {
-                let sqlstate = match &error {
-                    sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
-                    _ => None,
-                };
+                let sqlstate = sqlstate_of(&error);
                 layout
                     .claim_failure(sqlstate.as_deref(), &key.message_id, Utc::now())
                     .unwrap_or_else(|| classify(error))
@@ -565,12 +570,22 @@ impl BatchTransaction for SqlxTransaction {
             return Ok(Vec::new());
         }
         let (ids, consumers) = key_columns(keys);
-        let inserted: Vec<(sqlx::types::Uuid, String)> = sqlx::query_as(self.layout.claim_batch())
+        let layout = self.layout;
+        let inserted: Vec<(sqlx::types::Uuid, String)> = sqlx::query_as(layout.claim_batch())
             .bind(ids)
             .bind(consumers)
             .fetch_all(self.conn())
             .await
-            .map_err(classify)?;
+            .map_err(|error| {
+                let sqlstate = sqlstate_of(&error);
+                if layout.batch_claim_refused_a_key(sqlstate.as_deref()) {
+                    InboxError::KeyRefusedInBatch {
+                        source: Box::new(error),
+                    }
+                } else {
+                    classify(error)
+                }
+            })?;
         self.claims.claimed_batch(keys, inserted)
     }
 

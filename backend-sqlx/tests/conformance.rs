@@ -18,7 +18,7 @@ use common::relay::Relay;
 use inbox_api::{
     ConsumerName, InboxError, InboxKey, InboxRecord, InboxTransaction as _, MessageId,
 };
-use inbox_backend_sqlx::{SessionTimeouts, SqlxStore, SqlxTransaction, classify};
+use inbox_backend_sqlx::{Layout, SessionTimeouts, SqlxStore, SqlxTransaction, classify};
 use inbox_conformance::{CrashKind, Harness, PgHarness};
 use sqlx::Row as _;
 
@@ -26,6 +26,11 @@ use sqlx::Row as _;
 struct SqlxHarness {
     /// The relay in front of each store, by schema.
     relays: Mutex<HashMap<String, Arc<Relay>>>,
+    /// The inbox layout of every store it makes.
+    layout: Layout,
+    /// Run on every store's schema after its migration, to break it on
+    /// purpose (`inbox_conformance::broken`'s layouts).
+    breakage: Option<&'static str>,
 }
 
 impl SqlxHarness {
@@ -49,6 +54,16 @@ async fn harness() -> SqlxHarness {
     admin.close().await;
     SqlxHarness {
         relays: Mutex::default(),
+        layout: Layout::Table,
+        breakage: None,
+    }
+}
+
+/// As [`harness`], every store with the partitioned inbox layout.
+async fn partitioned_harness() -> SqlxHarness {
+    SqlxHarness {
+        layout: Layout::Partitioned,
+        ..harness().await
     }
 }
 
@@ -64,9 +79,26 @@ impl Harness for SqlxHarness {
         "sqlx (PostgreSQL)".into()
     }
 
+    fn layout(&self) -> Layout {
+        self.layout
+    }
+
     async fn fresh_store(&self) -> SqlxStore {
         let relay = Relay::start(common::server_addr().await).await;
-        let store = common::fresh_store_via(10, Some(relay.port())).await;
+        let store = common::store_in(
+            &common::unique_schema(common::TEST_PREFIX),
+            10,
+            Some(relay.port()),
+        )
+        .await
+        .with_layout(self.layout);
+        store.migrate().await.expect("migrate a fresh schema");
+        if let Some(breakage) = self.breakage {
+            sqlx::query(breakage)
+                .execute(&mut side(&store).await)
+                .await
+                .expect("break the store's layout");
+        }
         common::create_effects_table(&store).await;
         self.relays
             .lock()
@@ -244,6 +276,37 @@ impl inbox_conformance::OutboxHarness for SqlxHarness {
 
 inbox_conformance::ledger_conformance_tests!(harness);
 
+/// The suite can fail on a layout: a partitioned inbox whose partition is
+/// chosen by arrival time instead of by the id lets a later duplicate miss
+/// its first copy, and the contract tests reject it.
+#[test]
+fn the_suite_rejects_a_layout_partitioned_by_arrival_time() {
+    let rt = inbox_conformance::runtime();
+    let failures = rt.block_on(async {
+        let harness = SqlxHarness {
+            breakage: Some(inbox_conformance::broken::LAYOUT_PARTITIONED_BY_ARRIVAL),
+            ..partitioned_harness().await
+        };
+        inbox_conformance::contract::run_all(&harness).await
+    });
+    let names: Vec<_> = failures.iter().map(|(name, _)| *name).collect();
+    println!("a layout partitioned by arrival rejected by {names:?}");
+    assert!(
+        names.contains(&"claim_is_fresh_then_duplicate"),
+        "a duplicate met no first copy, yet the suite did not say so: {names:?}"
+    );
+}
+
+/// The whole suite again, every store with the partitioned inbox layout in
+/// a schema of its own: the contract and both crash-point models, the
+/// Postgres scenarios, the outbox and the ledger. The suite's keys mix
+/// time-ordered (v7) and random (v4) ids, so its claims land in real day
+/// partitions and in the untimed one; tests whose expectation depends on
+/// the layout ask the harness's (`Harness::layout`).
+mod partitioned {
+    inbox_conformance::postgres_store_tests!(super::partitioned_harness);
+}
+
 #[async_trait]
 impl inbox_conformance::LedgerHarness for SqlxHarness {
     async fn age_attempts(&self, store: &SqlxStore, age: Duration) {
@@ -269,14 +332,16 @@ async fn side(store: &SqlxStore) -> sqlx::PgConnection {
 impl PgHarness for SqlxHarness {
     async fn store_with(&self, schema: &str, pool: usize, timeouts: &SessionTimeouts) -> SqlxStore {
         let pool = u32::try_from(pool).expect("a small pool");
-        common::store_with(schema, pool, None, timeouts).await
+        common::store_with(schema, pool, None, timeouts)
+            .await
+            .with_layout(self.layout)
     }
 
-    async fn partitioned_store_in(&self, schema: &str, pool: usize) -> SqlxStore {
+    async fn store_laid_out(&self, schema: &str, pool: usize, layout: Layout) -> SqlxStore {
         let pool = u32::try_from(pool).expect("a small pool");
         common::store_in(schema, pool, None)
             .await
-            .with_layout(inbox_backend_sqlx::Layout::Partitioned)
+            .with_layout(layout)
     }
 
     async fn connect_to(&self, url: &str) -> Result<SqlxStore, InboxError> {

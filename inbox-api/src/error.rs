@@ -161,6 +161,20 @@ pub enum InboxError {
         message_id: String,
     },
 
+    /// A batch's claim ([`crate::BatchTransaction::claim_batch`]) was
+    /// refused because of one or more of its keys, without saying which
+    /// (PostgreSQL's partitioned layout: one key whose day has no partition,
+    /// expired or ahead of the maintenance, fails the batch's one INSERT).
+    /// [`crate::Inbox::handle_batch`] then claims that batch's keys one by
+    /// one, so that only the refused keys are charged, each with its own
+    /// error, and the others are processed. Retryable where it surfaces.
+    #[error("a batch's claim was refused because of a key it did not name")]
+    KeyRefusedInBatch {
+        /// The driver's error.
+        #[source]
+        source: BoxError,
+    },
+
     /// Not run in this batch: an earlier copy of the same message in the
     /// batch failed, and its failure decides. Retryable, and not this
     /// delivery's own failure: hand it back without charging it.
@@ -210,6 +224,7 @@ impl InboxError {
             | Self::PoolTimeout { .. }
             | Self::Conflict { .. }
             | Self::LockTimeout { .. }
+            | Self::KeyRefusedInBatch { .. }
             | Self::Deferred => true,
             Self::Store { retryable, .. } | Self::Handler { retryable, .. } => *retryable,
             Self::BatchAborted { source } => source.is_retryable(),
@@ -255,6 +270,7 @@ impl InboxError {
             Self::Handler { .. } => "handler",
             Self::Expired { .. } => "expired",
             Self::Deferred => "deferred",
+            Self::KeyRefusedInBatch { .. } => "key_refused_in_batch",
             Self::BatchAborted { source } => source.kind(),
         }
     }

@@ -261,7 +261,12 @@ impl<S: InboxStore> Inbox<S> {
     /// both modes. Acknowledge `Processed` and `Duplicate` items now that the
     /// batch has committed, not before. A key repeated in the batch runs at
     /// most once; its later copies are `Duplicate` if the first committed,
-    /// [`InboxError::Deferred`] if its work failed. A store failure of the
+    /// [`InboxError::Deferred`] if its work failed. A batch claim refused
+    /// because of a key it does not name ([`InboxError::KeyRefusedInBatch`]:
+    /// an expired id, or one ahead of the partitions, in PostgreSQL's
+    /// partitioned layout) is dropped, and the batch claims its keys one by
+    /// one, each in a savepoint: a refused key gets its own error and the
+    /// others run. A store failure of the
     /// batch's own steps (begin, claim, savepoint, commit) gives every item
     /// [`InboxError::BatchAborted`] with the shared cause: nothing of the
     /// batch committed (for a lost commit: maybe all of it), redeliver each.
@@ -331,10 +336,35 @@ impl<S: InboxStore> Inbox<S> {
             // their error: the rerun gives their claims back unrun.
             let mut failed_before: HashMap<usize, E> = HashMap::new();
             let mut with_savepoints = false;
+            // Set once the batch's one claim statement was refused because
+            // of a key it did not name: the keys are then claimed one by
+            // one, each in a savepoint, so only the refused ones fail.
+            let mut claim_one_by_one = false;
             let run: Result<Vec<Slot<T, E>>, (&'static str, InboxError)> = 'run: loop {
                 let mut tx = step!('run, "begin", self.store.begin());
-                let claims = step!('run, "claim", tx.claim_batch(&keys));
-                if claims.len() != keys.len() {
+                let claims = if claim_one_by_one {
+                    None
+                } else {
+                    match tx.claim_batch(&keys).await {
+                        Ok(claims) => Some(claims),
+                        Err(error @ InboxError::KeyRefusedInBatch { .. }) => {
+                            if let Err(rollback) = tx.rollback().await {
+                                tracing::debug!(error = %rollback,
+                                    "rollback of the refused batch claim failed");
+                            }
+                            metrics::counter!(names::BATCH_RERUNS).increment(1);
+                            tracing::debug!(batch = keys.len(), error = %error,
+                                "the batch's claim refused a key; claiming one by one");
+                            claim_one_by_one = true;
+                            with_savepoints = true;
+                            continue;
+                        }
+                        Err(error) => break 'run Err(("claim", error)),
+                    }
+                };
+                if let Some(claims) = &claims
+                    && claims.len() != keys.len()
+                {
                     break 'run Err((
                         "claim",
                         InboxError::InvalidArgument {
@@ -350,8 +380,34 @@ impl<S: InboxStore> Inbox<S> {
                 let mut slots: Vec<Slot<T, E>> = Vec::with_capacity(keys.len());
                 let mut fresh_at: HashMap<&InboxKey, usize> = HashMap::new();
                 let mut first_failure: Option<(usize, E)> = None;
-                for (index, (key, claim)) in keys.iter().zip(&claims).enumerate() {
-                    if *claim == Claim::Duplicate {
+                for (index, key) in keys.iter().enumerate() {
+                    let claim = match &claims {
+                        Some(claims) => claims[index],
+                        None => {
+                            step!('run, "claim", tx.savepoint());
+                            match tx.claim(key).await {
+                                Ok(claim) => {
+                                    step!('run, "claim", tx.release_savepoint());
+                                    claim
+                                }
+                                Err(error) => {
+                                    // This key's own refusal (expired, no
+                                    // partition yet): undone alone, charged
+                                    // alone. A lost connection fails the
+                                    // rollback, and with it the batch.
+                                    step!('run, "claim", tx.rollback_to_savepoint());
+                                    metrics::counter!(names::FAILED,
+                                        "consumer" => key.consumer.label(),
+                                        "stage" => "claim",
+                                        "retryable" => if error.is_retryable() { "true" } else { "false" })
+                                    .increment(1);
+                                    slots.push(Slot::Failed(E::from(error)));
+                                    continue;
+                                }
+                            }
+                        }
+                    };
+                    if claim == Claim::Duplicate {
                         // A later copy of a key fresh earlier in this batch
                         // follows its first copy, which is decided by now.
                         slots.push(match fresh_at.get(key) {

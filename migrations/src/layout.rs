@@ -126,6 +126,18 @@ impl Layout {
     }
 }
 
+impl Layout {
+    /// Whether a batch's claim that failed with `sqlstate` failed because
+    /// of a key it does not name: in the partitioned layout a key without a
+    /// partition ([`NO_PARTITION`]) fails the batch's one INSERT. The store
+    /// then answers [`InboxError::KeyRefusedInBatch`], and the batch claims
+    /// its keys one by one, where [`Layout::claim_failure`] charges only the
+    /// refused ones.
+    pub fn batch_claim_refused_a_key(self, sqlstate: Option<&str>) -> bool {
+        self == Self::Partitioned && sqlstate == Some(NO_PARTITION)
+    }
+}
+
 impl fmt::Display for Layout {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())

@@ -21,6 +21,26 @@ use inbox_api::{
 
 use crate::{CrashKind, Harness, LedgerHarness, OutboxHarness, TxOf};
 
+/// A partitioned inbox layout broken on purpose, for the Postgres
+/// backends: the partition is chosen by arrival time (`received_at`)
+/// instead of by the id. PostgreSQL then wants the arrival time in the
+/// primary key, so a duplicate that arrives later is a new row (in its own
+/// arrival's partition, or beside its first copy) and never meets the first
+/// copy: each delivery is `Fresh`. Run it, one statement, on a side
+/// connection in the schema of a migrated partitioned store; the contract
+/// suite must then fail (`contract::run_all`).
+pub const LAYOUT_PARTITIONED_BY_ARRIVAL: &str = "DO $$ BEGIN \
+     DROP TABLE inbox_messages CASCADE; \
+     CREATE TABLE inbox_messages ( \
+         id uuid NOT NULL, consumer_type varchar(500) NOT NULL, \
+         received_at timestamptz NOT NULL DEFAULT now(), processed_at timestamptz, \
+         time_ordered boolean NOT NULL, \
+         PRIMARY KEY (id, consumer_type, received_at)) PARTITION BY RANGE (received_at); \
+     CREATE TABLE inbox_messages_by_arrival PARTITION OF inbox_messages DEFAULT; \
+     CREATE INDEX inbox_messages_processed_at_idx ON inbox_messages (processed_at) \
+         WHERE processed_at IS NOT NULL; \
+     END $$";
+
 fn lock_unflushed(
     unflushed: &Mutex<Vec<(InboxKey, LastError)>>,
 ) -> std::sync::MutexGuard<'_, Vec<(InboxKey, LastError)>> {
@@ -426,6 +446,10 @@ impl<H: Harness> Harness for BrokenHarness<H> {
 
     fn name(&self) -> String {
         format!("{} broken by {:?}", self.inner.name(), self.kind)
+    }
+
+    fn layout(&self) -> inbox_postgres::Layout {
+        self.inner.layout()
     }
 
     async fn fresh_store(&self) -> Self::Store {

@@ -7,7 +7,7 @@
 use std::future::Future;
 use std::num::NonZeroU32;
 use std::pin::pin;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures::future::join_all;
@@ -17,15 +17,34 @@ use inbox_api::{
 };
 use std::collections::BTreeMap;
 
+use inbox_postgres::Layout;
+
 use crate::{CrashKind, Failure, Harness, Outcome, check, check_eq};
 
 /// How long a claim that must *not* wait may take before the suite calls it
 /// blocked.
 const NO_WAIT_LIMIT: Duration = Duration::from_secs(10);
 
-/// A fresh key for `consumer`.
+/// A fresh key for `consumer`: time-ordered (v7) and random (v4) ids in
+/// turn, so that the suite meets both kinds, and a partitioned store's run
+/// fills both its day partitions and its untimed one.
 pub fn new_key(consumer: &str) -> InboxKey {
-    InboxKey::new(MessageId::new_v7(), consumer_name(consumer))
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    key_of_kind(
+        consumer,
+        NEXT.fetch_add(1, Ordering::Relaxed).is_multiple_of(2),
+    )
+}
+
+/// A fresh key for `consumer` with a time-ordered (v7) id, or a random (v4)
+/// one: for the tests whose expectation depends on the kind.
+fn key_of_kind(consumer: &str, time_ordered: bool) -> InboxKey {
+    let id = if time_ordered {
+        MessageId::new_v7()
+    } else {
+        MessageId::from_uuid(uuid::Uuid::new_v4())
+    };
+    InboxKey::new(id, consumer_name(consumer))
 }
 
 fn consumer_name(name: &str) -> ConsumerName {
@@ -382,9 +401,15 @@ pub async fn lookup_does_not_wait<H: Harness>(h: &H) -> Outcome {
 
 /// Contract 5: cleanup deletes processed rows older than the cutoff, in
 /// batches of the given size, and keeps recent rows.
+///
+/// What "older" means depends on the layout ([`Harness::layout`]): in one
+/// table every row goes by its `processed_at`; in PostgreSQL's partitioned
+/// layout only ids without time (v4) do, while a time-ordered (v7) id's row
+/// stays until its whole day lies before the cutoff, however long ago it
+/// was processed (retention counts from the id's own timestamp).
 pub async fn purge_deletes_old_processed_rows_in_batches<H: Harness>(h: &H) -> Outcome {
     let store = h.fresh_store().await;
-    let old: Vec<InboxKey> = (0..3).map(|_| new_key("c1")).collect();
+    let old: Vec<InboxKey> = (0..6).map(|i| key_of_kind("c1", i % 2 == 0)).collect();
     for key in &old {
         process_once(h, &store, key).await?;
     }
@@ -394,32 +419,50 @@ pub async fn purge_deletes_old_processed_rows_in_batches<H: Harness>(h: &H) -> O
     let recent = new_key("c1");
     process_once(h, &store, &recent).await?;
 
+    let by_day = h.layout() == Layout::Partitioned;
+    let (mut kept, purged): (Vec<InboxKey>, Vec<InboxKey>) = old
+        .into_iter()
+        .partition(|k| by_day && inbox_postgres::time_ordered(&k.message_id));
     let cutoff = h.store_now(&store).await - chrono::Duration::days(7);
     let two = NonZeroU32::new(2).expect("non-zero");
     let first = store.purge_processed_batch(cutoff, two).await?;
-    check_eq!(first, 2, "first batch of 2");
+    check_eq!(first, 2, "first batch of 2 ({} layout)", h.layout());
     let rest = store.purge_processed_before(cutoff, two).await?;
-    check_eq!(rest, 1, "the remaining old processed row");
+    check_eq!(
+        rest,
+        purged.len() as u64 - 2,
+        "the remaining old processed rows ({} layout)",
+        h.layout()
+    );
     let again = store.purge_processed_before(cutoff, two).await?;
     check_eq!(again, 0, "nothing left to purge");
 
-    let left: Vec<InboxKey> = h
+    let mut left: Vec<InboxKey> = h
         .inbox_rows(&store)
         .await
         .into_iter()
         .map(|r| r.key)
         .collect();
-    check_eq!(left, vec![recent], "rows left after purge");
+    left.sort();
+    kept.push(recent);
+    kept.sort();
+    check_eq!(left, kept, "rows left after purge ({} layout)", h.layout());
     Ok(())
 }
 
 /// The cutoff is exclusive: a row processed exactly at the cutoff stays, one
 /// processed a microsecond (the coarsest clock among the backends) before
 /// it goes. Retention must never be cut shorter than asked.
+///
+/// In the partitioned layout ([`Harness::layout`]) that is the rule of ids
+/// without time; a time-ordered id's row stays until the cutoff reaches the
+/// end of its id's day (UTC), and then goes with the whole day.
 pub async fn purge_keeps_rows_processed_at_the_cutoff<H: Harness>(h: &H) -> Outcome {
     let store = h.fresh_store().await;
-    let key = new_key("c1");
+    let key = key_of_kind("c1", false);
+    let timed = key_of_kind("c1", true);
     process_once(h, &store, &key).await?;
+    process_once(h, &store, &timed).await?;
     let Some(processed_at) = row_of(h, &store, &key).await.and_then(|r| r.processed_at) else {
         return Err(Failure::new(format!("no processed row for {key}")));
     };
@@ -430,12 +473,46 @@ pub async fn purge_keeps_rows_processed_at_the_cutoff<H: Harness>(h: &H) -> Outc
         row_of(h, &store, &key).await.is_some(),
         "the row processed at the cutoff is kept"
     );
-    let just_after = processed_at + chrono::Duration::microseconds(1);
+    let Some(timed_at) = row_of(h, &store, &timed).await.and_then(|r| r.processed_at) else {
+        return Err(Failure::new(format!("no processed row for {timed}")));
+    };
+    let just_after = processed_at.max(timed_at) + chrono::Duration::microseconds(1);
     let deleted = store.purge_processed_before(just_after, limit).await?;
+    if h.layout() != Layout::Partitioned {
+        check_eq!(
+            deleted,
+            2,
+            "rows deleted with cutoff 1 µs after processed_at"
+        );
+        return Ok(());
+    }
     check_eq!(
         deleted,
         1,
-        "rows deleted with cutoff 1 µs after processed_at"
+        "rows deleted with cutoff 1 µs after processed_at: the untimed one"
+    );
+    check!(
+        row_of(h, &store, &timed).await.is_some(),
+        "a time-ordered id's row stays while its day lasts"
+    );
+    let day_end = inbox_postgres::id_day(&timed.message_id)
+        .and_then(|day| day.succ_opt())
+        .map(|next| next.and_time(chrono::NaiveTime::MIN).and_utc())
+        .ok_or_else(|| Failure::new(format!("{timed} has no day")))?;
+    let before_end = day_end - chrono::Duration::microseconds(1);
+    check_eq!(
+        store.purge_processed_before(before_end, limit).await?,
+        0,
+        "rows deleted with the cutoff just before the id's day ends"
+    );
+    check_eq!(
+        store.purge_processed_before(day_end, limit).await?,
+        1,
+        "rows deleted with the cutoff at the end of the id's day"
+    );
+    check!(
+        row_of(h, &store, &timed).await.is_none(),
+        "the day went whole"
     );
     Ok(())
 }

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use inbox_api::{BatchTransaction, InboxError, InboxKey, InboxRecord, InboxStats, InboxStore};
+use inbox_postgres::Layout;
 
 /// The transaction type of a harness's store.
 pub type TxOf<H> = <<H as Harness>::Store as InboxStore>::Transaction;
@@ -97,6 +98,16 @@ pub trait Harness: Send + Sync + 'static {
     async fn store_now(&self, store: &Self::Store) -> chrono::DateTime<chrono::Utc> {
         let _ = store;
         chrono::Utc::now()
+    }
+
+    /// How the harness's stores lay their inbox out. Tests whose
+    /// expectation depends on it (what cleanup removes: rows by
+    /// `processed_at`, or whole days of time-ordered ids) ask this instead
+    /// of being skipped. [`Layout::Table`] unless the harness runs
+    /// PostgreSQL's partitioned layout; the memory store keeps the table's
+    /// rules.
+    fn layout(&self) -> Layout {
+        Layout::Table
     }
 
     /// How long the suite waits to decide that a claim is blocked (it must

@@ -168,6 +168,24 @@ macro_rules! conformance_tests {
     };
 }
 
+/// Every suite a PostgreSQL store runs, in one call: the contract and both
+/// crash-point models, the Postgres scenarios, the outbox (its model with
+/// [`postgres::support::OUTBOX_MODEL_CASES`] cases) and the ledger. For a
+/// second instance of a backend's harness (the partitioned inbox layout),
+/// called inside a module of its own so the test names do not collide.
+#[macro_export]
+macro_rules! postgres_store_tests {
+    ($setup:path) => {
+        $crate::conformance_tests!($setup);
+        $crate::postgres_tests!($setup);
+        $crate::outbox_conformance_tests!(
+            $setup,
+            cases = $crate::postgres::support::OUTBOX_MODEL_CASES
+        );
+        $crate::ledger_conformance_tests!($setup);
+    };
+}
+
 /// The outbox contract tests under one identifier, for
 /// [`__contract_test_fns!`].
 #[doc(hidden)]

@@ -150,7 +150,19 @@ pub async fn store_with_layout(
 /// A migrated store in a new schema of its own, with `pool` connections and
 /// the suite's effects table (no unique constraint: tests count doubles).
 pub async fn fresh_store(pool: usize) -> DieselStore {
-    let store = unmigrated_store(pool, Duration::from_secs(15)).await;
+    fresh_store_laid_out(pool, Layout::Table).await
+}
+
+/// As [`fresh_store`], its inbox table laid out as `layout`.
+pub async fn fresh_store_laid_out(pool: usize, layout: Layout) -> DieselStore {
+    let store = store_with_layout(
+        &unique_schema(TEST_PREFIX),
+        pool,
+        Duration::from_secs(15),
+        &SessionTimeouts::default(),
+        layout,
+    )
+    .await;
     store.migrate().await.expect("migrate a fresh schema");
     let mut conn = store.pool().get().await.expect("a pooled connection");
     diesel::sql_query(EFFECTS_TABLE)

@@ -22,7 +22,7 @@ pub mod support;
 
 use async_trait::async_trait;
 use inbox_api::InboxError;
-use inbox_postgres::SessionTimeouts;
+use inbox_postgres::{Layout, SessionTimeouts};
 
 pub use ledger::*;
 pub use outbox::*;
@@ -37,8 +37,9 @@ use crate::{Harness, TxOf};
 #[async_trait]
 pub trait PgHarness: Harness {
     /// A store whose connections use `schema` (and carry it as
-    /// `application_name`), with at most `pool` connections and the default
-    /// [`SessionTimeouts`]; not migrated.
+    /// `application_name`), with at most `pool` connections, the default
+    /// [`SessionTimeouts`] and the harness's layout ([`Harness::layout`]);
+    /// not migrated.
     async fn store_in(&self, schema: &str, pool: usize) -> Self::Store {
         self.store_with(schema, pool, &SessionTimeouts::default())
             .await
@@ -52,9 +53,9 @@ pub trait PgHarness: Harness {
         timeouts: &SessionTimeouts,
     ) -> Self::Store;
 
-    /// As [`PgHarness::store_in`], for the partitioned inbox layout
-    /// (`Layout::Partitioned`); not migrated.
-    async fn partitioned_store_in(&self, schema: &str, pool: usize) -> Self::Store;
+    /// As [`PgHarness::store_in`], for the inbox layout `layout` whatever
+    /// the harness's; not migrated.
+    async fn store_laid_out(&self, schema: &str, pool: usize, layout: Layout) -> Self::Store;
 
     /// A store on the server at `url` (schema `inbox`), connecting now.
     async fn connect_to(&self, url: &str) -> Result<Self::Store, InboxError>;
@@ -148,6 +149,7 @@ macro_rules! __with_postgres_tests {
             partitioned_a_future_id_waits_for_its_day,
             partitioned_cleanup_drops_a_day_while_claims_run,
             partitioned_a_schema_keeps_its_layout,
+            partitioned_a_batch_charges_only_its_expired_and_future_ids,
         }
     };
 }

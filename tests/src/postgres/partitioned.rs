@@ -6,17 +6,21 @@ use std::num::NonZeroU32;
 
 use chrono::{Duration, Utc};
 use inbox_api::{
-    Claim, ConsumerName, InboxError, InboxKey, InboxStore, InboxStoreExt as _, InboxTransaction,
-    MessageId,
+    Claim, ConsumerName, Handled, Inbox, InboxError, InboxKey, InboxStore, InboxStoreExt as _,
+    InboxTransaction, MessageId,
 };
 
+use inbox_postgres::Layout;
+
 use super::PgHarness;
-use super::support::{TEST_PREFIX, unique_schema};
+use super::support::{EFFECTS_TABLE, TEST_PREFIX, unique_schema};
 use crate::{Failure, Outcome, check, check_eq};
 
 /// A migrated store with the partitioned layout in a fresh schema.
 async fn partitioned_store<H: PgHarness>(h: &H) -> Result<H::Store, Failure> {
-    let store = h.partitioned_store_in(&unique_schema(TEST_PREFIX), 8).await;
+    let store = h
+        .store_laid_out(&unique_schema(TEST_PREFIX), 8, Layout::Partitioned)
+        .await;
     h.migrate(&store).await?;
     Ok(store)
 }
@@ -251,16 +255,77 @@ pub async fn partitioned_cleanup_drops_a_day_while_claims_run<H: PgHarness>(h: &
 /// other layout fails with a schema error.
 pub async fn partitioned_a_schema_keeps_its_layout<H: PgHarness>(h: &H) -> Outcome {
     let partitioned = partitioned_store(h).await?;
-    let as_table = h.store_in(&h.schema_of(&partitioned), 2).await;
+    let as_table = h
+        .store_laid_out(&h.schema_of(&partitioned), 2, Layout::Table)
+        .await;
     match h.migrate(&as_table).await {
         Err(InboxError::Schema { .. }) => {}
         other => return Err(Failure::new(format!("table on partitioned: {other:?}"))),
     }
-    let table = h.store_in(&unique_schema(TEST_PREFIX), 2).await;
+    let table = h
+        .store_laid_out(&unique_schema(TEST_PREFIX), 2, Layout::Table)
+        .await;
     h.migrate(&table).await?;
-    let as_partitioned = h.partitioned_store_in(&h.schema_of(&table), 2).await;
+    let as_partitioned = h
+        .store_laid_out(&h.schema_of(&table), 2, Layout::Partitioned)
+        .await;
     match h.migrate(&as_partitioned).await {
         Err(InboxError::Schema { .. }) => Ok(()),
         other => Err(Failure::new(format!("partitioned on table: {other:?}"))),
     }
+}
+
+/// In batched mode, an expired id and an id ahead of the created days fail
+/// the batch's one claim statement without naming themselves; the batch
+/// then claims one by one, so only those two are charged (expired:
+/// permanent; ahead: retryable) and the others are processed once.
+pub async fn partitioned_a_batch_charges_only_its_expired_and_future_ids<H: PgHarness>(
+    h: &H,
+) -> Outcome {
+    let store = partitioned_store(h).await?;
+    h.side_execute(&store, EFFECTS_TABLE).await?;
+    let fine = [
+        key(v7_at(Duration::zero()))?,
+        key(MessageId::from_uuid(uuid::Uuid::new_v4()))?,
+        key(v7_at(-Duration::days(1)))?,
+    ];
+    let expired = key(v7_at(-Duration::days(3)))?;
+    let future = key(v7_at(Duration::days(10)))?;
+    let batch = [
+        fine[0].clone(),
+        expired.clone(),
+        fine[1].clone(),
+        future.clone(),
+        fine[2].clone(),
+    ];
+    let items: Vec<(InboxKey, InboxKey)> = batch.iter().map(|k| (k.clone(), k.clone())).collect();
+    let inbox = Inbox::new(store.clone());
+    let outcomes = inbox
+        .handle_batch(items, async |tx, key: &InboxKey| {
+            h.record_effect(tx, key).await
+        })
+        .await;
+    for (key, _, outcome) in &outcomes {
+        match outcome {
+            Ok(Handled::Processed(())) if fine.contains(key) => {}
+            Err(error) if *key == expired => {
+                check_eq!(error.kind(), "expired", "the expired id: {error:?}");
+                check!(!error.is_retryable(), "expired is permanent");
+            }
+            Err(error) if *key == future => {
+                check!(
+                    error.is_retryable(),
+                    "the future id is retryable: {error:?}"
+                );
+                check!(error.kind() != "expired", "the future id: {error:?}");
+            }
+            other => return Err(Failure::new(format!("{key}: {other:?}"))),
+        }
+    }
+    let effects = h.effects(&store).await;
+    for k in &fine {
+        check_eq!(effects.get(k).copied(), Some(1), "effects of {k}");
+    }
+    check_eq!(effects.len(), fine.len(), "effects of the refused ids");
+    Ok(())
 }
