@@ -96,6 +96,18 @@ class Session:
                 self.busy = False
 
 
+def split_messages(buf):
+    """The complete messages at the start of `buf` as (type, body), and the rest."""
+    messages = []
+    while len(buf) >= 5:
+        (length,) = struct.unpack("!i", buf[1:5])
+        if len(buf) < 1 + length:
+            break
+        messages.append((buf[:1], buf[5 : 1 + length]))
+        buf = buf[1 + length :]
+    return messages, buf
+
+
 async def pump_client(reader, writer, session):
     # Startup: untyped messages until the StartupMessage proper.
     while True:
@@ -118,15 +130,7 @@ async def pump_client(reader, writer, session):
         if not data:
             break
         writer.write(data)
-        buf += data
-        messages = []
-        while len(buf) >= 5:
-            kind = buf[:1]
-            (length,) = struct.unpack("!i", buf[1:5])
-            if len(buf) < 1 + length:
-                break
-            messages.append((kind, buf[5 : 1 + length]))
-            buf = buf[1 + length :]
+        messages, buf = split_messages(buf + data)
         if messages:
             session.client_chunk(messages)
         await writer.drain()
@@ -141,20 +145,14 @@ async def pump_server(reader, writer, session):
             break
         writer.write(data)
         buf += data
-        while buf:
-            if getattr(session, "expect_byte", False):
-                session.expect_byte = False
-                buf = buf[1:]
-                session.byte_seen.set()
-                continue
-            if len(buf) < 5:
-                break
-            kind = buf[:1]
-            (length,) = struct.unpack("!i", buf[1:5])
-            if len(buf) < 1 + length:
-                break
-            session.server_message(kind, buf[5 : 1 + length])
-            buf = buf[1 + length :]
+        if buf and getattr(session, "expect_byte", False):
+            # The one-byte answer to an SSL / GSS request, before any message.
+            session.expect_byte = False
+            buf = buf[1:]
+            session.byte_seen.set()
+        messages, buf = split_messages(buf)
+        for kind, body in messages:
+            session.server_message(kind, body)
         await writer.drain()
     writer.close()
 
