@@ -119,6 +119,20 @@ impl OutboxStore for DieselStore {
         }
     }
 
+    async fn dead_count(&self) -> Result<u64, InboxError> {
+        let mut conn = self.relay_connection().await?;
+        let count = diesel::select(diesel::dsl::sql::<BigInt>(&format!(
+            "({})",
+            sql::DEAD_COUNT
+        )))
+        .get_result::<i64>(&mut *conn)
+        .await;
+        match count {
+            Ok(count) => Ok(u64::try_from(count).unwrap_or(0)),
+            Err(error) => Err(refine(&mut conn, error).await),
+        }
+    }
+
     async fn purge_published_batch(
         &self,
         cutoff: DateTime<Utc>,

@@ -1,4 +1,6 @@
-//! Claim-and-commit throughput of the memory store, as a Markdown table.
+//! Claim-and-commit throughput of the memory store, as a Markdown table,
+//! with the floor beneath it (the same two hash-map inserts with no store
+//! around them) measured in the same run.
 //!
 //! `cargo bench -p inbox-backend-memory` runs each scenario for
 //! `INBOX_BENCH_SECONDS` (default 1.5) on one core (a current-thread tokio
@@ -20,9 +22,11 @@
 //! Run as a test (`cargo test --all-targets`, no `--bench` argument) it only
 //! does a short smoke run, so CI stays fast.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
+use foldhash::fast::RandomState;
 use inbox_api::{
     Claim, ConsumerName, Inbox, InboxError, InboxKey, InboxStore, InboxTransaction, MessageId,
 };
@@ -40,6 +44,12 @@ enum Scenario {
     Handle,
     /// A redelivery: begin, claim (Duplicate), rollback.
     Duplicate,
+    /// No store: the two hash-map inserts every claim+commit makes (the
+    /// inbox row, the business value), into plain foldhash maps that grow
+    /// as the store's do. The floor under `raw` and `handle` on this
+    /// machine, measured in the same run: what is left between them and it
+    /// is the store's and the middleware's own cost.
+    Floor,
 }
 
 impl Scenario {
@@ -48,6 +58,7 @@ impl Scenario {
             Self::Raw => "raw",
             Self::Handle => "handle",
             Self::Duplicate => "duplicate",
+            Self::Floor => "floor",
         }
     }
 
@@ -56,6 +67,7 @@ impl Scenario {
             Self::Raw => "begin, claim Fresh, put, commit",
             Self::Handle => "`Inbox::handle` (claim, put, commit)",
             Self::Duplicate => "redelivery: begin, claim Duplicate, rollback",
+            Self::Floor => "floor: the same two map inserts, no store",
         }
     }
 }
@@ -107,19 +119,29 @@ async fn seed_duplicates(store: &MemoryStore, task: u64) {
     }
 }
 
-/// One task's loop; returns how many messages it handled.
+/// The floor scenario's maps: an inbox row is a key and a slot of the
+/// store's size (owner, timestamp, waiters: 32 bytes).
+#[derive(Default)]
+struct FloorMaps {
+    rows: HashMap<InboxKey, [u64; 4], RandomState>,
+    values: HashMap<String, Vec<u8>, RandomState>,
+}
+
+/// One task's loop; returns how many messages it handled, and the floor's
+/// maps, to be freed after the clock stops as the store's rows are.
 async fn worker(
     scenario: Scenario,
     inbox: Arc<Inbox<MemoryStore>>,
     task: u64,
     stop: Budget,
-) -> u64 {
+) -> (u64, FloorMaps) {
     let consumer = ConsumerName::new("bench").expect("valid consumer name");
     let store = inbox.store();
     let deadline = match stop {
         Budget::Time(time) => Some(Instant::now() + time),
         Budget::Messages(_) => None,
     };
+    let mut floor = FloorMaps::default();
     let mut n: u64 = 0;
     loop {
         match (stop, deadline) {
@@ -147,6 +169,14 @@ async fn worker(
                     .expect("handle");
                 assert!(!outcome.is_duplicate());
             }
+            Scenario::Floor => {
+                let key = key(task, n, &consumer);
+                let fresh = floor.rows.insert(key, [task, n, 0, 0]).is_none();
+                assert!(fresh);
+                floor
+                    .values
+                    .insert(format!("effect/{task}/{n}"), b"done".to_vec());
+            }
             Scenario::Duplicate => {
                 let key = key(task, n % DUPLICATE_POOL, &consumer);
                 let mut tx = store.begin().await.expect("begin");
@@ -157,7 +187,7 @@ async fn worker(
         }
         n += 1;
     }
-    n
+    (n, floor)
 }
 
 /// Where the tasks run.
@@ -216,11 +246,12 @@ fn run_one_core(scenario: Scenario, stop: Budget) -> Row {
     }
     let cpu_before = thread_cpu_time();
     let started = Instant::now();
-    let messages = runtime.block_on(worker(scenario, Arc::clone(&inbox), 0, stop));
+    let (messages, floor) = runtime.block_on(worker(scenario, Arc::clone(&inbox), 0, stop));
     let elapsed = started.elapsed();
     let cpu = thread_cpu_time()
         .zip(cpu_before)
         .map(|(after, before)| after.saturating_sub(before));
+    drop(floor);
     Row {
         scenario,
         flavour: Flavour::OneCore,
@@ -254,19 +285,24 @@ fn run(runtime: &tokio::runtime::Runtime, scenario: Scenario, tasks: u64, stop: 
         .collect();
     barrier.wait();
     let started = Instant::now();
-    let messages = runtime.block_on(async {
+    let (messages, floors) = runtime.block_on(async {
         let mut messages = 0;
+        let mut floors = Vec::new();
         for handle in handles {
-            messages += handle.await.expect("bench task");
+            let (n, floor) = handle.await.expect("bench task");
+            messages += n;
+            floors.push(floor);
         }
-        messages
+        (messages, floors)
     });
+    let elapsed = started.elapsed();
+    drop(floors);
     Row {
         scenario,
         flavour: Flavour::TwoWorkers,
         tasks,
         messages,
-        elapsed: started.elapsed(),
+        elapsed,
         cpu: None,
     }
 }
@@ -279,7 +315,12 @@ fn main() {
         .expect("tokio runtime");
     let only = std::env::var("INBOX_BENCH_ONLY").unwrap_or_default();
     let mut rows = Vec::new();
-    for scenario in [Scenario::Raw, Scenario::Handle, Scenario::Duplicate] {
+    for scenario in [
+        Scenario::Floor,
+        Scenario::Raw,
+        Scenario::Handle,
+        Scenario::Duplicate,
+    ] {
         if row_id(scenario, Flavour::OneCore, 1).contains(&only) {
             rows.push(run_one_core(scenario, stop));
         }

@@ -353,6 +353,11 @@ impl OutboxStore for MemoryStore {
         Ok(self.shared.lock_outbox().pending.len() as u64)
     }
 
+    async fn dead_count(&self) -> Result<u64, InboxError> {
+        let outbox = self.shared.lock_outbox();
+        Ok(outbox.rows.values().filter(|r| r.dead_at.is_some()).count() as u64)
+    }
+
     async fn purge_published_batch(
         &self,
         cutoff: DateTime<Utc>,

@@ -271,10 +271,11 @@ impl SqlxStore {
     /// notifies when a transaction that enqueued messages commits: a relay
     /// waits on it instead of polling fast.
     ///
-    /// It holds one connection of the pool for as long as it lives (LISTEN
-    /// belongs to a session), and after a lost connection it reconnects and
-    /// listens again by itself; what was notified meanwhile is lost, so a
-    /// relay keeps polling as its fallback.
+    /// It holds one connection for as long as it lives (LISTEN belongs to a
+    /// session). What is notified while that connection is lost is lost:
+    /// whoever listens must wake its relay once after listening again
+    /// (`consumer_app::tools::stores::sqlx_wakeups` does), and a relay keeps
+    /// polling as its fallback.
     ///
     /// # Errors
     /// Connection and statement failures as [`classify`] maps them.

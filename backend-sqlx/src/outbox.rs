@@ -92,6 +92,14 @@ impl OutboxStore for SqlxStore {
         Ok(u64::try_from(count).unwrap_or(0))
     }
 
+    async fn dead_count(&self) -> Result<u64, InboxError> {
+        let count: i64 = sqlx::query_scalar(sql::DEAD_COUNT)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(classify)?;
+        Ok(u64::try_from(count).unwrap_or(0))
+    }
+
     async fn purge_published_batch(
         &self,
         cutoff: DateTime<Utc>,

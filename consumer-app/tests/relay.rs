@@ -286,8 +286,10 @@ async fn two_relays_share_the_messages_without_taking_one_twice() {
     let (broker, store) = (Broker::declare(&id).await, sqlx_store(&id).await);
     let committed: Vec<OutgoingMessage> =
         (0..200).map(|n| broker.message(&broker.good, n)).collect();
-    enqueue_committed(&store, &committed).await;
 
+    // Both connected and polling before the first commit: a relay that is
+    // still connecting while the other (pipelined) drains the outbox would
+    // take nothing, and the test would prove nothing about sharing.
     let relays = [
         Relay::new(store.clone(), config(&id, 5))
             .expect("valid config")
@@ -296,6 +298,11 @@ async fn two_relays_share_the_messages_without_taking_one_twice() {
             .expect("valid config")
             .spawn(),
     ];
+    for relay in &relays {
+        let connected = relay.broker_connected();
+        wait_until("both relays hold a channel", async || *connected.borrow()).await;
+    }
+    enqueue_committed(&store, &committed).await;
     wait_until("every message is marked published", async || {
         store.pending_count().await.expect("count") == 0
     })
@@ -486,6 +493,7 @@ async fn the_relay_command_publishes_until_sigterm() {
         "outbox_published_total 5",
         "outbox_publish_duration_seconds_count 5",
         "outbox_pending_messages ",
+        "outbox_dead_messages 0",
     ] {
         assert!(metrics.contains(line), "{line} missing:\n{metrics}");
     }
@@ -863,16 +871,86 @@ async fn listeners(admin: &SqlxStore) -> Vec<(i32, String)> {
     .expect("pg_stat_activity")
 }
 
+/// A TCP proxy to the shared PostgreSQL that the test can cut: its
+/// connections closed, new ones accepted and closed at once, until it is
+/// restored. What a network partition does to one client and not the
+/// others (no other session of the database notices).
+struct Proxy {
+    addr: std::net::SocketAddr,
+    up: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Proxy {
+    async fn start() -> Self {
+        let upstream = "127.0.0.1:5432";
+        assert!(
+            database_url().contains(upstream),
+            "the proxy forwards to {upstream}"
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("a free port");
+        let addr = listener.local_addr().expect("its address");
+        let (up, up_rx) = tokio::sync::watch::channel(true);
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((mut client, _)) = listener.accept().await else {
+                    continue;
+                };
+                if !*up_rx.borrow() {
+                    continue;
+                }
+                let mut cut = up_rx.clone();
+                tokio::spawn(async move {
+                    let Ok(mut server) = tokio::net::TcpStream::connect(upstream).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = cut.wait_for(|up| !*up) => {}
+                    }
+                });
+            }
+        });
+        Self { addr, up, task }
+    }
+
+    /// The shared database's URL through the proxy.
+    fn url(&self) -> String {
+        database_url().replace("127.0.0.1:5432", &self.addr.to_string())
+    }
+
+    fn cut(&self) {
+        self.up.send_replace(false);
+    }
+
+    fn restore(&self) {
+        self.up.send_replace(true);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 /// A relay's LISTEN connection killed by the database
 /// (`pg_terminate_backend`, as on a restart or a failover) comes back by
 /// itself, and a commit after that still wakes a relay whose poll interval
-/// is ten minutes: no fallback to polling for the rest of its life.
+/// is ten minutes: no fallback to polling for the rest of its life. Then
+/// the listener's network is cut (`proxy`, which its wake-ups go through)
+/// and a commit is made while it cannot listen: nothing notifies it, yet
+/// once the network is back the listener wakes the relay once, which
+/// publishes that commit too, long before the poll.
 async fn a_killed_listener_reconnects_and_wakes_the_relay<S>(
     id: &str,
     broker: &Broker,
     admin: &SqlxStore,
     store: S,
     wakeups: futures::stream::BoxStream<'static, ()>,
+    proxy: &Proxy,
 ) -> Vec<(i32, String)>
 where
     S: OutboxStore + Clone + 'static,
@@ -915,9 +993,35 @@ where
         "woken, not polled: {:?}",
         committed.elapsed()
     );
+
+    proxy.cut();
+    wait_until("the listener is gone", async || {
+        listeners(admin).await.is_empty()
+    })
+    .await;
+    // Past the moment an error of the old listener would have woken the
+    // relay (it slept 1 s, woke it once, then ended): only the wake-up
+    // after listening again can publish what commits now.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let unnoticed: Vec<OutgoingMessage> = (3..6).map(|n| broker.message(&broker.good, n)).collect();
+    enqueue_committed(&store, &unnoticed).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(get(&tally.published), 3, "nothing woke the relay yet");
+    proxy.restore();
+    wait_until(
+        "the listener's wake-up publishes the unnoticed commit",
+        async || get(&tally.published) == 6,
+    )
+    .await;
+    assert_eq!(listeners(admin).await.len(), 1, "listening again");
+
     stop(relay).await;
     let got: BTreeSet<String> = broker.drain().await.into_iter().map(|m| m.0).collect();
-    let ids: BTreeSet<String> = messages.iter().map(|m| m.id().to_string()).collect();
+    let ids: BTreeSet<String> = messages
+        .iter()
+        .chain(&unnoticed)
+        .map(|m| m.id().to_string())
+        .collect();
     assert_eq!(got, ids);
     before
 }
@@ -926,11 +1030,22 @@ where
 async fn a_killed_sqlx_listener_reconnects_and_wakes_the_relay() {
     let id = test_id();
     let (broker, store) = (Broker::declare(&id).await, sqlx_store(&id).await);
-    let wakeups = consumer_app::tools::stores::sqlx_wakeups(&store)
+    let proxy = Proxy::start().await;
+    let listening = SqlxStore::connect(&proxy.url(), store.schema())
+        .await
+        .expect("the store through the proxy");
+    let wakeups = consumer_app::tools::stores::sqlx_wakeups(&listening)
         .await
         .expect("LISTEN on the outbox channel");
-    a_killed_listener_reconnects_and_wakes_the_relay(&id, &broker, &store, store.clone(), wakeups)
-        .await;
+    a_killed_listener_reconnects_and_wakes_the_relay(
+        &id,
+        &broker,
+        &store,
+        store.clone(),
+        wakeups,
+        &proxy,
+    )
+    .await;
     broker.remove().await;
     drop_schema(&store).await;
 }
@@ -944,12 +1059,14 @@ async fn a_killed_diesel_listener_reconnects_and_wakes_the_relay() {
     let store = inbox_backend_diesel::DieselStore::connect(&database_url, migrated.schema(), 4)
         .await
         .expect("diesel store");
-    let wakeups = consumer_app::tools::stores::diesel_wakeups(&database_url, store.schema())
+    let proxy = Proxy::start().await;
+    let wakeups = consumer_app::tools::stores::diesel_wakeups(&proxy.url(), store.schema())
         .await
         .expect("LISTEN on the outbox channel");
-    let killed =
-        a_killed_listener_reconnects_and_wakes_the_relay(&id, &broker, &migrated, store, wakeups)
-            .await;
+    let killed = a_killed_listener_reconnects_and_wakes_the_relay(
+        &id, &broker, &migrated, store, wakeups, &proxy,
+    )
+    .await;
     assert_eq!(
         killed[0].1,
         inbox_backend_diesel::LISTENER_APPLICATION_NAME,
@@ -1039,6 +1156,7 @@ async fn a_message_the_broker_always_refuses_ends_dead_while_the_others_flow() {
         assert!(listed.contains(&message.id().to_string()), "{listed}");
     }
     assert!(listed.contains("2 dead outgoing message(s)"), "{listed}");
+    assert_eq!(store.dead_count().await.expect("count"), 2);
     let requeued = command(&[
         "outbox-requeue",
         "--message-id",
@@ -1052,7 +1170,9 @@ async fn a_message_the_broker_always_refuses_ends_dead_while_the_others_flow() {
         .expect("kept");
     assert_eq!((record.failures, record.dead_at), (0, None));
     assert_eq!(store.pending_count().await.expect("count"), 1);
+    assert_eq!(store.dead_count().await.expect("count"), 1);
     assert!(command(&["outbox-requeue", "--all"]).contains("requeued 1 dead"));
+    assert_eq!(store.dead_count().await.expect("count"), 0);
 
     broker.remove().await;
     drop_schema(&store).await;
@@ -1168,4 +1288,267 @@ async fn a_broker_outage_and_a_lost_connection_charge_no_message() {
 
 async fn close_bounded_quietly(connection: Connection) {
     consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
+}
+
+/// `api`'s in-process relay declares the exchange it publishes to (as the
+/// consumers' topology declares it), so a parcel's event goes out although
+/// no `consume` process ever ran; and `api` refuses `--metrics-addr`, a
+/// flag of `relay` that it would ignore (its metrics are on `--listen`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_relay_declares_its_exchange_before_any_consumer_does() {
+    let prefix = format!("relay-api-{}.", test_id());
+    let exchange = consumer_app::parcel::topology::Topology::new(&prefix).exchange();
+    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
+        .args(["--store", "memory", "api", "--metrics-addr", "127.0.0.1:0"])
+        .output()
+        .expect("parcel-inbox runs");
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("--metrics-addr"), "{stderr}");
+
+    let listen = {
+        let free = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+        free.local_addr().expect("its address")
+    };
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
+        .args([
+            "--store",
+            "memory",
+            "--amqp-url",
+            AMQP_URL,
+            "--prefix",
+            &prefix,
+        ])
+        .args(["api", "--listen", &listen.to_string()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("parcel-inbox starts");
+    // Ready once its relay holds a channel: the exchange is declared then.
+    ready_is(&listen.to_string(), "200", Duration::from_secs(30)).await;
+    let connection = connect(AMQP_URL, "relay test api").await.expect("connect");
+    let channel = connection.create_channel().await.expect("channel");
+    channel
+        .exchange_declare(
+            exchange.as_str().into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                passive: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            no_args(),
+        )
+        .await
+        .expect("the relay declared the exchange");
+    let queue = channel
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                ..QueueDeclareOptions::default()
+            },
+            no_args(),
+        )
+        .await
+        .expect("a queue of the test's");
+    channel
+        .queue_bind(
+            queue.name().as_str().into(),
+            exchange.as_str().into(),
+            "#".into(),
+            QueueBindOptions::default(),
+            no_args(),
+        )
+        .await
+        .expect("bind");
+    let answer = consumer_app::tools::http::post_json(
+        listen,
+        "/parcels",
+        &serde_json::json!({"parcel_id": "P-1", "tracking_number": "TN1", "destination": "Lyon"}),
+    )
+    .await
+    .expect("POST /parcels");
+    assert_eq!(answer.status, 201, "{answer:?}");
+    let message_id = answer.json()["message_id"]
+        .as_str()
+        .expect("message_id")
+        .to_owned();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let got = loop {
+        if let Some(message) = channel
+            .basic_get(
+                queue.name().as_str().into(),
+                BasicGetOptions { no_ack: true },
+            )
+            .await
+            .expect("basic.get")
+        {
+            break message
+                .delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(ToString::to_string);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the parcel's event never reached the queue"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(got, Some(message_id));
+    let _ = child.kill().await;
+    channel
+        .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+        .await
+        .expect("delete the exchange");
+    close_bounded_quietly(connection).await;
+}
+
+/// The memory outbox, except that a mark waits until the relay has taken
+/// `takes_before_mark` non-empty batches: a relay that takes its next batch
+/// only after marking the previous one never gets past the first mark.
+#[derive(Clone)]
+struct MarkAfterTakes {
+    inner: MemoryStore,
+    takes: std::sync::Arc<tokio::sync::watch::Sender<u32>>,
+    takes_before_mark: u32,
+}
+
+#[async_trait::async_trait]
+impl InboxStore for MarkAfterTakes {
+    type Transaction = <MemoryStore as InboxStore>::Transaction;
+
+    async fn begin(&self) -> Result<Self::Transaction, inbox_api::InboxError> {
+        self.inner.begin().await
+    }
+
+    async fn lookup(
+        &self,
+        key: &inbox_api::InboxKey,
+    ) -> Result<Option<inbox_api::InboxRecord>, inbox_api::InboxError> {
+        self.inner.lookup(key).await
+    }
+
+    async fn purge_processed_batch(
+        &self,
+        cutoff: chrono::DateTime<chrono::Utc>,
+        limit: std::num::NonZeroU32,
+    ) -> Result<u64, inbox_api::InboxError> {
+        self.inner.purge_processed_batch(cutoff, limit).await
+    }
+}
+
+#[async_trait::async_trait]
+impl OutboxStore for MarkAfterTakes {
+    async fn take_pending(
+        &self,
+        limit: std::num::NonZeroU32,
+        lease: Duration,
+    ) -> Result<inbox_api::OutboxLease, inbox_api::InboxError> {
+        let taken = self.inner.take_pending(limit, lease).await?;
+        if !taken.is_empty() {
+            self.takes.send_modify(|n| *n += 1);
+        }
+        Ok(taken)
+    }
+
+    async fn mark_published(&self, ids: &[MessageId]) -> Result<u64, inbox_api::InboxError> {
+        let mut takes = self.takes.subscribe();
+        let _ = takes.wait_for(|n| *n >= self.takes_before_mark).await;
+        self.inner.mark_published(ids).await
+    }
+
+    async fn release(&self, lease: &inbox_api::OutboxLease) -> Result<u64, inbox_api::InboxError> {
+        self.inner.release(lease).await
+    }
+
+    async fn lookup_outgoing(
+        &self,
+        id: &MessageId,
+    ) -> Result<Option<inbox_api::OutboxRecord>, inbox_api::InboxError> {
+        self.inner.lookup_outgoing(id).await
+    }
+
+    async fn pending_count(&self) -> Result<u64, inbox_api::InboxError> {
+        self.inner.pending_count().await
+    }
+
+    async fn dead_count(&self) -> Result<u64, inbox_api::InboxError> {
+        self.inner.dead_count().await
+    }
+
+    async fn purge_published_batch(
+        &self,
+        cutoff: chrono::DateTime<chrono::Utc>,
+        limit: std::num::NonZeroU32,
+    ) -> Result<u64, inbox_api::InboxError> {
+        self.inner.purge_published_batch(cutoff, limit).await
+    }
+
+    async fn record_refusals(
+        &self,
+        lease: &inbox_api::LeaseId,
+        refusals: &[(MessageId, String)],
+        retry: &inbox_api::PublishRetry,
+    ) -> Result<inbox_api::Refused, inbox_api::InboxError> {
+        self.inner.record_refusals(lease, refusals, retry).await
+    }
+
+    async fn dead_outgoing(
+        &self,
+        limit: std::num::NonZeroU32,
+    ) -> Result<Vec<inbox_api::OutboxRecord>, inbox_api::InboxError> {
+        self.inner.dead_outgoing(limit).await
+    }
+
+    async fn requeue_dead(&self, ids: &[MessageId]) -> Result<u64, inbox_api::InboxError> {
+        self.inner.requeue_dead(ids).await
+    }
+}
+
+/// With a pipeline depth of 3, the relay takes and publishes the next
+/// batches while the first one's mark is still pending (here: held until
+/// three batches are taken, which a sequential relay never reaches), and
+/// still publishes every message once, marked after its own confirm.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_takes_the_next_batches_while_a_mark_is_pending() {
+    let id = test_id();
+    let broker = Broker::declare(&id).await;
+    let store = MarkAfterTakes {
+        inner: MemoryStore::new(),
+        takes: std::sync::Arc::new(tokio::sync::watch::Sender::new(0)),
+        takes_before_mark: 3,
+    };
+    let messages: Vec<OutgoingMessage> = (0..15).map(|n| broker.message(&broker.good, n)).collect();
+    enqueue_committed(&store, &messages).await;
+    let relay = Relay::new(
+        store.clone(),
+        RelayConfig {
+            pipeline_depth: std::num::NonZeroU32::new(3).expect("non-zero"),
+            ..config(&id, 5)
+        },
+    )
+    .expect("valid config")
+    .spawn();
+    wait_until("every message is marked published", async || {
+        store.pending_count().await.expect("count") == 0
+    })
+    .await;
+    let tally = std::sync::Arc::clone(&relay.tally);
+    stop(relay).await;
+    assert_eq!((get(&tally.batches), get(&tally.marked)), (3, 15));
+    for message in &messages {
+        let record = store
+            .lookup_outgoing(&message.id())
+            .await
+            .expect("lookup")
+            .expect("kept");
+        assert!(record.published_at.is_some());
+        assert_eq!(record.attempts, 1, "taken once");
+    }
+    let got: BTreeSet<String> = broker.drain().await.into_iter().map(|m| m.0).collect();
+    assert_eq!(got.len(), 15);
+    broker.remove().await;
 }

@@ -20,6 +20,7 @@
 //! | `inbox_store_outages_total` | counter | none | the consuming application, when a store outage pauses it |
 //! | `outbox_purged_rows_total` | counter | none | [`crate::OutboxStoreExt::purge_published_before`], once per batch |
 //! | `outbox_pending_messages` | gauge | none | [`crate::OutboxStoreExt::record_pending`] |
+//! | `outbox_dead_messages` | gauge | none | [`crate::OutboxStoreExt::record_dead`] |
 //! | `outbox_published_total` | counter | none | the relay, per message the broker confirmed |
 //! | `outbox_publish_failures_total` | counter | `reason` (`nack`, `returned`, `channel`, `timeout`) | the relay, per message the broker did not confirm |
 //! | `outbox_publish_duration_seconds` | histogram | none | the relay, publish to confirm of one message |
@@ -54,6 +55,9 @@ pub const OUTBOX_PURGED_ROWS: &str = "outbox_purged_rows_total";
 /// Committed outgoing messages not yet published (a gauge): a relay that
 /// falls behind, or a broker that refuses, shows as a rising line.
 pub const OUTBOX_PENDING: &str = "outbox_pending_messages";
+/// Outgoing messages dead in the outbox now (a gauge): refused too often,
+/// kept, never published until an operator requeues them.
+pub const OUTBOX_DEAD: &str = "outbox_dead_messages";
 /// Outgoing messages the broker confirmed (each then marked published).
 pub const OUTBOX_PUBLISHED: &str = "outbox_published_total";
 /// Publishes the broker did not confirm: the message stays pending and is
@@ -110,6 +114,10 @@ pub fn describe() {
         OUTBOX_PENDING,
         "Committed outgoing messages not yet published"
     );
+    describe_gauge!(
+        OUTBOX_DEAD,
+        "Outgoing messages dead in the outbox (refused too often), waiting for a requeue"
+    );
     describe_counter!(
         OUTBOX_PUBLISHED,
         "Outgoing messages published and confirmed by the broker"
@@ -164,6 +172,7 @@ mod tests {
             metrics::gauge!(ROWS).set(1.0);
             metrics::gauge!(STORE_AVAILABLE).set(1.0);
             metrics::gauge!(OUTBOX_PENDING).set(1.0);
+            metrics::gauge!(OUTBOX_DEAD).set(1.0);
         });
         let described: Vec<(String, Option<metrics::Unit>, String)> = snapshotter
             .snapshot()
@@ -174,7 +183,7 @@ mod tests {
                 (key.key().name().to_owned(), unit, help)
             })
             .collect();
-        assert_eq!(described.len(), 17, "{described:?}");
+        assert_eq!(described.len(), 18, "{described:?}");
         for (name, unit, help) in &described {
             assert!(help.len() > 10, "{name} has no help text: {help:?}");
             let expected = [HANDLE_DURATION, OUTBOX_PUBLISH_DURATION]

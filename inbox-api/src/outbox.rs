@@ -490,6 +490,14 @@ pub trait OutboxStore: InboxStore<Transaction: OutboxTransaction> {
     /// Store failures.
     async fn pending_count(&self) -> Result<u64, InboxError>;
 
+    /// How many messages are dead (refused
+    /// [`PublishRetry::max_attempts`] times, kept, never taken until
+    /// [`OutboxStore::requeue_dead`]).
+    ///
+    /// # Errors
+    /// As [`OutboxStore::take_pending`].
+    async fn dead_count(&self) -> Result<u64, InboxError>;
+
     /// Deletes at most `limit` published rows whose `published_at` is before
     /// `cutoff`, in one short transaction, and returns how many went.
     /// Pending rows are never deleted. Bounded for the same reason as the
@@ -563,6 +571,10 @@ impl<S: OutboxStore> OutboxStore for Arc<S> {
 
     async fn pending_count(&self) -> Result<u64, InboxError> {
         (**self).pending_count().await
+    }
+
+    async fn dead_count(&self) -> Result<u64, InboxError> {
+        (**self).dead_count().await
     }
 
     async fn purge_published_batch(
@@ -648,6 +660,21 @@ pub trait OutboxStoreExt: OutboxStore {
         #[allow(clippy::cast_precision_loss)]
         metrics::gauge!(crate::metrics::OUTBOX_PENDING).set(pending as f64);
         Ok(pending)
+    }
+
+    /// Reads [`OutboxStore::dead_count`] into the `outbox_dead_messages`
+    /// gauge and returns it: the counter `outbox_dead_lettered_total` says
+    /// how many died, this how many still wait for an operator (requeued
+    /// or purged ones no longer count).
+    ///
+    /// # Errors
+    /// As [`OutboxStore::dead_count`]; the gauge keeps its last value.
+    async fn record_dead(&self) -> Result<u64, InboxError> {
+        let dead = self.dead_count().await?;
+        // A gauge is a float; counts far beyond 2^53 do not occur here.
+        #[allow(clippy::cast_precision_loss)]
+        metrics::gauge!(crate::metrics::OUTBOX_DEAD).set(dead as f64);
+        Ok(dead)
     }
 }
 

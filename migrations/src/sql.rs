@@ -295,6 +295,10 @@ pub const LOOKUP_OUTGOING: &str = concat!(
 pub const PENDING_COUNT: &str =
     "SELECT count(*) FROM outbox_messages WHERE published_at IS NULL AND dead_at IS NULL";
 
+/// Counts the dead outgoing messages (through the partial index of dead
+/// rows, which are rare).
+pub const DEAD_COUNT: &str = "SELECT count(*) FROM outbox_messages WHERE dead_at IS NOT NULL";
+
 /// Records the broker's refusals of messages a lease holds: `$1` message
 /// ids (uuid[]), `$2` the broker's answers (text[], parallel), `$3` lease
 /// id, `$4` base delay and `$5` longest delay (milliseconds, float8), `$6`
@@ -438,6 +442,7 @@ mod tests {
             (RELEASE, 2),
             (LOOKUP_OUTGOING, 1),
             (PENDING_COUNT, 0),
+            (DEAD_COUNT, 0),
             (RECORD_REFUSALS, 6),
             (DEAD_OUTGOING, 1),
             (REQUEUE_DEAD, 1),

@@ -61,6 +61,8 @@
 //! skips the cleanup run), `INBOX_BENCH_RELAY_MESSAGES` (messages per relay
 //! cell, default 10,000; 0 skips) and `INBOX_BENCH_RELAY_BATCH` (the relay's
 //! batch size and the bare publisher's window, default 100),
+//! `INBOX_BENCH_RELAY_DEPTH` (the relay's pipeline depth, default
+//! `RelayConfig`'s),
 //! `INBOX_BENCH_REPS` (repetitions behind each ratio's spread, at least and
 //! by default 3), `INBOX_BENCH_TABLE_SIZES` (pre-filled sizes, default
 //! `1000000,10000000`; empty skips), `INBOX_BENCH_TABLE_TASKS` (default
@@ -1035,12 +1037,22 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
             u32::try_from(env_count("INBOX_BENCH_RELAY_BATCH", 100)).unwrap_or(100),
         )
         .unwrap_or(std::num::NonZeroU32::MIN);
+        let default_depth = consumer_app::runtime::relay::RelayConfig::new("", "").pipeline_depth;
+        let depth = std::num::NonZeroU32::new(
+            u32::try_from(env_count(
+                "INBOX_BENCH_RELAY_DEPTH",
+                usize::try_from(default_depth.get()).unwrap_or(1),
+            ))
+            .unwrap_or(1),
+        )
+        .unwrap_or(default_depth);
         match relay::run(
             bench.inbox.store(),
             bench.diesel.store(),
             &format!("{schema}."),
             relay_messages,
             batch,
+            depth,
             spread::reps(),
         )
         .await

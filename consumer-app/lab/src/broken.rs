@@ -197,6 +197,10 @@ impl<S: OutboxStore + Clone> OutboxStore for BrokenParcelStore<S> {
         self.0.pending_count().await
     }
 
+    async fn dead_count(&self) -> Result<u64, InboxError> {
+        self.0.dead_count().await
+    }
+
     async fn purge_published_batch(
         &self,
         cutoff: DateTime<Utc>,

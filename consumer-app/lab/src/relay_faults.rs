@@ -156,6 +156,10 @@ impl<S: OutboxStore> OutboxStore for FaultyOutbox<S> {
         self.inner.pending_count().await
     }
 
+    async fn dead_count(&self) -> Result<u64, InboxError> {
+        self.inner.dead_count().await
+    }
+
     async fn purge_published_batch(
         &self,
         cutoff: DateTime<Utc>,

@@ -149,15 +149,7 @@ impl Topology {
             durable: true,
             ..ExchangeDeclareOptions::default()
         };
-        channel
-            .exchange_declare(
-                self.exchange.as_str().into(),
-                ExchangeKind::Topic,
-                durable,
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|e| AppError::broker(format!("declare exchange {}", self.exchange), e))?;
+        declare_exchange(channel, &self.exchange).await?;
         for binding in &self.bindings {
             let queue = &binding.queue;
             let dlx = Self::dead_letter_exchange(queue);
@@ -285,6 +277,27 @@ impl Topology {
             .map_err(|e| AppError::broker(format!("inspect queue {queue}"), e))?;
         Ok(declared.message_count())
     }
+}
+
+/// Declares `exchange` as every [`Topology`] declares its exchange:
+/// durable, topic (idempotent). What a publisher that must not wait for a
+/// consumer's declaration (the outbox relay) declares before publishing.
+///
+/// # Errors
+/// Broker errors, e.g. the exchange exists with another kind.
+pub async fn declare_exchange(channel: &Channel, exchange: &str) -> Result<(), AppError> {
+    channel
+        .exchange_declare(
+            exchange.into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| AppError::broker(format!("declare exchange {exchange}"), e))
 }
 
 async fn declare_queue(channel: &Channel, queue: &str, args: FieldTable) -> Result<(), AppError> {

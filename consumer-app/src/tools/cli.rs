@@ -530,9 +530,26 @@ fn with_migrate_hint(error: AppError, schema: &str) -> AppError {
 /// The flags of `relay`.
 #[derive(Args, Debug, Clone)]
 pub struct RelayArgs {
+    #[command(flatten)]
+    #[allow(missing_docs, reason = "clap reads the flattened struct's docs")]
+    pub settings: RelaySettings,
+    /// Where to serve /metrics (Prometheus), /live and /ready ("off" to
+    /// disable).
+    #[arg(long, env = "RELAY_METRICS_ADDR", default_value = "127.0.0.1:9465")]
+    pub metrics_addr: String,
+}
+
+/// The relay's flags that `relay` and `api` (its in-process relay) share;
+/// `api` serves its metrics on `--listen`, so it takes no `--metrics-addr`.
+#[derive(Args, Debug, Clone)]
+pub struct RelaySettings {
     /// Outgoing messages taken, published and confirmed per round.
     #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value = "100")]
     pub batch_size: NonZeroU32,
+    /// Batches published and not yet confirmed and marked at once (1: take,
+    /// publish, confirm and mark one batch after the other).
+    #[arg(long, env = "OUTBOX_PIPELINE_DEPTH", default_value = "4")]
+    pub pipeline_depth: NonZeroU32,
     /// Seconds a taken batch stays this relay's; then another relay may
     /// publish what it did not mark (at least twice --confirm-timeout-secs).
     #[arg(long, env = "OUTBOX_LEASE_SECS", default_value_t = 30)]
@@ -543,10 +560,6 @@ pub struct RelayArgs {
     /// Seconds to wait for a batch's confirms before counting them failed.
     #[arg(long, env = "OUTBOX_CONFIRM_TIMEOUT_SECS", default_value_t = 10)]
     pub confirm_timeout_secs: u64,
-    /// Where to serve /metrics (Prometheus), /live and /ready ("off" to
-    /// disable).
-    #[arg(long, env = "RELAY_METRICS_ADDR", default_value = "127.0.0.1:9465")]
-    pub metrics_addr: String,
     #[command(flatten)]
     #[allow(missing_docs, reason = "clap reads the flattened struct's docs")]
     pub purge: OutboxPurgeArgs,
@@ -574,30 +587,49 @@ impl RelayArgs {
     /// # Errors
     /// [`AppError::Config`] for an unusable flag.
     pub fn relay(&self, global: &Global) -> Result<RelayCommand, AppError> {
-        let command = RelayCommand {
-            config: RelayConfig {
-                batch_size: self.batch_size,
-                lease: Duration::from_secs(self.lease_secs),
-                poll_interval: Duration::from_millis(self.poll_interval_ms),
-                confirm_timeout: Duration::from_secs(self.confirm_timeout_secs),
-                retry: PublishRetry {
-                    base_delay: Duration::from_millis(self.retry_base_ms),
-                    max_delay: Duration::from_secs(self.retry_max_secs),
-                    max_attempts: self.max_publish_attempts,
-                },
-                purge: match self.purge_interval_secs {
-                    0 => None,
-                    secs => Some(self.purge.config(Duration::from_secs(secs))?),
-                },
-                ..RelayConfig::new(
-                    global.amqp_url.clone(),
-                    format!("parcel-inbox relay {}{}", global.prefix, std::process::id()),
-                )
-            },
+        Ok(RelayCommand {
+            config: self.settings.config(
+                global,
+                format!("parcel-inbox relay {}{}", global.prefix, std::process::id()),
+            )?,
             metrics_addr: parse_metrics_addr(&self.metrics_addr)?,
+        })
+    }
+}
+
+impl RelaySettings {
+    /// The relay these flags (and `global`'s) make, on a connection named
+    /// `connection_name`. It declares the Parcel exchange before
+    /// publishing, so that the events go out before any `consume` process
+    /// has declared its topology.
+    ///
+    /// # Errors
+    /// [`AppError::Config`] for an unusable flag.
+    pub fn config(
+        &self,
+        global: &Global,
+        connection_name: String,
+    ) -> Result<RelayConfig, AppError> {
+        let config = RelayConfig {
+            batch_size: self.batch_size,
+            pipeline_depth: self.pipeline_depth,
+            lease: Duration::from_secs(self.lease_secs),
+            poll_interval: Duration::from_millis(self.poll_interval_ms),
+            confirm_timeout: Duration::from_secs(self.confirm_timeout_secs),
+            retry: PublishRetry {
+                base_delay: Duration::from_millis(self.retry_base_ms),
+                max_delay: Duration::from_secs(self.retry_max_secs),
+                max_attempts: self.max_publish_attempts,
+            },
+            purge: match self.purge_interval_secs {
+                0 => None,
+                secs => Some(self.purge.config(Duration::from_secs(secs))?),
+            },
+            exchanges: vec![global.topology().exchange()],
+            ..RelayConfig::new(global.amqp_url.clone(), connection_name)
         };
-        command.config.check()?;
-        Ok(command)
+        config.check()?;
+        Ok(config)
     }
 }
 
@@ -686,7 +718,7 @@ pub struct ApiArgs {
     pub no_relay: bool,
     #[command(flatten)]
     #[allow(missing_docs, reason = "clap reads the flattened struct's docs")]
-    pub relay: RelayArgs,
+    pub relay: RelaySettings,
 }
 
 impl ApiArgs {
@@ -705,10 +737,10 @@ impl ApiArgs {
         let relay = if self.no_relay {
             None
         } else {
-            let mut relay = self.relay.relay(global)?.config;
-            relay.connection_name =
-                format!("parcel-inbox api {}{}", global.prefix, std::process::id());
-            Some(relay)
+            Some(self.relay.config(
+                global,
+                format!("parcel-inbox api {}{}", global.prefix, std::process::id()),
+            )?)
         };
         Ok(ApiCommand {
             listen: self.listen,

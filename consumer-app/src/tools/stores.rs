@@ -172,23 +172,58 @@ pub async fn with_outbox<W: WithOutbox>(
 }
 
 /// The sqlx store's outbox notifications as wake-ups, or `None` (polling
-/// only) when LISTEN fails. A listener error (its connection lost, a
-/// reconnect refused) wakes the relay too, after a pause: a needless round
-/// costs little, and the pause keeps a failing listener from spinning it.
+/// only) when LISTEN fails.
+///
+/// After a lost listener connection (or any listener error) it LISTENs
+/// again on a new one, with backoff
+/// ([`crate::runtime::backoff::RECONNECT`]), and then wakes the
+/// relay once: a commit made while it was disconnected notified nobody, and
+/// that round publishes it (as diesel's `OutboxListener` does). sqlx's own
+/// reconnect (`PgListener`'s `eager_reconnect`) is off: it would reconnect
+/// silently, so those commits would wait for the poll interval.
 #[cfg(feature = "sqlx")]
 pub async fn sqlx_wakeups(store: &inbox_backend_sqlx::SqlxStore) -> Option<BoxStream<'static, ()>> {
     use futures::StreamExt;
-    match store.listen_outbox().await {
+
+    use crate::runtime::backoff::RECONNECT;
+    let listen = async |store: &inbox_backend_sqlx::SqlxStore| {
+        let mut listener = store.listen_outbox().await?;
+        listener.eager_reconnect(false);
+        Ok::<_, inbox_api::InboxError>(listener)
+    };
+    match listen(store).await {
         Ok(listener) => Some(
-            listener
-                .into_stream()
-                .then(|notification| async move {
-                    if let Err(error) = notification {
-                        tracing::warn!(error = %error, "outbox LISTEN failed; retrying");
-                        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            futures::stream::unfold(
+                (store.clone(), listener),
+                move |(store, mut listener)| async move {
+                    match listener.try_recv().await {
+                        Ok(Some(_)) => return Some(((), (store, listener))),
+                        Ok(None) => {
+                            tracing::warn!("outbox LISTEN connection lost; listening again")
+                        }
+                        Err(error) => {
+                            tracing::warn!(error = %error, "outbox LISTEN failed; listening again");
+                        }
                     }
-                })
-                .boxed(),
+                    drop(listener);
+                    let mut attempt = 0_u32;
+                    loop {
+                        tokio::time::sleep(RECONNECT.delay(attempt)).await;
+                        match listen(&store).await {
+                            Ok(listener) => {
+                                tracing::info!("outbox LISTEN again; waking the relay once");
+                                return Some(((), (store, listener)));
+                            }
+                            Err(error) => tracing::debug!(
+                                error = %crate::runtime::error::chain(&error),
+                                attempt, "outbox LISTEN failed again"
+                            ),
+                        }
+                        attempt = attempt.saturating_add(1);
+                    }
+                },
+            )
+            .boxed(),
         ),
         Err(error) => {
             tracing::warn!(error = %crate::runtime::error::chain(&error),

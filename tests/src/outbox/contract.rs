@@ -713,6 +713,7 @@ pub async fn outbox_a_message_refused_too_often_is_dead_until_requeued<H: Outbox
         "the dead row is kept: {record:?}"
     );
     check_eq!(store.pending_count().await?, 0, "dead is not pending");
+    check_eq!(store.dead_count().await?, 1, "counted dead");
     enqueue_committed(h, &store, &other).await?;
     h.age_outbox(&store, Duration::from_secs(3600)).await;
     let lease = store.take_pending(nz(10), LEASE).await?;
@@ -738,6 +739,7 @@ pub async fn outbox_a_message_refused_too_often_is_dead_until_requeued<H: Outbox
     );
     check_eq!(store.requeue_dead(&[refused.id()]).await?, 0, "once");
     check_eq!(store.pending_count().await?, 1, "pending again");
+    check_eq!(store.dead_count().await?, 0, "no longer counted dead");
     let lease = store.take_pending(nz(10), LEASE).await?;
     check_eq!(lease.ids(), vec![refused.id()], "taken after the requeue");
     let record = store.lookup_outgoing(&refused.id()).await?;

@@ -78,6 +78,10 @@ impl inbox_api::OutboxStore for MemoryUnderTest {
         self.store.pending_count().await
     }
 
+    async fn dead_count(&self) -> Result<u64, InboxError> {
+        self.store.dead_count().await
+    }
+
     async fn purge_published_batch(
         &self,
         cutoff: DateTime<Utc>,

@@ -9,8 +9,9 @@
 //!
 //! - bare: one confirm-mode channel, `batch` messages published, then all
 //!   their confirms awaited, then the next `batch`: the relay's window;
-//! - the relay (`runtime::relay::Relay`, batch size `batch`) over the sqlx
-//!   and over the diesel outbox, the messages enqueued beforehand in
+//! - the relay (`runtime::relay::Relay`, batch size `batch`, up to `depth`
+//!   batches unsettled: its pipeline) over the sqlx and over the diesel
+//!   outbox, the messages enqueued beforehand in
 //!   transactions of 500 (not timed); the cell ends when the relay has
 //!   marked the last message published.
 //!
@@ -66,6 +67,7 @@ impl Publisher {
 pub(crate) struct RelayRates {
     pub(crate) messages: usize,
     pub(crate) batch: NonZeroU32,
+    pub(crate) depth: NonZeroU32,
     pub(crate) rates: [Vec<f64>; 3],
 }
 
@@ -83,6 +85,7 @@ pub(crate) async fn run<S, D>(
     prefix: &str,
     messages: usize,
     batch: NonZeroU32,
+    depth: NonZeroU32,
     reps: usize,
 ) -> Result<RelayRates, BoxError>
 where
@@ -110,8 +113,8 @@ where
                     .await?;
                 let rate = match publisher {
                     Publisher::Bare => bare(&target, &batch_of, batch).await?,
-                    Publisher::RelaySqlx => relayed(sqlx, &batch_of, batch).await?,
-                    Publisher::RelayDiesel => relayed(diesel, &batch_of, batch).await?,
+                    Publisher::RelaySqlx => relayed(sqlx, &batch_of, batch, depth).await?,
+                    Publisher::RelayDiesel => relayed(diesel, &batch_of, batch, depth).await?,
                 };
                 eprintln!("relay rep {rep}, {publisher:?}: {rate:.0} messages/s");
                 let i = Publisher::ALL
@@ -140,6 +143,7 @@ where
     Ok(RelayRates {
         messages,
         batch,
+        depth,
         rates,
     })
 }
@@ -259,6 +263,7 @@ async fn relayed<S: OutboxStore + Clone + 'static>(
     store: &S,
     messages: &[OutgoingMessage],
     batch: NonZeroU32,
+    depth: NonZeroU32,
 ) -> Result<f64, BoxError> {
     // Rows of earlier cells out of the way; pending ones would be a bug.
     store
@@ -281,6 +286,7 @@ async fn relayed<S: OutboxStore + Clone + 'static>(
     }
     let mut config = RelayConfig::new(AMQP_URL, "inbox bench relay");
     config.batch_size = batch;
+    config.pipeline_depth = depth;
     let relay = Relay::new(store.clone(), config)?;
     let n = messages.len() as u64;
     // Generous: far below 100 messages/s is a broken run, not a result.
@@ -310,13 +316,16 @@ impl RelayRates {
         let mut out = format!(
             "### Outbox relay publish rate\n\n\
              {} Parcel events per cell to one durable queue, persistent, `mandatory`, \
-             publisher confirms, {} messages in flight (the relay's batch size; the bare \
-             publisher publishes as many, then awaits their confirms); the relay's messages \
+             publisher confirms, batches of {}: the bare publisher publishes a batch, then \
+             awaits its confirms; the relay publishes the next batch while up to {} earlier \
+             ones await their confirms and marks (its pipeline depth). The relay's messages \
              enqueued beforehand, timed from the relay's start to its mark of the last one. \
              {reps} repetitions, the three publishers alternated in a rotated order; \
              median (lowest–highest repetition).\n\n\
              | publisher | messages/s | ratio to bare | target |\n|---|---:|---:|---|\n",
-            self.messages, self.batch
+            self.messages,
+            self.batch,
+            self.depth.get() - 1
         );
         for (i, publisher) in Publisher::ALL.iter().enumerate() {
             let rate = super::spread::cell(Spread::of(self.rates[i].iter().copied()), 0);
