@@ -1,6 +1,7 @@
 //! How the claim's cost grows with the inbox table (issue 14 item 1).
 //!
-//! For random (v4) and for time-ordered (v7) ids, one schema's inbox is
+//! For random (v4) and for time-ordered (v7) ids, and for v7 ids in the
+//! partitioned layout (the fill over its day partitions), one schema's inbox is
 //! pre-filled with committed rows (`generate_series` in SQL, sorted by id
 //! within each million so that the fill itself stays fast, then `VACUUM
 //! ANALYZE`), size after size (by default 1,000,000 then 10,000,000;
@@ -23,8 +24,8 @@ use std::time::{Duration, Instant};
 
 use inbox_api::{ConsumerName, Handled, Inbox, InboxError, InboxKey, MessageId};
 use inbox_backend_diesel::DieselStore;
-use inbox_backend_sqlx::SqlxStore;
 use inbox_backend_sqlx::sqlx::{self, PgPool, postgres::PgPoolOptions};
+use inbox_backend_sqlx::{Layout, SqlxStore};
 use plotters::prelude::*;
 
 use super::cleanup::percentile;
@@ -39,22 +40,43 @@ pub(crate) enum Ids {
     V4,
     /// Time-ordered: claims append at the index's right edge.
     V7,
+    /// Time-ordered, in the partitioned layout (`Layout::Partitioned`):
+    /// the fill spread over its day partitions, the claims in today's.
+    V7Partitioned,
 }
 
 impl Ids {
-    const ALL: [Self; 2] = [Self::V7, Self::V4];
+    const ALL: [Self; 3] = [Self::V7, Self::V4, Self::V7Partitioned];
 
+    /// The short name, in schema names.
     fn name(self) -> &'static str {
         match self {
             Self::V4 => "v4",
             Self::V7 => "v7",
+            Self::V7Partitioned => "v7p",
+        }
+    }
+
+    /// The name in the report.
+    fn label(self) -> &'static str {
+        match self {
+            Self::V4 => "v4",
+            Self::V7 => "v7",
+            Self::V7Partitioned => "v7 partitioned",
+        }
+    }
+
+    fn layout(self) -> Layout {
+        match self {
+            Self::V4 | Self::V7 => Layout::Table,
+            Self::V7Partitioned => Layout::Partitioned,
         }
     }
 
     fn new_id(self) -> MessageId {
         match self {
             Self::V4 => MessageId::from_uuid(uuid::Uuid::new_v4()),
-            Self::V7 => MessageId::new_v7(),
+            Self::V7 | Self::V7Partitioned => MessageId::new_v7(),
         }
     }
 
@@ -64,7 +86,7 @@ impl Ids {
     fn sql_id(self) -> &'static str {
         match self {
             Self::V4 => "gen_random_uuid()",
-            Self::V7 => {
+            Self::V7 | Self::V7Partitioned => {
                 "(lpad(to_hex((extract(epoch FROM t) * 1000)::bigint), 12, '0') \
                  || '7' || substr(h, 1, 3) || '8' || substr(h, 4, 15))::uuid"
             }
@@ -98,7 +120,7 @@ struct Table {
 }
 
 impl Table {
-    async fn open(url: &str, schema: &str, tasks: usize) -> Result<Self, BoxError> {
+    async fn open(url: &str, schema: &str, tasks: usize, ids: Ids) -> Result<Self, BoxError> {
         let size = u32::try_from(tasks).unwrap_or(16) + 2;
         let options = SqlxStore::connect_options(url, schema)?.application_name(schema);
         let pool = PgPoolOptions::new()
@@ -106,9 +128,14 @@ impl Table {
             .acquire_timeout(Duration::from_secs(30))
             .connect_with(options)
             .await?;
-        let store = SqlxStore::new(pool.clone(), schema)?;
+        let store = SqlxStore::new(pool.clone(), schema)?.with_layout(ids.layout());
         store.migrate().await?;
+        if ids.layout() == Layout::Partitioned {
+            // The fill's 6 days before now, and today's claims.
+            store.create_partitions(7, 1).await?;
+        }
         let diesel = DieselStore::builder(url, schema)?
+            .layout(ids.layout())
             .pool_size(tasks + 1)
             .wait_timeout(Duration::from_secs(30))
             .connect()
@@ -131,14 +158,25 @@ impl Table {
         while start <= to {
             let end = (start + CHUNK - 1).min(to);
             let insert = format!(
-                "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at) \
-                 SELECT {id}, $3, t, t FROM ( \
+                "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at{flag}) \
+                 SELECT {id}, $3, t, t{flag_value} FROM ( \
                    SELECT now() - interval '6 days' \
                             + (g::float8 / $4::float8) * interval '6 days' - interval '1 minute' AS t, \
                           md5(g::text || $5) AS h \
                    FROM generate_series($1::bigint, $2::bigint) AS g) AS r \
                  ORDER BY 1",
-                id = ids.sql_id()
+                id = ids.sql_id(),
+                // The partitioned layout's partition key, from the id.
+                flag = if ids.layout() == Layout::Partitioned {
+                    ", time_ordered"
+                } else {
+                    ""
+                },
+                flag_value = if ids.layout() == Layout::Partitioned {
+                    ", true"
+                } else {
+                    ""
+                },
             );
             let mut tx = self.pool.begin().await?;
             sqlx::query("SET LOCAL work_mem = '256MB'")
@@ -169,10 +207,18 @@ impl Table {
     }
 
     async fn sizes(&self) -> Result<Sizes, BoxError> {
+        // A partitioned table's parent holds no data: summed over its
+        // leaves (a plain table has no partition tree, hence the coalesce).
         let (table, pkey, indexes, buffers): (i64, i64, i64, i64) = sqlx::query_as(
-            "SELECT pg_relation_size('inbox_messages'), \
-                    pg_relation_size('inbox_messages_pkey'), \
-                    pg_indexes_size('inbox_messages'), \
+            "SELECT coalesce((SELECT sum(pg_relation_size(relid))::int8 \
+                     FROM pg_partition_tree('inbox_messages') WHERE isleaf), \
+                     pg_relation_size('inbox_messages')), \
+                    coalesce((SELECT sum(pg_relation_size(relid))::int8 \
+                     FROM pg_partition_tree('inbox_messages_pkey') WHERE isleaf), \
+                     pg_relation_size('inbox_messages_pkey')), \
+                    coalesce((SELECT sum(pg_indexes_size(relid))::int8 \
+                     FROM pg_partition_tree('inbox_messages') WHERE isleaf), \
+                     pg_indexes_size('inbox_messages')), \
                     pg_size_bytes(current_setting('shared_buffers'))",
         )
         .fetch_one(&self.pool)
@@ -403,9 +449,10 @@ pub(crate) async fn run(url: &str, base: &str, sizes: &[u64]) -> Result<TableSiz
     let mut measured = Vec::new();
     for ids in Ids::ALL {
         let empty =
-            Arc::new(Table::open(url, &format!("{base}_t{}_empty", ids.name()), tasks).await?);
-        let filled =
-            Arc::new(Table::open(url, &format!("{base}_t{}_filled", ids.name()), tasks).await?);
+            Arc::new(Table::open(url, &format!("{base}_t{}_empty", ids.name()), tasks, ids).await?);
+        let filled = Arc::new(
+            Table::open(url, &format!("{base}_t{}_filled", ids.name()), tasks, ids).await?,
+        );
         let mut rows = 0;
         let result = async {
             for &size in sizes {
@@ -521,7 +568,7 @@ impl TableSize {
                 let _ = writeln!(
                     out,
                     "| {} | 0 | | | | | | {driver:?} | {} | {} |",
-                    ids.name(),
+                    ids.label(),
                     cols[0],
                     cols[1]
                 );
@@ -550,7 +597,7 @@ impl TableSize {
                             let _ = writeln!(
                                 targets,
                                 "| {} ids, {driver:?}, {} | {} | {} |",
-                                ids.name(),
+                                ids.label(),
                                 match mode {
                                     Mode::PerMessage => "per message",
                                     Mode::Batched => "batched K=100",
@@ -563,7 +610,7 @@ impl TableSize {
                     let _ = writeln!(
                         out,
                         "| {} | {} | {:.1} s | {} | {} | {} | {fits} ({} shared_buffers) | {driver:?} | {} | {} |",
-                        ids.name(),
+                        ids.label(),
                         m.rows,
                         m.fill.as_secs_f64(),
                         mib(m.sizes.table),
@@ -618,7 +665,7 @@ impl TableSize {
                     }
                     let name = format!(
                         "{} ids, {driver:?}, {}",
-                        ids.name(),
+                        ids.label(),
                         match mode {
                             Mode::PerMessage => "per message",
                             Mode::Batched => "batched K=100",
