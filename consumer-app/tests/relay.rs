@@ -1527,6 +1527,7 @@ async fn the_relay_takes_the_next_batches_while_a_mark_is_pending() {
         store.clone(),
         RelayConfig {
             pipeline_depth: std::num::NonZeroU32::new(3).expect("non-zero"),
+            mandatory: false,
             ..config(&id, 5)
         },
     )

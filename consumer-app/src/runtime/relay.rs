@@ -94,12 +94,12 @@ pub struct RelayConfig {
     /// confirms. With a depth above one, the next batch is taken and
     /// published while the previous ones' confirms arrive and their marks
     /// run, each batch under its own lease, settled on a task of its own.
-    /// 4 by default: measured (the benchmark report's relay section), 2
-    /// already hides most of a take and a mark behind the broker's
-    /// confirms but not their jitter, and beyond 4 the rate no longer
-    /// rises while every extra batch is one more batch of copies after a
-    /// crash (its messages are published, not marked, and go out again
-    /// when their lease runs out). 1 is the sequential relay.
+    /// 1 by default, and 1 whenever `mandatory` is on
+    /// ([`RelayConfig::check`]): lapin hands a `basic.return` to whichever
+    /// confirm on the channel resolves next, so only a batch that has the
+    /// channel to itself can tell its returned messages from its published
+    /// ones. Every batch beyond the first is also one more batch of copies
+    /// after a crash (published, not marked, out again after its lease).
     pub pipeline_depth: NonZeroU32,
     /// How long a taken batch stays this relay's. Another relay takes the
     /// messages it did not mark once this runs out, so it must be well
@@ -142,14 +142,14 @@ pub struct RelayConfig {
 
 impl RelayConfig {
     /// A relay publishing to the broker at `amqp_url` on a connection named
-    /// `connection_name`, with batches of 100, up to 4 of them unsettled,
+    /// `connection_name`, with batches of 100, one at a time (`mandatory`),
     /// 30 s leases, 10 s for the confirms and polling every 500 ms.
     pub fn new(amqp_url: impl Into<String>, connection_name: impl Into<String>) -> Self {
         Self {
             amqp_url: amqp_url.into(),
             connection_name: connection_name.into(),
             batch_size: NonZeroU32::new(100).unwrap_or(NonZeroU32::MIN),
-            pipeline_depth: NonZeroU32::new(4).unwrap_or(NonZeroU32::MIN),
+            pipeline_depth: NonZeroU32::MIN,
             lease: Duration::from_secs(30),
             poll_interval: Duration::from_millis(500),
             confirm_timeout: Duration::from_secs(10),
@@ -181,6 +181,15 @@ impl RelayConfig {
             return Err(AppError::Config(
                 "the relay's confirm timeout must be above zero".into(),
             ));
+        }
+        if self.mandatory && self.pipeline_depth.get() > 1 {
+            return Err(AppError::Config(format!(
+                "a pipeline depth of {} needs `mandatory` off: lapin hands a returned \
+                 message to whichever confirm resolves next on the channel, so with \
+                 batches of two leases in flight a return could not be told apart from \
+                 a publish, and an unroutable message would be marked published",
+                self.pipeline_depth
+            )));
         }
         Ok(())
     }
@@ -515,7 +524,10 @@ impl<S: OutboxStore + Clone + 'static> Relay<S> {
             tally: Arc::clone(&self.tally),
             retry: self.config.retry,
         };
-        in_flight.spawn(async move { settler.settle(&lease, join_all(confirms).await).await });
+        in_flight.spawn(async move {
+            let results = attribute_returns(&lease.messages, join_all(confirms).await);
+            settler.settle(&lease, results).await
+        });
         Ok(taken)
     }
 
@@ -910,16 +922,29 @@ fn properties(message: &OutgoingMessage) -> BasicProperties {
         .with_delivery_mode(2)
 }
 
+/// What one message's confirm said, before the batch matches returns to
+/// messages: lapin hands a `basic.return` to whichever confirm resolves
+/// next on the channel (possibly another message's nack or ack), so which
+/// message came back is known only from the returned message's id.
+struct Confirm {
+    /// The message's own outcome, a return not yet counted.
+    outcome: Result<(), PublishFailure>,
+    /// A returned message this confirm carried: its `message_id` (any
+    /// message's) and the broker's reason.
+    carried: Option<(String, String)>,
+}
+
 /// Publishes every message and returns their confirms, to await together
 /// (within `timeout` from now in all, publishes included); one per
 /// message, in order. Owned futures: they are awaited on the batch's own
-/// task while the relay publishes the next batch.
+/// task while the relay publishes the next batch. [`attribute_returns`]
+/// turns them into each message's result.
 async fn publish_batch(
     channel: &Channel,
     messages: &[OutgoingMessage],
     mandatory: bool,
     timeout: Duration,
-) -> Vec<BoxFuture<'static, Result<(), PublishFailure>>> {
+) -> Vec<BoxFuture<'static, Confirm>> {
     let deadline = Instant::now() + timeout;
     let options = BasicPublishOptions {
         mandatory,
@@ -941,33 +966,76 @@ async fn publish_batch(
         .await;
         pending.push(
             async move {
+                let failed = |failure| Confirm {
+                    outcome: Err(failure),
+                    carried: None,
+                };
                 let confirm = match sent {
                     Ok(Ok(confirm)) => confirm,
-                    Ok(Err(error)) => return Err(PublishFailure::Channel(error)),
-                    Err(_) => return Err(PublishFailure::Timeout(timeout)),
+                    Ok(Err(error)) => return failed(PublishFailure::Channel(error)),
+                    Err(_) => return failed(PublishFailure::Timeout(timeout)),
                 };
                 let confirmation = match tokio::time::timeout_at(deadline, confirm).await {
                     Ok(Ok(confirmation)) => confirmation,
-                    Ok(Err(error)) => return Err(PublishFailure::Channel(error)),
-                    Err(_) => return Err(PublishFailure::Timeout(timeout)),
+                    Ok(Err(error)) => return failed(PublishFailure::Channel(error)),
+                    Err(_) => return failed(PublishFailure::Timeout(timeout)),
                 };
-                if !confirmation.is_ack() {
-                    return Err(PublishFailure::Nack);
+                let acked = confirmation.is_ack();
+                let carried = confirmation.take_message().map(|returned| {
+                    let id = returned
+                        .delivery
+                        .properties
+                        .message_id()
+                        .as_ref()
+                        .map(ToString::to_string)
+                        .unwrap_or_default();
+                    (
+                        id,
+                        format!("{} {}", returned.reply_code, returned.reply_text),
+                    )
+                });
+                if acked {
+                    metrics::histogram!(names::OUTBOX_PUBLISH_DURATION)
+                        .record(started.elapsed().as_secs_f64());
                 }
-                if let Some(returned) = confirmation.take_message() {
-                    return Err(PublishFailure::Returned(format!(
-                        "{} {}",
-                        returned.reply_code, returned.reply_text
-                    )));
+                Confirm {
+                    outcome: if acked {
+                        Ok(())
+                    } else {
+                        Err(PublishFailure::Nack)
+                    },
+                    carried,
                 }
-                metrics::histogram!(names::OUTBOX_PUBLISH_DURATION)
-                    .record(started.elapsed().as_secs_f64());
-                Ok(())
             }
             .boxed(),
         );
     }
     pending
+}
+
+/// Each message's result from its batch's confirms: a message whose id
+/// came back in a `basic.return`, carried by any confirm of the batch, was
+/// returned, even though its own confirm is an ack (the broker acks an
+/// unroutable message after returning it). Sound because a batch has the
+/// channel to itself until it is settled (the relay runs one batch at a
+/// time while `mandatory` is on, see [`RelayConfig::check`]): every return
+/// lapin hands out meanwhile is one of this batch's messages.
+fn attribute_returns(
+    messages: &[OutgoingMessage],
+    confirms: Vec<Confirm>,
+) -> Vec<Result<(), PublishFailure>> {
+    let mut returned: std::collections::HashMap<String, String> =
+        confirms.iter().filter_map(|c| c.carried.clone()).collect();
+    messages
+        .iter()
+        .zip(confirms)
+        .map(|(message, confirm)| {
+            match (confirm.outcome, returned.remove(&message.id().to_string())) {
+                (Ok(()), Some(reason)) => Err(PublishFailure::Returned(reason)),
+                (outcome, _) => outcome,
+            }
+        })
+        .collect()
 }
 
 fn ids<'a>(ids: impl Iterator<Item = &'a MessageId>) -> Vec<String> {
@@ -1020,6 +1088,45 @@ mod tests {
             headers.inner().get("tenant"),
             Some(&AMQPValue::LongString("acme".into()))
         );
+    }
+
+    /// lapin hands a return to whichever confirm resolves next: here the
+    /// nack of another message carries it, and the returned message's own
+    /// confirm is a plain ack. The batch still sees which one came back.
+    #[test]
+    fn a_return_carried_by_another_confirm_is_charged_to_its_own_message() {
+        let message = |n: u8| {
+            OutgoingMessage::new(MessageId::new_v7(), "x", "k", "T", vec![n]).expect("valid")
+        };
+        let (nacked, returned, published) = (message(0), message(1), message(2));
+        let confirms = vec![
+            Confirm {
+                outcome: Err(PublishFailure::Nack),
+                carried: Some((returned.id().to_string(), "312 NO_ROUTE".into())),
+            },
+            Confirm {
+                outcome: Ok(()),
+                carried: None,
+            },
+            Confirm {
+                outcome: Ok(()),
+                carried: None,
+            },
+        ];
+        let results = attribute_returns(&[nacked, returned, published], confirms);
+        assert!(matches!(results[0], Err(PublishFailure::Nack)));
+        assert!(matches!(&results[1], Err(PublishFailure::Returned(r)) if r == "312 NO_ROUTE"));
+        assert!(results[2].is_ok());
+    }
+
+    #[test]
+    fn batches_overlap_only_without_mandatory() {
+        let mut config = RelayConfig::new("amqp://localhost", "t");
+        assert!(config.mandatory && config.check().is_ok());
+        config.pipeline_depth = NonZeroU32::new(2).expect("non-zero");
+        assert!(config.check().is_err());
+        config.mandatory = false;
+        assert!(config.check().is_ok());
     }
 
     #[test]
