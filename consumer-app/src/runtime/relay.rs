@@ -153,8 +153,11 @@ impl RelayConfig {
     /// the quiet machine): depth 4 published about twice as fast as depth 1
     /// (0.64× the bare publisher against 0.36×), because at depth 1 the
     /// broker idles during every take and mark and the database during
-    /// every batch's confirms. Deeper costs a channel and a batch of copies
-    /// after a crash per step (docs/benchmark-notes.md has the figures).
+    /// every batch's confirms; with a channel per batch (`mandatory` on),
+    /// under load 9–12, depth 4 again beat 1 and 2 (sqlx 0.42–0.50× against
+    /// 0.25×) and 8 or 16 did no better. Deeper costs a channel and a batch
+    /// of copies after a crash per step (docs/benchmark-notes.md has the
+    /// figures).
     pub const DEFAULT_PIPELINE_DEPTH: NonZeroU32 = NonZeroU32::MIN.saturating_add(3);
 
     /// A relay publishing to the broker at `amqp_url` on a connection named
