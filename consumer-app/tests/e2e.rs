@@ -233,12 +233,13 @@ fn database_url_for_cli() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
 }
 
-/// Runs `parcel-inbox` with `flags` then `args`, killed after a minute;
-/// returns its stdout, failing with everything it printed unless it
-/// succeeded.
-async fn parcel_inbox(flags: &[String], args: &[&str]) -> String {
+/// Runs `parcel-inbox` with `args` and the shared configuration `env`
+/// (as an operator's environment: each command takes what it uses, where
+/// a flag it cannot use would be refused), killed after a minute; returns
+/// its stdout, failing with everything it printed unless it succeeded.
+async fn parcel_inbox(env: &[(&str, String)], args: &[&str]) -> String {
     let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
-        .args(flags)
+        .envs(env.iter().map(|(name, value)| (name, value)))
         .args(args)
         .kill_on_drop(true)
         .output();
@@ -712,19 +713,15 @@ async fn poison_on_a_classic_queue_is_capped_by_the_ledger_and_replayed_once<S: 
     let poison_id = poison.message_id.to_string();
     // What the operator sees (a Postgres store: the binary opens its own;
     // the memory store lives only in this process).
-    let store_flags = [
-        "--store".to_owned(),
-        store.kind().to_string(),
-        "--database-url".to_owned(),
-        database_url_for_cli(),
-        "--schema".to_owned(),
-        names.schema.clone(),
-        "--prefix".to_owned(),
-        names.prefix.clone(),
+    let operator_env = [
+        ("PARCEL_STORE", store.kind().to_string()),
+        ("DATABASE_URL", database_url_for_cli()),
+        ("INBOX_SCHEMA", names.schema.clone()),
+        ("PARCEL_PREFIX", names.prefix.clone()),
     ];
     let carrier_name = Role::Carrier.consumer_name();
     if store.kind() != StoreKind::Memory {
-        let listed = parcel_inbox(&store_flags, &["dead", "--consumer", carrier_name]).await;
+        let listed = parcel_inbox(&operator_env, &["dead", "--consumer", carrier_name]).await;
         let row = listed
             .lines()
             .find(|line| line.contains(&poison_id))
@@ -743,7 +740,7 @@ async fn poison_on_a_classic_queue_is_capped_by_the_ledger_and_replayed_once<S: 
     // The fix is deployed; the operator replays the dead letter.
     faults.heal(&poison);
     let replayed = parcel_inbox(
-        &store_flags,
+        &operator_env,
         &[
             "replay",
             "--consumer",
@@ -792,7 +789,7 @@ async fn poison_on_a_classic_queue_is_capped_by_the_ledger_and_replayed_once<S: 
         "a replayed and processed message is not listed dead"
     );
     if store.kind() != StoreKind::Memory {
-        let listed = parcel_inbox(&store_flags, &["dead"]).await;
+        let listed = parcel_inbox(&operator_env, &["dead"]).await;
         assert!(listed.contains("0 dead message(s)"), "{listed}");
     }
     consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
@@ -1200,8 +1197,6 @@ async fn demo_command_proves_exactly_once(store: &str) {
         .args([
             "--store",
             store,
-            "--database-url",
-            &database_url,
             "--amqp-url",
             AMQP_URL,
             "demo",
@@ -1210,6 +1205,8 @@ async fn demo_command_proves_exactly_once(store: &str) {
             "--duplicate-rate",
             "0.5",
         ])
+        // From the environment: the memory store would refuse the flag.
+        .env("DATABASE_URL", &database_url)
         .env("RUST_LOG", "debug,lapin=info,sqlx=info,tokio_postgres=info")
         .output()
         .await

@@ -211,15 +211,17 @@ pub async fn create_partitions<C: MigrationConnection>(
 }
 
 /// Detaches and drops every day partition whose whole day lies before
-/// `cutoff`, and returns the rows they held.
+/// `cutoff`, and returns the rows they held: exact for a day of at most
+/// 8 MiB, the planner's estimate for a larger one, which spares the drop a
+/// full count (see `day_rows`; the log line says which).
 ///
 /// Each day goes with `DETACH PARTITION … CONCURRENTLY` (which takes no
 /// lock that blocks claims on the other days; it waits for transactions
-/// that might still use the day instead), then a count and a `DROP
-/// TABLE` of what is by then a table of its own. A detach interrupted
-/// halfway is finished (`FINALIZE`) on the next run, a detached table
-/// whose drop was interrupted is dropped. Sends each statement on its own,
-/// outside any transaction block, as `DETACH … CONCURRENTLY` requires.
+/// that might still use the day instead), then a `DROP TABLE` of what is
+/// by then a table of its own. A detach interrupted halfway is finished
+/// (`FINALIZE`) on the next run, a detached table whose drop was
+/// interrupted is dropped. Sends each statement on its own, outside any
+/// transaction block, as `DETACH … CONCURRENTLY` requires.
 ///
 /// # Errors
 /// The driver's errors.
@@ -256,16 +258,66 @@ pub async fn drop_expired_partitions<C: MigrationConnection>(
             }
             _ => {}
         }
-        let rows = conn
-            .query_text(&format!("SELECT count(*)::text FROM {name}"))
-            .await?
-            .and_then(|n| n.parse::<u64>().ok())
-            .unwrap_or(0);
+        let (rows, estimated) = day_rows(conn, name).await?;
         conn.execute(&format!("DROP TABLE {name}")).await?;
-        tracing::info!(partition = name, %day, rows, %cutoff, "inbox day partition dropped");
+        tracing::info!(
+            partition = name,
+            %day,
+            rows,
+            estimated,
+            %cutoff,
+            "inbox day partition dropped"
+        );
         dropped += rows;
     }
     Ok(dropped)
+}
+
+/// The size up to which a dropped day's rows are counted exactly
+/// ([`day_rows`]): 8 MiB, about 80,000 claims, a few milliseconds of one
+/// core.
+const EXACT_COUNT_BYTES: u64 = 8 << 20;
+
+/// The rows of the detached day table `name`, and whether the number is an
+/// estimate.
+///
+/// Why not always `count(*)`: sampling the claims' backends during the
+/// cleanup benchmark's drops (`pg_stat_activity`, `pg_locks`) showed them
+/// never waiting on a lock, only on the CPU and their own WAL flush, and
+/// the count of a 1 M-row day was most of the drop's CPU (about 52 ms of a
+/// core, plus parallel workers started for it, against about 6 ms for the
+/// detach and 22–31 ms for the DROP's file truncation; see
+/// `docs/benchmark-notes.md`). On a busy database that CPU comes out of the
+/// claims' latency, for a number that only feeds a log line and a counter.
+/// So a large day reports the planner's estimate (`reltuples` per page,
+/// times the table's pages now, as the planner scales it), which
+/// autovacuum keeps current on a day that stopped receiving inserts a
+/// retention ago; a small day, or one never analyzed, is counted.
+async fn day_rows<C: MigrationConnection>(
+    conn: &mut C,
+    name: &str,
+) -> Result<(u64, bool), InboxError> {
+    // `name` is a day partition's name (checked by the caller). One row
+    // always, NULL when the day must be counted.
+    let estimate = conn
+        .query_text(&format!(
+            "SELECT (SELECT (c.reltuples::float8 / c.relpages * (pg_relation_size(c.oid) \
+             / current_setting('block_size')::int8))::int8::text \
+             FROM pg_class AS c WHERE c.oid = '{name}'::regclass \
+             AND c.reltuples >= 0 AND c.relpages > 0 \
+             AND pg_relation_size(c.oid) > {EXACT_COUNT_BYTES})"
+        ))
+        .await?
+        .and_then(|n| n.parse::<u64>().ok());
+    if let Some(rows) = estimate {
+        return Ok((rows, true));
+    }
+    let rows = conn
+        .query_text(&format!("SELECT count(*)::text FROM {name}"))
+        .await?
+        .and_then(|n| n.parse::<u64>().ok())
+        .unwrap_or(0);
+    Ok((rows, false))
 }
 
 /// The day of a day partition's name, or `None` for any other name.
