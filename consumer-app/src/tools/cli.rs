@@ -719,6 +719,11 @@ pub struct RelaySettings {
     /// Outgoing messages taken, published and confirmed per round.
     #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value = "100")]
     pub batch_size: NonZeroU32,
+    /// Batches published and not yet confirmed and marked at once, each on a
+    /// channel of its own (1: take, publish, confirm and mark one batch
+    /// after the other).
+    #[arg(long, env = "OUTBOX_PIPELINE_DEPTH", default_value_t = RelayConfig::DEFAULT_PIPELINE_DEPTH)]
+    pub pipeline_depth: NonZeroU32,
     /// Seconds a taken batch stays this relay's; then another relay may
     /// publish what it did not mark (at least twice --confirm-timeout-secs).
     #[arg(long, env = "OUTBOX_LEASE_SECS", default_value_t = 30)]
@@ -791,6 +796,7 @@ impl RelaySettings {
     ) -> Result<RelayConfig, AppError> {
         let config = RelayConfig {
             batch_size: self.batch_size,
+            pipeline_depth: self.pipeline_depth,
             lease: Duration::from_secs(self.lease_secs),
             poll_interval: Duration::from_millis(self.poll_interval_ms),
             confirm_timeout: Duration::from_secs(self.confirm_timeout_secs),
