@@ -4,15 +4,15 @@ use std::num::NonZeroU32;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use consumer_app::parcel::store::{ParcelStore, StoreKind};
 use consumer_app::runtime::redact::redact_url;
 use consumer_app::runtime::relay::purge_published_once;
 use consumer_app::runtime::service::cleanup_once;
 use consumer_app::runtime::{AppError, CleanupConfig};
 use consumer_app::tools::cli::{
-    ApiArgs, CleanupArgs, ConsumeArgs, Global, OutboxPurgeArgs, Plain, RelayArgs, WorkerArgs,
-    run_main,
+    ApiArgs, CleanupArgs, ConsumeArgs, Global, Idle, OutboxPurgeArgs, Plain, RelayArgs, Uses,
+    WorkerArgs, refuse_idle, run_main,
 };
 use consumer_app::tools::dead::{
     ListDead, ListDeadOutgoing, RequeueDeadOutgoing, replay_dead_letters, role_of,
@@ -136,8 +136,141 @@ enum Command {
 /// Connection attempts of a one-shot command.
 const ONE_SHOT: Option<u32> = Some(1);
 
+impl Command {
+    /// The flags given to this command that would have no effect on it
+    /// (see [`refuse_idle`]): the global ones by what the command uses,
+    /// then its own.
+    fn idle(&self, global: &Global) -> Vec<Idle> {
+        let store = Uses {
+            store: true,
+            schema: true,
+            ..Uses::default()
+        };
+        let broker = Uses {
+            broker: true,
+            names: true,
+            ..Uses::default()
+        };
+        let (uses, own) = match self {
+            Command::Migrate => (
+                Uses {
+                    command: "migrate",
+                    ..store
+                },
+                Vec::new(),
+            ),
+            Command::Stats => (
+                Uses {
+                    command: "stats",
+                    ..store
+                },
+                Vec::new(),
+            ),
+            Command::Dead { .. } => (
+                Uses {
+                    command: "dead",
+                    ..store
+                },
+                Vec::new(),
+            ),
+            Command::OutboxDead { .. } => (
+                Uses {
+                    command: "outbox-dead",
+                    ..store
+                },
+                Vec::new(),
+            ),
+            Command::OutboxRequeue { .. } => (
+                Uses {
+                    command: "outbox-requeue",
+                    ..store
+                },
+                Vec::new(),
+            ),
+            Command::Cleanup { .. } => (
+                Uses {
+                    command: "cleanup",
+                    ..store
+                },
+                Vec::new(),
+            ),
+            Command::Replay { .. } => (
+                Uses {
+                    command: "replay",
+                    ..broker
+                },
+                Vec::new(),
+            ),
+            Command::Publish { .. } => (
+                Uses {
+                    command: "publish",
+                    queues: true,
+                    ..broker
+                },
+                Vec::new(),
+            ),
+            Command::Consume(args) => (
+                Uses {
+                    command: "consume",
+                    store: true,
+                    schema: true,
+                    broker: true,
+                    names: true,
+                    queues: true,
+                },
+                args.idle(),
+            ),
+            Command::Relay(args) => (
+                Uses {
+                    command: "relay",
+                    store: true,
+                    schema: true,
+                    ..broker
+                },
+                args.settings.idle(),
+            ),
+            // The exchange's name goes into every outbox row, relay or not.
+            Command::Api(args) => (
+                Uses {
+                    command: if args.no_relay {
+                        "api --no-relay"
+                    } else {
+                        "api"
+                    },
+                    store: true,
+                    schema: true,
+                    broker: !args.no_relay,
+                    names: true,
+                    queues: false,
+                },
+                args.idle(),
+            ),
+            // A fresh schema and topology of its own per run.
+            Command::Demo { worker, .. } => (
+                Uses {
+                    command: "demo",
+                    store: true,
+                    broker: true,
+                    ..Uses::default()
+                },
+                worker.idle(),
+            ),
+        };
+        let mut idle = global.idle(uses);
+        idle.extend(own);
+        idle
+    }
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let mut command = Cli::command();
+    let matches = command.get_matches_mut();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut command).exit());
+    if let Some((_, given)) = matches.subcommand()
+        && let Err(refused) = refuse_idle(given, &cli.command.idle(&cli.global))
+    {
+        refused.format(&mut command).exit();
+    }
     run_main(cli.global.log_format, run(cli))
 }
 

@@ -222,3 +222,198 @@ fn logs_written_to_a_pipe_carry_no_colour_codes() {
         "ANSI escape codes in piped logs:\n{text:?}"
     );
 }
+
+/// A flag given where it has no effect is refused as a usage error naming
+/// the flag and why, before anything connects (all of these would
+/// otherwise reach closed ports or run); the same value from the
+/// environment (a fleet's shared configuration) is not.
+#[test]
+fn flags_without_effect_are_refused_by_name_and_reason() {
+    let nowhere = ["--database-url=postgres://postgres@127.0.0.1:1/none"];
+    let mut cases: Vec<(Vec<&str>, &str, &str)> = vec![
+        (
+            vec!["--pool-size=4", "publish"],
+            "--pool-size",
+            "uses no database",
+        ),
+        (
+            vec![
+                "--layout=partitioned",
+                "replay",
+                "--consumer=parcel-carrier-assignment",
+                "--all",
+            ],
+            "--layout",
+            "uses no database",
+        ),
+        (vec!["--store=sqlx", "publish"], "--store", "opens no store"),
+        (
+            vec!["--amqp-url=amqp://127.0.0.1:1", "stats"],
+            "--amqp-url",
+            "does not connect to RabbitMQ",
+        ),
+        (
+            vec!["--prefix=x.", "dead"],
+            "--prefix",
+            "names no exchange or queue",
+        ),
+        (
+            vec!["--queue-type=classic", "relay"],
+            "--queue-type",
+            "declares no queue",
+        ),
+        (
+            vec!["--queue-type=classic", "api"],
+            "--queue-type",
+            "declares no queue",
+        ),
+        (
+            vec!["--queue-type=classic", "migrate"],
+            "--queue-type",
+            "declares no queue",
+        ),
+        (
+            vec!["--schema=x", "demo"],
+            "--schema",
+            "a schema of its own",
+        ),
+        (
+            vec!["--prefix=x.", "demo"],
+            "--prefix",
+            "names no exchange or queue",
+        ),
+        (
+            vec!["api", "--no-relay", "--lease-secs=60"],
+            "--lease-secs",
+            "--no-relay runs no relay",
+        ),
+        (
+            vec!["api", "--no-relay", "--purge-batch=5"],
+            "--purge-batch",
+            "--no-relay runs no relay",
+        ),
+        (
+            vec!["--amqp-url=amqp://127.0.0.1:1", "api", "--no-relay"],
+            "--amqp-url",
+            "`api --no-relay` does not connect",
+        ),
+        (
+            vec![
+                "relay",
+                "--purge-interval-secs=0",
+                "--published-retention-hours=1",
+            ],
+            "--published-retention-hours",
+            "--purge-interval-secs 0",
+        ),
+        (
+            vec!["api", "--purge-interval-secs=0", "--purge-pause-ms=1"],
+            "--purge-pause-ms",
+            "--purge-interval-secs 0",
+        ),
+        (
+            vec!["consume", "--cleanup-interval-secs=0", "--retention-days=3"],
+            "--retention-days",
+            "--cleanup-interval-secs 0",
+        ),
+        (
+            vec!["consume", "--metrics-addr=off", "--gauge-interval-secs=5"],
+            "--gauge-interval-secs",
+            "--metrics-addr off",
+        ),
+        (
+            vec![
+                "consume",
+                "--prefetch=1",
+                "--batch-size=10",
+                "--batch-wait=5",
+            ],
+            "--batch-size",
+            "batched mode needs",
+        ),
+        (
+            vec!["demo", "--batch-size=1", "--batch-wait=5"],
+            "--batch-size",
+            "batched mode needs",
+        ),
+    ];
+    if cfg!(feature = "memory") {
+        let memory = "the memory store has no database";
+        cases.extend([
+            (
+                vec!["--store=memory", "--pool-size=4", "stats"],
+                "--pool-size",
+                memory,
+            ),
+            (
+                vec!["--store=memory", "--lock-timeout-ms=5", "consume"],
+                "--lock-timeout-ms",
+                memory,
+            ),
+            (
+                vec![
+                    "--store=memory",
+                    "--idle-in-transaction-timeout-secs=90",
+                    "api",
+                ],
+                "--idle-in-transaction-timeout-secs",
+                memory,
+            ),
+            (
+                vec!["--store=memory", "--layout=partitioned", "migrate"],
+                "--layout",
+                memory,
+            ),
+            (
+                vec!["--store=memory", "--schema=x", "cleanup"],
+                "--schema",
+                memory,
+            ),
+        ]);
+    }
+    for (args, flag, why) in cases {
+        let (code, text) = parcel_inbox(&args);
+        assert_eq!(code, Some(2), "{args:?} must be refused:\n{text}");
+        assert!(
+            text.contains(&format!("{flag} has no effect")) && text.contains(why),
+            "{args:?} must name {flag} and why ({why}):\n{text}"
+        );
+    }
+    // Where they act, the same flags pass parsing: the command runs and
+    // meets the closed port.
+    for args in [
+        &[
+            nowhere[0],
+            "--pool-size=4",
+            "--lock-timeout-ms=5",
+            "--layout=partitioned",
+            "stats",
+        ][..],
+        &[
+            "--queue-type=classic",
+            "--prefix=x.",
+            "--amqp-url=amqp://127.0.0.1:1",
+            "publish",
+            "--quiet",
+        ],
+    ] {
+        let (code, text, _) = parcel_inbox_within(args, Duration::from_secs(15));
+        assert_eq!(code, Some(1), "{args:?} must run and fail:\n{text}");
+        assert!(!text.contains("has no effect"), "{args:?}:\n{text}");
+        assert!(
+            text.to_lowercase().contains("connection refused"),
+            "{args:?}:\n{text}"
+        );
+    }
+    // From the environment: ignored where it has no subject.
+    let output = Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
+        .args([nowhere[0], "stats"])
+        .env("DATABASE_POOL_SIZE", "4")
+        .env("PARCEL_QUEUE_TYPE", "classic")
+        .env("AMQP_URL", "amqp://127.0.0.1:1")
+        .output()
+        .expect("run parcel-inbox");
+    let text = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert!(text.to_lowercase().contains("connection refused"), "{text}");
+}

@@ -1080,16 +1080,30 @@ async fn a_killed_diesel_listener_reconnects_and_wakes_the_relay() {
 /// every publish; returned unroutable, with `mandatory`) backs off on its
 /// own and ends dead after `max_attempts` refusals, kept and listed, while
 /// the others flow; `outbox-dead` lists it and `outbox-requeue` makes it
-/// pending again with a fresh count.
+/// pending again with a fresh count. With `mandatory` on and four batches
+/// in flight, the refused messages spread over them: a batch must never
+/// take another batch's return for its own (an unroutable message marked
+/// published is a lost event).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_the_broker_always_refuses_ends_dead_while_the_others_flow() {
     let id = test_id();
     let (broker, store) = (Broker::declare(&id).await, sqlx_store(&id).await);
-    let good: Vec<OutgoingMessage> = (0..5).map(|n| broker.message(&broker.good, n)).collect();
-    let nacked = broker.message(&broker.full, 0);
-    let unroutable = broker.message("bound-to-nothing", 0);
-    let mut all = good.clone();
-    all.extend([nacked.clone(), unroutable.clone()]);
+    let (mut good, mut nacked, mut unroutable, mut all) = (vec![], vec![], vec![], vec![]);
+    // Batches of 5, one refused message in every third or fourth slot.
+    for n in 0..60 {
+        let message = match n % 7 {
+            2 => broker.message(&broker.full, n),
+            5 => broker.message("bound-to-nothing", n),
+            _ => broker.message(&broker.good, n),
+        };
+        match n % 7 {
+            2 => nacked.push(message.clone()),
+            5 => unroutable.push(message.clone()),
+            _ => good.push(message.clone()),
+        }
+        all.push(message);
+    }
+    let refused = nacked.len() + unroutable.len();
     enqueue_committed(&store, &all).await;
 
     let relay = Relay::new(
@@ -1100,14 +1114,16 @@ async fn a_message_the_broker_always_refuses_ends_dead_while_the_others_flow() {
                 max_delay: Duration::from_millis(200),
                 max_attempts: std::num::NonZeroU32::new(3).expect("non-zero"),
             },
-            ..config(&id, 10)
+            pipeline_depth: std::num::NonZeroU32::new(4).expect("non-zero"),
+            mandatory: true,
+            ..config(&id, 5)
         },
     )
     .expect("valid config")
     .spawn();
     let tally = std::sync::Arc::clone(&relay.tally);
-    wait_until("both refused messages are dead", async || {
-        get(&tally.dead) == 2
+    wait_until("every refused message is dead", async || {
+        get(&tally.dead) == refused as u64
     })
     .await;
     wait_until("the good ones are published", async || {
@@ -1116,27 +1132,35 @@ async fn a_message_the_broker_always_refuses_ends_dead_while_the_others_flow() {
     .await;
     stop(relay).await;
 
-    assert_eq!(get(&tally.published), 5);
-    assert_eq!(get(&tally.refused), 6, "three refusals each, no more");
-    for (message, answer) in [(&nacked, "nacked"), (&unroutable, "returned unroutable")] {
-        let record = store
-            .lookup_outgoing(&message.id())
-            .await
-            .expect("lookup")
-            .expect("kept");
-        assert!(record.dead_at.is_some() && record.published_at.is_none());
-        assert_eq!(record.failures, 3);
-        assert!(
-            record
-                .last_error
-                .as_deref()
-                .is_some_and(|e| e.contains(answer)),
-            "{record:?}"
-        );
+    assert_eq!(get(&tally.published), good.len() as u64);
+    assert_eq!(
+        get(&tally.refused),
+        3 * refused as u64,
+        "three refusals each, no more"
+    );
+    for (messages, answer) in [(&nacked, "nacked"), (&unroutable, "returned unroutable")] {
+        for message in messages {
+            let record = store
+                .lookup_outgoing(&message.id())
+                .await
+                .expect("lookup")
+                .expect("kept");
+            assert!(record.dead_at.is_some() && record.published_at.is_none());
+            assert_eq!(record.failures, 3);
+            assert!(
+                record
+                    .last_error
+                    .as_deref()
+                    .is_some_and(|e| e.contains(answer)),
+                "{record:?}"
+            );
+        }
     }
-    let got: BTreeSet<String> = broker.drain().await.into_iter().map(|m| m.0).collect();
+    let got: Vec<String> = broker.drain().await.into_iter().map(|m| m.0).collect();
     let good_ids: BTreeSet<String> = good.iter().map(|m| m.id().to_string()).collect();
-    assert_eq!(got, good_ids);
+    assert_eq!(got.len(), good.len(), "each good message once");
+    assert_eq!(got.into_iter().collect::<BTreeSet<_>>(), good_ids);
+    let (nacked, unroutable) = (&nacked[0], &unroutable[0]);
 
     let database_url = database_url();
     let command = |args: &[&str]| {
@@ -1152,11 +1176,14 @@ async fn a_message_the_broker_always_refuses_ends_dead_while_the_others_flow() {
         stdout
     };
     let listed = command(&["outbox-dead"]);
-    for message in [&nacked, &unroutable] {
+    for message in [nacked, unroutable] {
         assert!(listed.contains(&message.id().to_string()), "{listed}");
     }
-    assert!(listed.contains("2 dead outgoing message(s)"), "{listed}");
-    assert_eq!(store.dead_count().await.expect("count"), 2);
+    assert!(
+        listed.contains(&format!("{refused} dead outgoing message(s)")),
+        "{listed}"
+    );
+    assert_eq!(store.dead_count().await.expect("count"), refused as u64);
     let requeued = command(&[
         "outbox-requeue",
         "--message-id",
@@ -1170,8 +1197,10 @@ async fn a_message_the_broker_always_refuses_ends_dead_while_the_others_flow() {
         .expect("kept");
     assert_eq!((record.failures, record.dead_at), (0, None));
     assert_eq!(store.pending_count().await.expect("count"), 1);
-    assert_eq!(store.dead_count().await.expect("count"), 1);
-    assert!(command(&["outbox-requeue", "--all"]).contains("requeued 1 dead"));
+    assert_eq!(store.dead_count().await.expect("count"), refused as u64 - 1);
+    assert!(
+        command(&["outbox-requeue", "--all"]).contains(&format!("requeued {} dead", refused - 1))
+    );
     assert_eq!(store.dead_count().await.expect("count"), 0);
 
     broker.remove().await;
@@ -1527,7 +1556,6 @@ async fn the_relay_takes_the_next_batches_while_a_mark_is_pending() {
         store.clone(),
         RelayConfig {
             pipeline_depth: std::num::NonZeroU32::new(3).expect("non-zero"),
-            mandatory: false,
             ..config(&id, 5)
         },
     )
@@ -1551,5 +1579,111 @@ async fn the_relay_takes_the_next_batches_while_a_mark_is_pending() {
     }
     let got: BTreeSet<String> = broker.drain().await.into_iter().map(|m| m.0).collect();
     assert_eq!(got.len(), 15);
+    broker.remove().await;
+}
+
+/// A channel that closes fails only the batch it carried: with four
+/// batches in flight, each on a channel of its own, a publish to a missing
+/// exchange closes its batch's channel (404); what of that batch the
+/// broker had not confirmed stays pending, uncharged, while the batches on
+/// the other channels are marked after their own confirms, and the relay opens a new channel on the same
+/// connection. Once the exchange exists, the held batch goes out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_channel_fails_only_the_batch_it_carried() {
+    let id = test_id();
+    let broker = Broker::declare(&id).await;
+    // Batch 1's mark waits for batch 2's take: the two are in flight at once.
+    let store = MarkAfterTakes {
+        inner: MemoryStore::new(),
+        takes: std::sync::Arc::new(tokio::sync::watch::Sender::new(0)),
+        takes_before_mark: 2,
+    };
+    let missing = format!("test-relay-{id}.missing");
+    let messages: Vec<OutgoingMessage> = (0..20)
+        .map(|n| match n {
+            7 => OutgoingMessage::new(MessageId::new_v7(), missing.as_str(), "k", "T", vec![7])
+                .expect("valid message"),
+            n => broker.message(&broker.good, n),
+        })
+        .collect();
+    enqueue_committed(&store, &messages).await;
+    let relay = Relay::new(
+        store.clone(),
+        RelayConfig {
+            pipeline_depth: std::num::NonZeroU32::new(4).expect("non-zero"),
+            lease: Duration::from_secs(2),
+            confirm_timeout: Duration::from_secs(1),
+            ..config(&id, 5)
+        },
+    )
+    .expect("valid config")
+    .spawn();
+    let tally = std::sync::Arc::clone(&relay.tally);
+    let (held, flowed) = (&messages[5..10], [&messages[..5], &messages[10..]].concat());
+    let published = async |message: &OutgoingMessage| {
+        store
+            .lookup_outgoing(&message.id())
+            .await
+            .expect("lookup")
+            .expect("kept")
+    };
+    wait_until("the other three batches are marked", async || {
+        for message in &flowed {
+            if published(message).await.published_at.is_none() {
+                return false;
+            }
+        }
+        true
+    })
+    .await;
+    for message in &flowed {
+        assert_eq!(published(message).await.attempts, 1, "taken once");
+    }
+    // Of the broken batch, what the broker confirmed before the channel
+    // closed is marked, after its own confirm; the rest stays pending,
+    // charged nothing.
+    assert!(get(&tally.failed) >= 1, "the broken batch failed");
+    assert!(published(&messages[7]).await.published_at.is_none());
+    for message in held {
+        let record = published(message).await;
+        assert_eq!(record.failures, 0, "a closed channel charges nothing");
+    }
+
+    broker
+        .channel
+        .exchange_declare(
+            missing.as_str().into(),
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions::default(),
+            no_args(),
+        )
+        .await
+        .expect("exchange");
+    broker
+        .channel
+        .queue_bind(
+            broker.good.as_str().into(),
+            missing.as_str().into(),
+            "k".into(),
+            QueueBindOptions::default(),
+            no_args(),
+        )
+        .await
+        .expect("bind");
+    wait_until("the held batch goes out", async || {
+        store.pending_count().await.expect("count") == 0
+    })
+    .await;
+    stop(relay).await;
+    assert_eq!(get(&tally.connections), 1, "new channels, not connections");
+    assert_eq!(get(&tally.refused), 0);
+    let got: BTreeSet<String> = broker.drain().await.into_iter().map(|m| m.0).collect();
+    let ids: BTreeSet<String> = messages.iter().map(|m| m.id().to_string()).collect();
+    assert_eq!(got, ids);
+    broker
+        .channel
+        .exchange_delete(missing.as_str().into(), ExchangeDeleteOptions::default())
+        .await
+        .expect("delete exchange");
     broker.remove().await;
 }

@@ -9,7 +9,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::Args;
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Args};
 use futures::stream::BoxStream;
 use inbox_api::{OutboxStore, PublishRetry};
 use inbox_postgres::SessionTimeouts;
@@ -109,6 +110,140 @@ impl Global {
     }
 }
 
+/// What a command does with the global flags' subjects: which of them
+/// could have an effect on it. [`Global::idle`] turns it into the flags
+/// that could not.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Uses {
+    /// The command's name, for the errors.
+    pub command: &'static str,
+    /// It opens the store (`--store`, and the database's flags unless the
+    /// store is the memory one).
+    pub store: bool,
+    /// It uses the store in `--schema` (not a schema of its own).
+    pub schema: bool,
+    /// It connects to RabbitMQ (`--amqp-url`).
+    pub broker: bool,
+    /// It names exchanges or queues after `--prefix`.
+    pub names: bool,
+    /// It declares the consumers' queues (`--queue-type`).
+    pub queues: bool,
+}
+
+/// Flags that would have no effect in this invocation, and why: given on
+/// the command line, [`refuse_idle`] refuses them.
+#[derive(Clone, Debug)]
+pub struct Idle {
+    /// The flags' clap ids (their fields' names; the long flag is the id
+    /// with dashes).
+    pub ids: Vec<String>,
+    /// Why they would do nothing, after "has no effect: ".
+    pub because: String,
+}
+
+impl Idle {
+    /// `ids` have no effect `because`.
+    pub fn new(ids: &[&str], because: impl Into<String>) -> Self {
+        Self {
+            ids: ids.iter().map(|id| (*id).to_owned()).collect(),
+            because: because.into(),
+        }
+    }
+
+    /// Every flag of the group `A` has no effect `because`: read from the
+    /// group itself, so that a flag added to it is covered.
+    pub fn all_of<A: Args>(because: impl Into<String>) -> Self {
+        Self {
+            ids: A::augment_args(clap::Command::new("idle"))
+                .get_arguments()
+                .map(|arg| arg.get_id().to_string())
+                .collect(),
+            because: because.into(),
+        }
+    }
+}
+
+/// Refuses, as a usage error (exit status 2, as for a flag a command does
+/// not have at all, such as `api --metrics-addr`), the first flag of
+/// `idle` given on the command line of `matches` (the subcommand's, which
+/// hold the global flags too).
+///
+/// Why only the command line: an operator who types a flag expects it to
+/// do something, and a silent no-op hides a mistake (a pool size that
+/// never applied, a queue type that was never declared). An environment
+/// variable is the fleet's configuration, shared by every command
+/// (`DATABASE_POOL_SIZE` for `publish` too), so there it is ignored where
+/// it has no subject.
+///
+/// # Errors
+/// The refusal, naming the flag and why it would do nothing.
+pub fn refuse_idle(matches: &ArgMatches, idle: &[Idle]) -> Result<(), clap::Error> {
+    for rule in idle {
+        for id in &rule.ids {
+            if matches.value_source(id) == Some(ValueSource::CommandLine) {
+                return Err(clap::Error::raw(
+                    clap::error::ErrorKind::ArgumentConflict,
+                    format!("--{} has no effect: {}", id.replace('_', "-"), rule.because),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+impl Global {
+    /// The global flags that have no effect on a command that `uses` what
+    /// it says, with this store. The one table of which global flag acts
+    /// on what; `--log-format` acts everywhere.
+    pub fn idle(&self, uses: Uses) -> Vec<Idle> {
+        const DATABASE: &[&str] = &[
+            "database_url",
+            "pool_size",
+            "lock_timeout_ms",
+            "idle_in_transaction_timeout_secs",
+            "layout",
+        ];
+        let command = uses.command;
+        let mut idle = Vec::new();
+        if !uses.store {
+            idle.push(Idle::new(&["store"], format!("`{command}` opens no store")));
+            idle.push(Idle::new(DATABASE, format!("`{command}` uses no database")));
+            idle.push(Idle::new(
+                &["schema"],
+                format!("`{command}` uses no database"),
+            ));
+        } else if self.store == StoreKind::Memory {
+            let why = "the memory store has no database (its state lives in this process)";
+            idle.push(Idle::new(DATABASE, why));
+            idle.push(Idle::new(&["schema"], why));
+        } else if !uses.schema {
+            idle.push(Idle::new(
+                &["schema"],
+                format!("`{command}` creates a schema of its own"),
+            ));
+        }
+        if !uses.broker {
+            idle.push(Idle::new(
+                &["amqp_url"],
+                format!("`{command}` does not connect to RabbitMQ"),
+            ));
+        }
+        if !uses.names {
+            idle.push(Idle::new(
+                &["prefix"],
+                format!("`{command}` names no exchange or queue of the service's"),
+            ));
+        }
+        if !uses.queues {
+            idle.push(Idle::new(
+                &["queue_type"],
+                format!("`{command}` declares no queue (`consume` and `publish` do)"),
+            ));
+        }
+        idle
+    }
+}
+
 /// [`SessionTimeouts`]' default lock timeout, in the flag's unit.
 fn default_lock_timeout_ms() -> u64 {
     u64::try_from(SessionTimeouts::DEFAULT_LOCK_TIMEOUT.as_millis()).unwrap_or(u64::MAX)
@@ -180,6 +315,24 @@ impl WorkerArgs {
                 _ => None,
             },
             ..WorkerConfig::default()
+        }
+    }
+}
+
+impl WorkerArgs {
+    /// The flags that would have no effect: the batch's, when batched mode
+    /// cannot run (a batch of one, or a prefetch of one delivery).
+    pub fn idle(&self) -> Vec<Idle> {
+        match self.batch_size {
+            Some(size) if size <= 1 || self.prefetch <= 1 => vec![Idle::new(
+                &["batch_size", "batch_wait"],
+                format!(
+                    "batched mode needs a batch size and a prefetch above 1 \
+                     (--batch-size {size}, --prefetch {})",
+                    self.prefetch
+                ),
+            )],
+            _ => Vec::new(),
         }
     }
 }
@@ -298,6 +451,26 @@ pub struct ConsumeArgs {
 }
 
 impl ConsumeArgs {
+    /// The flags that would have no effect: the cleanup's when it is off,
+    /// the gauge's interval without a metrics endpoint, the batch's when
+    /// batched mode cannot run.
+    pub fn idle(&self) -> Vec<Idle> {
+        let mut idle = self.worker.idle();
+        if self.cleanup_interval_secs == 0 {
+            idle.push(Idle::all_of::<CleanupArgs>(
+                "--cleanup-interval-secs 0 turns the background cleanup off",
+            ));
+        }
+        if matches!(self.metrics_addr.as_str(), "off" | "") {
+            idle.push(Idle::new(
+                &["gauge_interval_secs"],
+                "the inbox_rows gauge is only served on the metrics endpoint, \
+                 which --metrics-addr off turns off",
+            ));
+        }
+        idle
+    }
+
     /// The `consume` path these flags (and `global`'s) make, started by
     /// `spawner`.
     ///
@@ -546,6 +719,11 @@ pub struct RelaySettings {
     /// Outgoing messages taken, published and confirmed per round.
     #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value = "100")]
     pub batch_size: NonZeroU32,
+    /// Batches published and not yet confirmed and marked at once, each on a
+    /// channel of its own (1: take, publish, confirm and mark one batch
+    /// after the other).
+    #[arg(long, env = "OUTBOX_PIPELINE_DEPTH", default_value_t = RelayConfig::DEFAULT_PIPELINE_DEPTH)]
+    pub pipeline_depth: NonZeroU32,
     /// Seconds a taken batch stays this relay's; then another relay may
     /// publish what it did not mark (at least twice --confirm-timeout-secs).
     #[arg(long, env = "OUTBOX_LEASE_SECS", default_value_t = 30)]
@@ -594,6 +772,16 @@ impl RelayArgs {
 }
 
 impl RelaySettings {
+    /// The flags that would have no effect: the purge's when it is off.
+    pub fn idle(&self) -> Vec<Idle> {
+        match self.purge_interval_secs {
+            0 => vec![Idle::all_of::<OutboxPurgeArgs>(
+                "--purge-interval-secs 0 turns the background purge off",
+            )],
+            _ => Vec::new(),
+        }
+    }
+
     /// The relay these flags (and `global`'s) make, on a connection named
     /// `connection_name`. It declares the Parcel exchange before
     /// publishing, so that the events go out before any `consume` process
@@ -608,6 +796,7 @@ impl RelaySettings {
     ) -> Result<RelayConfig, AppError> {
         let config = RelayConfig {
             batch_size: self.batch_size,
+            pipeline_depth: self.pipeline_depth,
             lease: Duration::from_secs(self.lease_secs),
             poll_interval: Duration::from_millis(self.poll_interval_ms),
             confirm_timeout: Duration::from_secs(self.confirm_timeout_secs),
@@ -717,6 +906,17 @@ pub struct ApiArgs {
 }
 
 impl ApiArgs {
+    /// The flags that would have no effect: every relay flag with
+    /// `--no-relay`, else the relay's own idle ones.
+    pub fn idle(&self) -> Vec<Idle> {
+        match self.no_relay {
+            true => vec![Idle::all_of::<RelaySettings>(
+                "--no-relay runs no relay in this process (`parcel-inbox relay` takes the relay's flags)",
+            )],
+            false => self.relay.idle(),
+        }
+    }
+
     /// The `api` command these flags (and `global`'s) make.
     ///
     /// # Errors
@@ -869,5 +1069,82 @@ pub fn run_main(
             eprintln!("error: {}", crate::runtime::error::chain(&error));
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{Args, Command, FromArgMatches};
+
+    use super::*;
+
+    /// Parses `A` alone from `args`.
+    fn parse<A: Args + FromArgMatches>(args: &[&str]) -> (A, Command) {
+        let command = A::augment_args(Command::new("t"));
+        let matches = command
+            .clone()
+            .try_get_matches_from(std::iter::once("t").chain(args.iter().copied()))
+            .expect("the flags parse");
+        (A::from_arg_matches(&matches).expect("the flags"), command)
+    }
+
+    /// Every id a rule names is a flag of the command it is checked on: a
+    /// misspelt id would never be refused.
+    fn assert_ids_exist(idle: &[Idle], command: &Command) {
+        assert!(!idle.is_empty());
+        for id in idle.iter().flat_map(|rule| &rule.ids) {
+            assert!(
+                command.get_arguments().any(|arg| arg.get_id() == id),
+                "{id} is not a flag"
+            );
+        }
+    }
+
+    #[test]
+    fn every_idle_rule_names_existing_flags() {
+        let (global, command) = parse::<Global>(&[]);
+        assert_ids_exist(&global.idle(Uses::default()), &command);
+        if cfg!(feature = "memory") {
+            let (global, command) = parse::<Global>(&["--store=memory"]);
+            let idle = global.idle(Uses {
+                store: true,
+                ..Uses::default()
+            });
+            assert_ids_exist(&idle, &command);
+            assert!(
+                idle.iter()
+                    .any(|rule| rule.ids.iter().any(|id| id == "pool_size")),
+                "{idle:?}"
+            );
+        }
+        let (consume, command) = parse::<ConsumeArgs>(&[
+            "--cleanup-interval-secs=0",
+            "--metrics-addr=off",
+            "--batch-size=1",
+            "--batch-wait=1",
+        ]);
+        assert_eq!(consume.idle().len(), 3);
+        assert_ids_exist(&consume.idle(), &command);
+        let (api, command) = parse::<ApiArgs>(&["--no-relay"]);
+        assert_ids_exist(&api.idle(), &command);
+        assert!(api.idle()[0].ids.len() >= 11, "{:?}", api.idle());
+    }
+
+    #[test]
+    fn flags_where_they_act_are_not_idle() {
+        let (global, _) = parse::<Global>(&["--pool-size=3"]);
+        let all = Uses {
+            command: "consume",
+            store: true,
+            schema: true,
+            broker: true,
+            names: true,
+            queues: true,
+        };
+        assert!(global.idle(all).is_empty());
+        let (consume, _) = parse::<ConsumeArgs>(&["--batch-size=10", "--batch-wait=5"]);
+        assert!(consume.idle().is_empty(), "{:?}", consume.idle());
+        let (api, _) = parse::<ApiArgs>(&[]);
+        assert!(api.idle().is_empty(), "{:?}", api.idle());
     }
 }

@@ -287,8 +287,6 @@ async fn relayed<S: OutboxStore + Clone + 'static>(
     let mut config = RelayConfig::new(AMQP_URL, "inbox bench relay");
     config.batch_size = batch;
     config.pipeline_depth = depth;
-    // A depth above one needs `mandatory` off (`RelayConfig::check`).
-    config.mandatory = depth.get() == 1;
     let relay = Relay::new(store.clone(), config)?;
     let n = messages.len() as u64;
     // Generous: far below 100 messages/s is a broken run, not a result.
