@@ -323,6 +323,16 @@ impl DieselStore {
         self.layout
     }
 
+    /// The partitioned layout's partitions, with their bounds and the
+    /// planner's row estimates ([`inbox_postgres::partitions`]).
+    ///
+    /// # Errors
+    /// As [`inbox_postgres::partitions`].
+    pub async fn partitions(&self) -> Result<Vec<inbox_postgres::Partition>, InboxError> {
+        let mut conn = self.pool.get().await.map_err(classify_pool)?;
+        inbox_postgres::partitions(&mut Migrating(&mut conn), self.layout).await
+    }
+
     /// The partitioned layout's maintenance: creates the missing day
     /// partitions from `days_behind` days before today (UTC) to
     /// `days_ahead` after it ([`inbox_postgres::create_partitions`]) and

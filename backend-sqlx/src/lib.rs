@@ -207,6 +207,16 @@ impl SqlxStore {
         self.layout
     }
 
+    /// The partitioned layout's partitions, with their bounds and the
+    /// planner's row estimates ([`inbox_postgres::partitions`]).
+    ///
+    /// # Errors
+    /// As [`inbox_postgres::partitions`].
+    pub async fn partitions(&self) -> Result<Vec<inbox_postgres::Partition>, InboxError> {
+        let mut conn = self.pool.acquire().await.map_err(classify)?;
+        inbox_postgres::partitions(&mut Migrating(&mut conn), self.layout).await
+    }
+
     /// The partitioned layout's maintenance: creates the missing day
     /// partitions from `days_behind` days before today (UTC) to
     /// `days_ahead` after it ([`inbox_postgres::create_partitions`]) and

@@ -22,6 +22,7 @@ use consumer_app::tools::publish::{Plan, publish};
 use consumer_app::tools::stores::{WithOutbox, WithStore, with_outbox, with_store};
 use futures::stream::BoxStream;
 use inbox_api::{ConsumerName, MessageId, OutboxStore};
+use inbox_postgres::Layout;
 
 /// Parcel Tracking: RabbitMQ consumers with exactly-once effects through the inbox.
 // No Debug: the URLs may hold passwords.
@@ -69,6 +70,15 @@ enum Command {
         cleanup: CleanupArgs,
         #[command(flatten)]
         purge: OutboxPurgeArgs,
+    },
+    /// The partitioned inbox layout's maintenance (run it daily): create the
+    /// missing day partitions from today (UTC) to --ahead days after it (never
+    /// a past day: a dropped day stays gone), then list every partition with
+    /// its bounds and estimated rows. Needs --layout partitioned.
+    Partitions {
+        /// Days after today to create.
+        #[arg(long, default_value_t = inbox_postgres::DAYS_AHEAD)]
+        ahead: u16,
     },
     /// Print inbox rows, per-consumer counts, effects and double effects.
     Stats,
@@ -162,6 +172,13 @@ impl Command {
             Command::Stats => (
                 Uses {
                     command: "stats",
+                    ..store
+                },
+                Vec::new(),
+            ),
+            Command::Partitions { .. } => (
+                Uses {
+                    command: "partitions",
                     ..store
                 },
                 Vec::new(),
@@ -287,6 +304,23 @@ async fn run(cli: Cli) -> Result<(), AppError> {
     match cli.command {
         Command::Migrate => with_store(&store, ONE_SHOT, Migrate).await,
         Command::Stats => with_store(&store, ONE_SHOT, PrintStats).await,
+        Command::Partitions { ahead } => {
+            if global.store == StoreKind::Memory {
+                return Err(AppError::Config(
+                    "`partitions` needs a PostgreSQL store: the memory store has no partitions"
+                        .into(),
+                ));
+            }
+            if global.layout != Layout::Partitioned {
+                return Err(AppError::Config(format!(
+                    "`partitions` needs the partitioned inbox layout: the {} layout has no \
+                     partitions (cleanup deletes its rows). For a schema migrated with \
+                     --layout partitioned, pass --layout partitioned (or INBOX_LAYOUT=partitioned)",
+                    global.layout
+                )));
+            }
+            with_store(&store, ONE_SHOT, MaintainPartitions { ahead }).await
+        }
         Command::Dead { consumer, limit } => {
             let consumer = consumer.map(ConsumerName::new).transpose()?;
             with_store(&store, ONE_SHOT, ListDead { consumer, limit }).await
@@ -405,6 +439,45 @@ impl WithStore for PrintStats {
             println!("(memory store: a fresh, empty store in this process)");
         }
         print!("{stats}");
+        Ok(())
+    }
+}
+
+struct MaintainPartitions {
+    ahead: u16,
+}
+
+impl WithStore for MaintainPartitions {
+    type Output = ();
+
+    async fn run<S: ParcelStore>(self, store: S) -> Result<(), AppError> {
+        // Listed first: a schema of the other layout, or not migrated, is
+        // refused with its cause before anything is created.
+        store.partitions().await?;
+        let created = store.create_partitions(self.ahead).await?;
+        println!(
+            "created {created} day partition(s); the days from today to {} day(s) ahead (UTC) exist",
+            self.ahead
+        );
+        let partitions = store.partitions().await?;
+        println!(
+            "{:<26} {:<10} {:>14}  bounds",
+            "partition", "day (UTC)", "estimated rows"
+        );
+        for partition in &partitions {
+            println!(
+                "{:<26} {:<10} {:>14}  {}",
+                partition.name,
+                partition
+                    .day
+                    .map_or_else(|| "untimed".to_owned(), |day| day.to_string()),
+                partition
+                    .estimated_rows
+                    .map_or_else(|| "not analyzed".to_owned(), |rows| rows.to_string()),
+                partition.bounds
+            );
+        }
+        println!("{} partition(s)", partitions.len());
         Ok(())
     }
 }

@@ -50,6 +50,7 @@ fn worker_config() -> WorkerConfig {
         max_deliveries: 4,
         max_body_bytes: 1024,
         batch: BatchConfig::effective(BATCH, Duration::from_millis(50), 64),
+        ack_flush: Duration::from_millis(2),
     }
 }
 

@@ -90,6 +90,7 @@ fn worker_config() -> WorkerConfig {
         max_deliveries: 5,
         max_body_bytes: 1024,
         batch: None,
+        ack_flush: Duration::from_millis(2),
     }
 }
 
@@ -114,6 +115,17 @@ async fn start_on<S: ParcelStore>(
     faults: Arc<Faults>,
     topology: &Topology,
 ) -> Running {
+    start_configured(store, names, faults, topology, worker_config()).await
+}
+
+/// As [`start_on`], with the message path's settings `worker`.
+async fn start_configured<S: ParcelStore>(
+    store: &S,
+    names: &Names,
+    faults: Arc<Faults>,
+    topology: &Topology,
+    worker: WorkerConfig,
+) -> Running {
     if std::env::var_os("RUST_LOG").is_some() {
         consumer_app::runtime::telemetry::init_logging(Default::default());
     }
@@ -132,7 +144,7 @@ async fn start_on<S: ParcelStore>(
         store.clone(),
         ServiceConfig {
             amqp_url: AMQP_URL.to_owned(),
-            worker: worker_config(),
+            worker,
             connection_name: names.connection.clone(),
             cleanup: None,
             gauge_interval: None,
@@ -986,6 +998,85 @@ async fn closed_connection_redelivers_exactly_once<S: ParcelStore>(store: S, nam
     cleanup(&store, &names).await;
 }
 
+/// Acks wait to be coalesced (`ack_flush`): the connection closes after
+/// every message committed and before any ack went out. Every delivery
+/// comes back and is dropped as a duplicate, each effect happened once;
+/// and a graceful shutdown sends the acks still waiting (with an hour's
+/// `ack_flush`, nothing else would), so nothing is left in the queues.
+async fn waiting_acks_lost_with_the_connection_come_back_as_duplicates<S: ParcelStore>(
+    store: S,
+    names: Names,
+) {
+    // Below half the prefetch per queue: no flush by count.
+    const N: u64 = 5;
+    require_rabbitmq().await;
+    let _teardown = Teardown::new(&store, &names);
+    let topology = Topology::new(&names.prefix);
+    let worker = WorkerConfig {
+        ack_flush: Duration::from_secs(3600),
+        ..worker_config()
+    };
+    assert!(N < u64::from(worker.prefetch / 2));
+    let run = start_configured(
+        &store,
+        &names,
+        Arc::new(Faults::default()),
+        &topology,
+        worker,
+    )
+    .await;
+    let pid = connection_pid(&names.connection).await;
+    let plan = Plan::new(N as usize, 0.0, 3, &format!("P{}", names.schema)).expect("plan");
+    publish(AMQP_URL, &topology, &plan.messages, false)
+        .await
+        .expect("publish");
+    let tally = Arc::clone(&run.service.tally);
+    let counted = |count: fn(&consumer_app::runtime::ConsumerTally) -> u64| {
+        Role::PARCEL_CREATED
+            .iter()
+            .map(|r| count(tally.consumer(r.consumer_name())))
+            .collect::<Vec<u64>>()
+    };
+    eventually(
+        "every delivery committed",
+        Duration::from_secs(20),
+        async || counted(|c| get(&c.processed)) == [N, N],
+    )
+    .await;
+    close_connection(&pid).await;
+    run.service
+        .wait_consuming(2, Duration::from_secs(30))
+        .await
+        .expect("the service reconnected");
+    eventually(
+        "every delivery back as a duplicate",
+        Duration::from_secs(20),
+        async || counted(|c| get(&c.duplicates)) == [N, N],
+    )
+    .await;
+    run.service.shutdown();
+    run.service.join().await.expect("clean shutdown");
+    assert_eq!(counted(|c| get(&c.processed)), [N, N], "{tally:?}");
+    let stats = store.stats().await.expect("stats");
+    assert_exactly_once(&stats, N);
+    let c = connect(AMQP_URL, "parcel-inbox test depth")
+        .await
+        .expect("connect");
+    let ch = c.create_channel().await.expect("channel");
+    for role in Role::PARCEL_CREATED {
+        assert_eq!(
+            topology
+                .ready_messages(&ch, &topology.queue(role))
+                .await
+                .expect("depth"),
+            0,
+            "{role:?}: the shutdown acked the duplicates"
+        );
+    }
+    consumer_app::runtime::amqp::close_bounded(&c, "bye").await;
+    cleanup(&store, &names).await;
+}
+
 /// The broker's id of the AMQP connection called `name`.
 async fn connection_pid(name: &str) -> String {
     let listed = tokio::process::Command::new("rabbitmqctl")
@@ -1187,6 +1278,16 @@ macro_rules! e2e_tests {
         async fn closed_connection_redelivers_exactly_once() {
             let names = names(concat!("close-", $kind));
             super::closed_connection_redelivers_exactly_once($store(&names).await, names).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn waiting_acks_lost_with_the_connection_come_back_as_duplicates() {
+            let names = names(concat!("acks-", $kind));
+            super::waiting_acks_lost_with_the_connection_come_back_as_duplicates(
+                $store(&names).await,
+                names,
+            )
+            .await;
         }
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

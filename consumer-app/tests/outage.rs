@@ -83,6 +83,7 @@ fn worker_config() -> WorkerConfig {
         max_deliveries: 3,
         max_body_bytes: 1024,
         batch: None,
+        ack_flush: Duration::from_millis(2),
     }
 }
 

@@ -210,6 +210,79 @@ pub async fn create_partitions<C: MigrationConnection>(
     Ok(created)
 }
 
+/// The days [`create_partitions`] is asked to create ahead of today by the
+/// maintenance the project runs (`parcel-inbox partitions`; the chaos
+/// harness passes the same 3): as many as the migration creates, so that a
+/// maintenance run missed for a day or two leaves no v7 id without its day.
+pub const DAYS_AHEAD: u16 = 3;
+
+/// One partition of the partitioned inbox table, as [`partitions`] lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Partition {
+    /// The table's name (`inbox_messages_pYYYYMMDD`, `inbox_messages_untimed`).
+    pub name: String,
+    /// The UTC day of a day partition; `None` for the untimed one.
+    pub day: Option<NaiveDate>,
+    /// Its bounds as PostgreSQL states them (`FOR VALUES FROM … TO …`).
+    pub bounds: String,
+    /// The planner's estimate of its rows; `None` when it was never
+    /// analyzed.
+    pub estimated_rows: Option<u64>,
+}
+
+/// The partitions of the inbox table in the connection's schema, whose
+/// layout is `layout`, by name (the untimed one after the days).
+///
+/// # Errors
+/// [`InboxError::InvalidArgument`] for [`Layout::Table`];
+/// [`InboxError::Schema`] when the schema's inbox table is missing or not
+/// partitioned; the driver's errors.
+pub async fn partitions<C: MigrationConnection>(
+    conn: &mut C,
+    layout: Layout,
+) -> Result<Vec<Partition>, InboxError> {
+    if layout != Layout::Partitioned {
+        return Err(InboxError::InvalidArgument {
+            message: "partition maintenance needs the partitioned inbox layout".into(),
+        });
+    }
+    let kind = conn
+        .query_text(
+            "SELECT (SELECT relkind::text FROM pg_class WHERE oid = to_regclass('inbox_messages'))",
+        )
+        .await?;
+    match kind.as_deref() {
+        Some("p") => {}
+        found => {
+            return Err(InboxError::Schema {
+                source: match found {
+                    None => "the schema has no inbox table: migrate it first".into(),
+                    Some(_) => "the schema's inbox table has the table layout, not the \
+                                partitioned one"
+                        .into(),
+                },
+            });
+        }
+    }
+    let listed = conn.query_text(sql::PARTITIONS).await?;
+    Ok(listed
+        .iter()
+        .flat_map(|text| text.lines())
+        .filter_map(|line| {
+            let mut fields = line.split('\t');
+            let name = fields.next()?.to_owned();
+            let bounds = fields.next()?.to_owned();
+            let estimated_rows = fields.next().and_then(|rows| rows.parse().ok());
+            Some(Partition {
+                day: partition_day(&name),
+                name,
+                bounds,
+                estimated_rows,
+            })
+        })
+        .collect())
+}
+
 /// Detaches and drops every day partition whose whole day lies before
 /// `cutoff`, and returns the rows they held: exact for a day of at most
 /// 8 MiB, the planner's estimate for a larger one, which spares the drop a

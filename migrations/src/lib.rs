@@ -53,8 +53,8 @@ mod sqlstate;
 pub use attempts::{AttemptColumns, attempt_count, attempt_record};
 pub use claims::{Claims, SavepointDriver, key_columns, rollback_to_savepoint, savepoint};
 pub use layout::{
-    Layout, NO_PARTITION, PARTITIONED_DDL, create_partitions, day_expired, drop_expired_partitions,
-    id_day, partition_day, time_ordered,
+    DAYS_AHEAD, Layout, NO_PARTITION, PARTITIONED_DDL, Partition, create_partitions, day_expired,
+    drop_expired_partitions, id_day, partition_day, partitions, time_ordered,
 };
 pub use migrate::{
     ADVISORY_LOCK_KEY, LEDGER_TABLE, MIGRATIONS, Migration, MigrationConnection, migrate,

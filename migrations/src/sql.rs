@@ -141,6 +141,22 @@ pub const DAY_PARTITIONS: &str = "SELECT string_agg(c.relname::text || ':' || \
      WHERE c.relnamespace = to_regnamespace(current_schema()) AND c.relkind = 'r' \
      AND c.relname ~ '^inbox_messages_p[0-9]{8}$'";
 
+/// The partitions of the connection's schema's inbox table (NULL when it
+/// has none, or is not partitioned), as one text with one line per
+/// partition, `name TAB bounds TAB estimated rows`: the bounds as
+/// PostgreSQL states them, the rows as the planner estimates them
+/// (`reltuples` per page times the table's pages now), empty when the
+/// partition was never analyzed. Never a `count(*)`: the listing must not
+/// read a large day to print a number.
+pub const PARTITIONS: &str = "SELECT string_agg(c.relname::text || E'\\t' || \
+     pg_get_expr(c.relpartbound, c.oid) || \
+     CASE WHEN i.inhdetachpending THEN ' (detach pending)' ELSE '' END || E'\\t' || \
+     coalesce(CASE WHEN c.reltuples < 0 THEN NULL WHEN c.relpages = 0 THEN c.reltuples::int8 \
+     ELSE (c.reltuples::float8 / c.relpages * (pg_relation_size(c.oid) \
+     / current_setting('block_size')::int8))::int8 END::text, ''), E'\\n' ORDER BY c.relname) \
+     FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid \
+     WHERE i.inhparent = to_regclass('inbox_messages')";
+
 /// Committed inbox rows per consumer. Returns `(consumer_type text, count
 /// int8)`.
 pub const PROCESSED_COUNTS: &str = "SELECT consumer_type::text, count(*) \
@@ -427,6 +443,7 @@ mod tests {
             (BEGIN_PIPELINED, 0),
             (PURGE_UNTIMED_BATCH, 2),
             (DAY_PARTITIONS, 0),
+            (PARTITIONS, 0),
             (UNCLAIM, 2),
             (LOOKUP, 2),
             (PURGE_BATCH, 2),

@@ -34,6 +34,12 @@ pub struct WorkerConfig {
     pub max_body_bytes: usize,
     /// Batched mode (`None`: one transaction per delivery, the default).
     pub batch: Option<BatchConfig>,
+    /// How long a committed delivery's ack may wait to go out with others
+    /// in one `basic.ack(multiple)`: acks go sooner once half the prefetch
+    /// waits, and on shutdown. An ack per delivery cost a frame and two
+    /// thread wake-ups each; an ack still waiting at a crash is never sent,
+    /// and the redelivery is a duplicate the inbox drops.
+    pub ack_flush: Duration,
 }
 
 impl Default for WorkerConfig {
@@ -47,6 +53,7 @@ impl Default for WorkerConfig {
             max_deliveries: 10,
             max_body_bytes: 64 * 1024,
             batch: None,
+            ack_flush: Duration::from_millis(2),
         }
     }
 }
@@ -118,6 +125,18 @@ impl CleanupConfig {
     /// time: 15,000 rows/s in that run, so an hour of 1,000 messages/s goes
     /// in about four minutes. The partitioned layout drops whole days
     /// instead, needing no pacing for them.
+    ///
+    /// Why not smaller still: measured per batch (`perf stat` on the
+    /// backend, WAL from the LSN), 1,000 rows cost 2.2 ms of CPU and 112 KiB
+    /// of WAL, 250 rows 1.8 ms and 28 KiB: below 1,000 the statement's own
+    /// overhead dominates (7 µs per row at 100 against 2.2 µs), so smaller
+    /// batches spend more CPU in all for a smaller bite each. The quiet
+    /// machine still measured 2.63× (2.47–3.05) at this pacing (target 2×),
+    /// and the cause found since is not the pacing: every batch walks the
+    /// index entries of the rows the earlier batches deleted (dead until
+    /// VACUUM), +1,200 buffers per 250,000 rows already gone, so a batch
+    /// late in a 1 M purge does about twice the work of the first (see
+    /// `docs/benchmark-notes.md`, 2026-12-04 18:40).
     pub const DEFAULT_BATCH: NonZeroU32 = NonZeroU32::new(1000).expect("non-zero");
     /// The default pause between two batches; see
     /// [`CleanupConfig::DEFAULT_BATCH`].

@@ -266,7 +266,7 @@ where
                 metric_names: self.metric_names,
                 tally: Arc::clone(&self.tally),
                 dead_letter_channel,
-                acks: config.worker.batch.map(|_| Arc::new(AckTracker::default())),
+                acks: Arc::new(AckTracker::new(config.worker.prefetch)),
                 circuit: Arc::clone(circuit),
             };
             let run: QueueLoop =
@@ -538,6 +538,13 @@ where
         tracing::info!(%queue, batch_size = batch.size, batch_wait = ?batch.wait, "batched mode");
     }
     let mut in_flight = JoinSet::new();
+    // The channel's waiting acks go out from here (see `ack`).
+    let (stop_flushing, flushing) = watch::channel(false);
+    let flusher = {
+        let acks = Arc::clone(&worker.acks);
+        let every = worker.config.ack_flush;
+        tokio::spawn(async move { acks.flush_loop(every, flushing).await })
+    };
 
     let failure = loop {
         while let Some(done) = in_flight.try_join_next() {
@@ -583,13 +590,13 @@ where
             Step::Stop | Step::Permit(_) => break None,
         };
         match next {
-            Some(Ok(delivery)) => match (worker.config.batch, &worker.acks) {
-                (Some(batch), Some(tracker)) => {
+            Some(Ok(delivery)) => match worker.config.batch {
+                Some(batch) => {
                     let (deliveries, failed) = collect(
                         delivery,
                         &mut current.consumer,
                         batch,
-                        tracker,
+                        &worker.acks,
                         &mut shutdown,
                         &queue,
                     )
@@ -603,7 +610,8 @@ where
                         break Some(error);
                     }
                 }
-                _ => {
+                None => {
+                    worker.acks.received(&delivery);
                     let worker = worker.clone();
                     let stop = shutdown.clone();
                     in_flight.spawn(async move {
@@ -624,8 +632,10 @@ where
         // The channel is gone: whatever is in flight cannot be acked, and the
         // broker redelivers it. Let those tasks end on their own (their
         // transactions commit or roll back; the inbox sorts out the
-        // redelivery).
+        // redelivery). Waiting acks cannot go out either: their deliveries
+        // come back as duplicates.
         in_flight.detach_all();
+        flusher.abort();
         return Err(error);
     }
 
@@ -646,6 +656,12 @@ where
         if let Err(error) = done {
             tracing::error!(%queue, error = %error, "delivery task failed");
         }
+    }
+    // Every delivery settled: the last waiting acks go out before the
+    // channel closes (a closed channel would requeue them as duplicates).
+    stop_flushing.send_replace(true);
+    if let Err(error) = flusher.await {
+        tracing::error!(%queue, error = %error, "the ack flusher failed");
     }
     drop(current);
     close_channel_bounded(&channel, "shutdown").await;
@@ -733,9 +749,7 @@ where
     loop {
         match tokio::time::timeout(PAUSE_DRAIN_LIMIT, current.consumer.next()).await {
             Ok(Some(Ok(delivery))) => {
-                if let Some(tracker) = &worker.acks {
-                    tracker.received(&delivery).await;
-                }
+                worker.acks.received(&delivery);
                 worker.hand_back(&delivery).await;
                 handed_back += 1;
             }
@@ -746,6 +760,9 @@ where
             Err(_) => {
                 tracing::warn!(%queue, limit = ?PAUSE_DRAIN_LIMIT,
                     "the cancelled consumer's stream did not end; going on");
+                // A delivery still on its way would not be in the tracker,
+                // and a multiple-ack could cover it unprocessed.
+                worker.acks.single_acks_only();
                 break;
             }
         }

@@ -7,7 +7,8 @@
 //!      batched:     Inbox::handle_batch(keys, async |tx, i| handler.handle(tx, message[i]))   one COMMIT
 //!        each message's outcome ─► (its own failure, retries spent: AttemptLedger::record_failure)
 //!          ─► SettlePolicy::decide(outcome, attempt, broker and ledger counts)
-//!          Ack        ─► after-commit call (if processed) ─► ack (one multiple-ack where the tags allow)
+//!          Ack        ─► after-commit call (if processed) ─► ack, coalesced with others into one
+//!                         multiple-ack where the tags allow (see `ack`)
 //!          Retry      ─► the next in-process attempt (a smaller batch), after backoff
 //!                         (shutdown during the backoff: nack + requeue instead)
 //!          Requeue    ─► the message failed: reject + requeue after a pause (cut short by shutdown);
@@ -64,7 +65,7 @@ use lapin::Channel;
 use lapin::message::Delivery;
 use tokio::sync::{OwnedSemaphorePermit, watch};
 
-use crate::runtime::ack::{AckTracker, Frame, settle_one};
+use crate::runtime::ack::{AckTracker, Frame};
 use crate::runtime::amqp::Publisher;
 use crate::runtime::availability::StoreCircuit;
 use crate::runtime::backoff::jittered;
@@ -89,9 +90,9 @@ pub(crate) struct Worker<S, H> {
     pub(crate) tally: Arc<ConsumerTally>,
     /// A channel in confirm mode, for dead-letter publishes.
     pub(crate) dead_letter_channel: Channel,
-    /// Batched mode: the consuming channel's unsettled tags, through which
-    /// every settle goes; `None` per message.
-    pub(crate) acks: Option<Arc<AckTracker>>,
+    /// The consuming channel's unsettled tags and waiting acks, through
+    /// which every settle goes.
+    pub(crate) acks: Arc<AckTracker>,
     /// The service's store circuit, told of every attempt's outcome.
     pub(crate) circuit: Arc<StoreCircuit>,
 }
@@ -106,7 +107,7 @@ impl<S, H> Clone for Worker<S, H> {
             metric_names: self.metric_names,
             tally: Arc::clone(&self.tally),
             dead_letter_channel: self.dead_letter_channel.clone(),
-            acks: self.acks.clone(),
+            acks: Arc::clone(&self.acks),
             circuit: Arc::clone(&self.circuit),
         }
     }
@@ -159,10 +160,9 @@ where
     /// `slot` is the worker's share of the consumer's concurrency. It is
     /// given back as soon as an attempt leaves nothing to do but ack: the
     /// slot bounds the work in progress (open transactions), not acks in
-    /// flight, and an ack's frame goes through lapin's RPC task to the
-    /// socket before its future resolves. Held until then, that hop sat
-    /// between every two transactions of a worker. The prefetch still
-    /// bounds the unacked deliveries. Every other ending (requeue pauses,
+    /// flight, and the acks only join the channel's waiting acks (the
+    /// tracker's flush sends them). The prefetch still bounds the unacked
+    /// deliveries. Every other ending (requeue pauses,
     /// backoffs, dead-letter publishes) keeps the slot, to slow the
     /// consumer down while messages fail.
     pub(crate) async fn process(
@@ -329,7 +329,7 @@ where
                 drop(slot.take());
             }
             let acked: Vec<&Delivery> = acks.iter().map(|&i| &items[i].delivery).collect();
-            self.ack_all(&acked).await;
+            self.acks.ack_later(&acked);
             for i in handed_back {
                 self.requeue(&items[i].delivery, &items[i].key).await;
             }
@@ -465,34 +465,9 @@ where
         }
     }
 
-    /// Settles one delivery, through the tracker in batched mode.
+    /// Settles one delivery through the channel's tracker.
     async fn settle(&self, delivery: &Delivery, how: Frame) -> Result<bool, lapin::Error> {
-        match &self.acks {
-            Some(tracker) => tracker.settle(delivery, how).await,
-            None => settle_one(delivery, how, false).await,
-        }
-    }
-
-    /// Acks committed deliveries: through the channel's tracker (one
-    /// multiple-ack where it can), or one by one without one.
-    async fn ack_all(&self, deliveries: &[&Delivery]) {
-        match &self.acks {
-            Some(tracker) => {
-                let frames = tracker.ack_all(deliveries).await;
-                tracing::trace!(acked = deliveries.len(), frames, "batch acked");
-            }
-            None => {
-                for delivery in deliveries {
-                    if let Err(error) = settle_one(delivery, Frame::Ack, false).await {
-                        // The channel is gone: the broker redelivers, and the
-                        // inbox answers Duplicate because the transaction
-                        // committed.
-                        tracing::warn!(tag = delivery.delivery_tag, error = %error,
-                            "ack failed after commit; the redelivery will be a duplicate");
-                    }
-                }
-            }
-        }
+        self.acks.settle(delivery, how).await
     }
 
     /// Records a delivery's final failure in the attempt ledger and returns

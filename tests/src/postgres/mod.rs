@@ -148,6 +148,7 @@ macro_rules! __with_postgres_tests {
             partitioned_an_expired_id_is_refused_after_its_day_is_dropped,
             partitioned_a_future_id_waits_for_its_day,
             partitioned_cleanup_drops_a_day_while_claims_run,
+            partitioned_a_large_dropped_day_reports_its_estimated_rows,
             partitioned_a_schema_keeps_its_layout,
             partitioned_a_batch_charges_only_its_expired_and_future_ids,
         }

@@ -251,6 +251,53 @@ pub async fn partitioned_cleanup_drops_a_day_while_claims_run<H: PgHarness>(h: &
     Ok(())
 }
 
+/// A day too large to count on the way out (over 8 MiB) reports the
+/// planner's estimate of its rows instead, close to the truth once
+/// analyzed, and still goes whole.
+pub async fn partitioned_a_large_dropped_day_reports_its_estimated_rows<H: PgHarness>(
+    h: &H,
+) -> Outcome {
+    let store = partitioned_store(h).await?;
+    h.side_i64(&store, "SELECT inbox_create_partitions(3, 0)::int8")
+        .await?;
+    let day = (Utc::now() - Duration::days(2)).date_naive();
+    let table = format!("inbox_messages_p{}", day.format("%Y%m%d"));
+    // 120,000 v7 ids spread over the day (about 12 MiB of heap).
+    let rows: i64 = 120_000;
+    h.side_execute(
+        &store,
+        &format!(
+            "INSERT INTO inbox_messages (id, consumer_type, processed_at, time_ordered) \
+             SELECT (lpad(to_hex((extract(epoch FROM t) * 1000)::bigint), 12, '0') \
+                     || '7' || substr(h, 1, 3) || '8' || substr(h, 4, 15))::uuid, 'c1', t, true \
+             FROM (SELECT timestamptz '{day}T00:00:00Z' + g * interval '700 ms' AS t, \
+                          md5('large-day-' || g) AS h \
+                   FROM generate_series(1, {rows}) AS g) AS r"
+        ),
+    )
+    .await?;
+    h.side_execute(&store, &format!("ANALYZE {table}")).await?;
+    let limit = NonZeroU32::new(100).ok_or_else(|| Failure::new("zero"))?;
+    let dropped = store
+        .purge_processed_before(Utc::now() - Duration::days(1), limit)
+        .await?;
+    let dropped = i64::try_from(dropped).map_err(|e| Failure::new(e.to_string()))?;
+    check!(
+        (dropped - rows).abs() <= rows / 50,
+        "estimated {dropped} rows for {rows}"
+    );
+    check_eq!(
+        h.side_i64(
+            &store,
+            &format!("SELECT (to_regclass('{table}') IS NULL)::int::int8")
+        )
+        .await?,
+        1,
+        "the day is gone"
+    );
+    Ok(())
+}
+
 /// A schema keeps the layout it was created with: migrating it for the
 /// other layout fails with a schema error.
 pub async fn partitioned_a_schema_keeps_its_layout<H: PgHarness>(h: &H) -> Outcome {

@@ -101,6 +101,14 @@ async fn effects(
 }
 
 impl ParcelStore for DieselStore {
+    async fn create_partitions(&self, days_ahead: u16) -> Result<u64, AppError> {
+        Ok(Self::create_partitions(self, 0, days_ahead).await?)
+    }
+
+    async fn partitions(&self) -> Result<Vec<inbox_postgres::Partition>, AppError> {
+        Ok(Self::partitions(self).await?)
+    }
+
     fn kind(&self) -> StoreKind {
         StoreKind::Diesel
     }

@@ -214,6 +214,33 @@ pub trait ParcelStore:
         }
     }
 
+    /// The partitioned layout's maintenance: creates the missing day
+    /// partitions from today (UTC) to `days_ahead` days after it, never a
+    /// day before today (a dropped day stays gone, its ids refused), and
+    /// returns how many.
+    ///
+    /// # Errors
+    /// [`AppError::Config`] on the memory store (it has no partitions);
+    /// the store's (a store of the table layout refuses).
+    fn create_partitions(
+        &self,
+        days_ahead: u16,
+    ) -> impl Future<Output = Result<u64, AppError>> + Send {
+        let _ = days_ahead;
+        async { Err(no_partitions(self.kind())) }
+    }
+
+    /// The partitioned layout's partitions, with their bounds and the
+    /// planner's row estimates.
+    ///
+    /// # Errors
+    /// As [`ParcelStore::create_partitions`].
+    fn partitions(
+        &self,
+    ) -> impl Future<Output = Result<Vec<inbox_postgres::Partition>, AppError>> + Send {
+        async { Err(no_partitions(self.kind())) }
+    }
+
     /// Drops the store's schema with everything in it (the demo's and the
     /// tests' cleanup).
     fn drop_schema(&self) -> impl Future<Output = Result<(), AppError>> + Send;
@@ -242,6 +269,13 @@ pub trait ParcelStore:
         min_age: Duration,
         limit: u32,
     ) -> impl Future<Output = Result<Vec<Intent>, AppError>> + Send;
+}
+
+/// The refusal of partition maintenance by a store without partitions.
+fn no_partitions(kind: StoreKind) -> AppError {
+    AppError::Config(format!(
+        "the {kind} store has no partitions: the partitioned inbox layout is PostgreSQL's"
+    ))
 }
 
 /// A row count from PostgreSQL (never negative) as a `u64`.
