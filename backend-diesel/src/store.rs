@@ -323,6 +323,28 @@ impl DieselStore {
         self.layout
     }
 
+    /// The partitioned layout's cleanup of whole days: detaches and drops
+    /// the day partitions whose day ended at or before `cutoff`
+    /// ([`inbox_postgres::drop_expired_partitions`]) and returns their rows;
+    /// `None` on the table layout, which has no days. The purge does this
+    /// first too; calling it before lets a caller report the days apart
+    /// from the deleted rows.
+    ///
+    /// # Errors
+    /// As [`inbox_postgres::drop_expired_partitions`].
+    pub async fn drop_expired_days(
+        &self,
+        cutoff: DateTime<Utc>,
+    ) -> Result<Option<u64>, InboxError> {
+        if self.layout != Layout::Partitioned {
+            return Ok(None);
+        }
+        let mut conn = self.pool.get().await.map_err(classify_pool)?;
+        Ok(Some(
+            inbox_postgres::drop_expired_partitions(&mut Migrating(&mut conn), cutoff).await?,
+        ))
+    }
+
     /// The partitioned layout's partitions, with their bounds and the
     /// planner's row estimates ([`inbox_postgres::partitions`]).
     ///

@@ -175,3 +175,54 @@ async fn partitions_refuses_the_table_layout() {
     assert_eq!(tables, 0);
     store.drop_schema().await.expect("drop schema");
 }
+
+/// `cleanup` on the partitioned layout reports the day partitions it
+/// dropped, with their rows, apart from the rows it deleted one by one
+/// (the untimed partition's); on the table layout only the latter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanup_reports_dropped_days_apart_from_deleted_rows() {
+    let store = migrated(Layout::Partitioned).await;
+    processed(&store, (0..7).map(|_| v7_days_ago(1))).await;
+    processed(&store, (0..3).map(|_| v7_days_ago(0))).await;
+    processed(
+        &store,
+        (0..5).map(|_| MessageId::from_uuid(uuid::Uuid::new_v4())),
+    )
+    .await;
+    // A retention of 0: every processed untimed row, and yesterday (ended
+    // at midnight), are past it; today is not over.
+    let (code, text) = parcel_inbox(
+        &store,
+        &["--layout=partitioned"],
+        &["cleanup", "--retention-days=0"],
+    );
+    assert_eq!(code, Some(0), "{text}");
+    let yesterday = (chrono::Utc::now().date_naive() - chrono::Duration::days(1)).to_string();
+    assert!(
+        text.contains(&format!(
+            "dropped 1 day partition(s) older than 0.0 days ({yesterday}) holding 7 inbox rows"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains("deleted 5 processed inbox rows older than 0.0 days"),
+        "{text}"
+    );
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM inbox_messages")
+        .fetch_one(store.pool())
+        .await
+        .expect("count");
+    assert_eq!(left, 3, "today's rows stay");
+    store.drop_schema().await.expect("drop schema");
+
+    let store = migrated(Layout::Table).await;
+    processed(&store, (0..4).map(|_| v7_days_ago(1))).await;
+    let (code, text) = parcel_inbox(&store, &[], &["cleanup", "--retention-days=0"]);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(!text.contains("day partition"), "{text}");
+    assert!(
+        text.contains("deleted 4 processed inbox rows older than 0.0 days"),
+        "{text}"
+    );
+    store.drop_schema().await.expect("drop schema");
+}

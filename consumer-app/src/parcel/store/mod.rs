@@ -230,6 +230,22 @@ pub trait ParcelStore:
         async { Err(no_partitions(self.kind())) }
     }
 
+    /// The partitioned layout's cleanup of whole days: drops the day
+    /// partitions that ended at or before `cutoff` and returns their rows;
+    /// `None` for a store without days (the table layout, the memory
+    /// store). The inbox's purge drops them too; `cleanup` calls this first
+    /// to report the days apart from the deleted rows.
+    ///
+    /// # Errors
+    /// The store's.
+    fn drop_expired_days(
+        &self,
+        cutoff: chrono::DateTime<chrono::Utc>,
+    ) -> impl Future<Output = Result<Option<u64>, AppError>> + Send {
+        let _ = cutoff;
+        async { Ok(None) }
+    }
+
     /// The partitioned layout's partitions, with their bounds and the
     /// planner's row estimates.
     ///

@@ -37,6 +37,13 @@ impl ParcelStore for SqlxStore {
         Ok(Self::create_partitions(self, 0, days_ahead).await?)
     }
 
+    async fn drop_expired_days(
+        &self,
+        cutoff: chrono::DateTime<chrono::Utc>,
+    ) -> Result<Option<u64>, AppError> {
+        Ok(Self::drop_expired_days(self, cutoff).await?)
+    }
+
     async fn partitions(&self) -> Result<Vec<inbox_postgres::Partition>, AppError> {
         Ok(Self::partitions(self).await?)
     }
