@@ -81,6 +81,11 @@ pub static MIGRATIONS: &[Migration] = &[
         description: "outbox publish refusals",
         sql: include_str!("../20261206000001_outbox_publish_refusals.sql"),
     },
+    Migration {
+        version: 20261207000001,
+        description: "outbox room for the lease",
+        sql: include_str!("../20261207000001_outbox_room_for_the_lease.sql"),
+    },
 ];
 
 /// The ledger: one row per applied migration, in the store's schema.

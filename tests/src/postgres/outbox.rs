@@ -134,6 +134,35 @@ pub async fn outbox_a_dead_relays_lease_runs_out_on_the_database_clock<
     Ok(())
 }
 
+/// Taking a batch rewrites each row on its own page (a HOT update: the
+/// lease columns are in no index), so a take adds no index entries and
+/// about a third of the WAL. On full pages every taken row would move to
+/// another page: this counts the rows whose page changed, over enough rows
+/// to fill several pages.
+pub async fn outbox_a_take_rewrites_rows_in_place<H: PgHarness + OutboxHarness>(h: &H) -> Outcome {
+    const PAGES: &str =
+        "SELECT coalesce(sum((ctid::text::point)[0]), 0)::int8 FROM outbox_messages";
+    let store = migrated(h, 2).await?;
+    let ids = enqueue_many::<H>(&store, 400).await?;
+    let pages = h
+        .side_i64(
+            &store,
+            "SELECT count(DISTINCT (ctid::text::point)[0])::int8 FROM outbox_messages",
+        )
+        .await?;
+    check!(pages >= 4, "the rows fill only {pages} pages");
+    let before = h.side_i64(&store, PAGES).await?;
+    let lease = store.take_pending(nz(400), LEASE).await?;
+    check_eq!(lease.ids().len(), ids.len(), "rows taken");
+    let after = h.side_i64(&store, PAGES).await?;
+    check_eq!(
+        after,
+        before,
+        "the sum of the rows' page numbers (a taken row moved to another page)"
+    );
+    Ok(())
+}
+
 /// The relay's take walks the partial index of pending rows, and the
 /// purge the partial index on `published_at` without scanning the table,
 /// on a table of mostly published rows.
