@@ -19,7 +19,9 @@ use diesel_async::{
     AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
     TransactionManager,
 };
-use inbox_api::{Claim, FirstStep, InboxError, InboxKey, InboxRecord, InboxStats, InboxStore};
+use inbox_api::{
+    Claim, FirstStep, InboxError, InboxKey, InboxRecord, InboxStats, InboxStore, PurgedBatch,
+};
 use inbox_postgres::{Layout, SessionTimeouts, sql};
 
 use crate::error::{classify, classify_pool};
@@ -377,10 +379,10 @@ impl DieselStore {
         .await
     }
 
-    /// One batch of a cleanup `statement` (`$1` cutoff, `$2` limit, the
-    /// shape of every purge in [`sql`]): the inbox's, the outbox's and the
-    /// attempt ledger's, each on a pooled connection in a transaction of its
-    /// own. Returns the rows deleted.
+    /// One batch of a cleanup `statement` (`$1` cutoff, `$2` limit): the
+    /// outbox's and the attempt ledger's, each on a pooled connection in a
+    /// transaction of its own (the inbox's resumes where the batch before
+    /// it stopped: [`sql::PURGE_BATCH`]). Returns the rows deleted.
     pub(crate) async fn purge_batch(
         &self,
         statement: &'static str,
@@ -498,13 +500,25 @@ impl InboxStore for DieselStore {
         }
     }
 
-    /// One statement, its own transaction: `inbox-postgres`'s
-    /// [`sql::PURGE_BATCH`].
     async fn purge_processed_batch(
         &self,
         cutoff: DateTime<Utc>,
         limit: NonZeroU32,
     ) -> Result<u64, InboxError> {
+        Ok(self
+            .purge_processed_batch_from(cutoff, None, limit)
+            .await?
+            .deleted)
+    }
+
+    /// One statement, its own transaction: `inbox-postgres`'s
+    /// [`sql::PURGE_BATCH`].
+    async fn purge_processed_batch_from(
+        &self,
+        cutoff: DateTime<Utc>,
+        from: Option<DateTime<Utc>>,
+        limit: NonZeroU32,
+    ) -> Result<PurgedBatch, InboxError> {
         // The partitioned layout drops its expired days whole first, then
         // deletes the untimed partition's rows in the usual batch.
         let dropped = match self.layout {
@@ -514,10 +528,23 @@ impl InboxStore for DieselStore {
                 inbox_postgres::drop_expired_partitions(&mut Migrating(&mut conn), cutoff).await?
             }
         };
-        let deleted = self
-            .purge_batch(self.layout.purge_batch(), cutoff, limit, "inbox")
-            .await?;
-        Ok(dropped + deleted)
+        let mut conn = self.pool.get().await.map_err(classify_pool)?;
+        let batch = diesel::sql_query(self.layout.purge_batch())
+            .bind::<Timestamptz, _>(cutoff)
+            .bind::<Nullable<Timestamptz>, _>(from)
+            .bind::<BigInt, _>(i64::from(limit.get()))
+            .get_result::<Purged>(&mut *conn)
+            .await;
+        match batch {
+            Ok(batch) => {
+                tracing::debug!(deleted = batch.deleted, %cutoff, ?from, limit, "inbox purge batch");
+                Ok(PurgedBatch::new(
+                    dropped + u64::try_from(batch.deleted).unwrap_or(0),
+                    batch.last,
+                ))
+            }
+            Err(error) => Err(refine(&mut conn, error).await),
+        }
     }
 }
 
@@ -545,6 +572,15 @@ struct ConsumerCount {
     consumer_type: String,
     #[diesel(sql_type = BigInt)]
     count: i64,
+}
+
+/// The row [`sql::PURGE_BATCH`] returns.
+#[derive(QueryableByName)]
+struct Purged {
+    #[diesel(sql_type = BigInt)]
+    deleted: i64,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    last: Option<DateTime<Utc>>,
 }
 
 /// The columns [`sql::LOOKUP`] returns.

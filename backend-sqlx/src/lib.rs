@@ -92,7 +92,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use inbox_api::{
     BatchTransaction, Claim, InboxError, InboxKey, InboxRecord, InboxStats, InboxStore,
-    InboxTransaction,
+    InboxTransaction, PurgedBatch,
 };
 /// The inbox table's layouts, shared with the diesel backend.
 pub use inbox_postgres::Layout;
@@ -324,9 +324,10 @@ impl SqlxStore {
 }
 
 impl SqlxStore {
-    /// One batch of a cleanup `statement` (`$1` cutoff, `$2` limit, the
-    /// shape of every purge in [`sql`]): the inbox's, the outbox's and the
-    /// attempt ledger's. Returns the rows deleted.
+    /// One batch of a cleanup `statement` (`$1` cutoff, `$2` limit): the
+    /// outbox's and the attempt ledger's (the inbox's resumes where the
+    /// batch before it stopped: [`sql::PURGE_BATCH`]). Returns the rows
+    /// deleted.
     pub(crate) async fn purge_batch(
         &self,
         statement: &'static str,
@@ -413,6 +414,18 @@ impl InboxStore for SqlxStore {
         cutoff: DateTime<Utc>,
         limit: NonZeroU32,
     ) -> Result<u64, InboxError> {
+        Ok(self
+            .purge_processed_batch_from(cutoff, None, limit)
+            .await?
+            .deleted)
+    }
+
+    async fn purge_processed_batch_from(
+        &self,
+        cutoff: DateTime<Utc>,
+        from: Option<DateTime<Utc>>,
+        limit: NonZeroU32,
+    ) -> Result<PurgedBatch, InboxError> {
         // The partitioned layout drops its expired days whole first (no
         // row deletes, and no lock that blocks claims of other days), then
         // deletes the untimed partition's rows in the usual batch.
@@ -423,10 +436,19 @@ impl InboxStore for SqlxStore {
                 inbox_postgres::drop_expired_partitions(&mut Migrating(&mut conn), cutoff).await?
             }
         };
-        let deleted = self
-            .purge_batch(self.layout.purge_batch(), cutoff, limit, "inbox")
-            .await?;
-        Ok(dropped + deleted)
+        let (deleted, last): (i64, Option<DateTime<Utc>>) =
+            sqlx::query_as(self.layout.purge_batch())
+                .bind(cutoff)
+                .bind(from)
+                .bind(i64::from(limit.get()))
+                .fetch_one(&self.pool)
+                .await
+                .map_err(classify)?;
+        tracing::debug!(schema = %self.schema, %cutoff, ?from, limit, deleted, "inbox purge batch");
+        Ok(PurgedBatch::new(
+            dropped + u64::try_from(deleted).unwrap_or(0),
+            last,
+        ))
     }
 }
 

@@ -1467,6 +1467,17 @@ impl InboxStore for MarkAfterTakes {
     ) -> Result<u64, inbox_api::InboxError> {
         self.inner.purge_processed_batch(cutoff, limit).await
     }
+
+    async fn purge_processed_batch_from(
+        &self,
+        cutoff: chrono::DateTime<chrono::Utc>,
+        from: Option<chrono::DateTime<chrono::Utc>>,
+        limit: std::num::NonZeroU32,
+    ) -> Result<inbox_api::PurgedBatch, inbox_api::InboxError> {
+        self.inner
+            .purge_processed_batch_from(cutoff, from, limit)
+            .await
+    }
 }
 
 #[async_trait::async_trait]

@@ -253,7 +253,8 @@ pub trait AttemptLedgerExt: AttemptLedger {
         crate::store::purge_in_batches(
             batch_size,
             crate::metrics::ATTEMPTS_PURGED_ROWS,
-            || self.purge_attempts_batch(cutoff, batch_size),
+            (),
+            |()| async move { Ok((self.purge_attempts_batch(cutoff, batch_size).await?, ())) },
             pause,
         )
         .await

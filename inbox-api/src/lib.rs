@@ -46,5 +46,5 @@ pub use outbox::{
 };
 pub use store::{
     BatchTransaction, Claim, FirstStep, InboxRecord, InboxStats, InboxStore, InboxStoreExt,
-    InboxTransaction,
+    InboxTransaction, PurgedBatch,
 };

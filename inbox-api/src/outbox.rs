@@ -642,7 +642,8 @@ pub trait OutboxStoreExt: OutboxStore {
         crate::store::purge_in_batches(
             batch_size,
             crate::metrics::OUTBOX_PURGED_ROWS,
-            || self.purge_published_batch(cutoff, batch_size),
+            (),
+            |()| async move { Ok((self.purge_published_batch(cutoff, batch_size).await?, ())) },
             pause,
         )
         .await

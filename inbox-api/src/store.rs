@@ -147,6 +147,59 @@ pub trait InboxStore: Send + Sync + 'static {
         cutoff: DateTime<Utc>,
         limit: NonZeroU32,
     ) -> Result<u64, InboxError>;
+
+    /// One batch of a purge that goes on from the batch before it: as
+    /// [`InboxStore::purge_processed_batch`], but only rows with
+    /// `processed_at` at or after `from` (the previous batch's
+    /// [`PurgedBatch::resume_from`]; `None` for the first batch), and it
+    /// says where the next batch may start.
+    ///
+    /// A store whose batches would otherwise grow dearer as a purge
+    /// advances overrides it: PostgreSQL keeps the index entries of deleted
+    /// rows until VACUUM, and a batch that starts at the head of the index
+    /// walks all of them. The default ignores `from` and never gives a
+    /// resume point, which is right for a store without that cost.
+    ///
+    /// A row that commits behind the resume point while a purge runs (its
+    /// `processed_at` older than rows already deleted: a transaction that
+    /// claimed long before it committed) is left for the next purge.
+    ///
+    /// # Errors
+    /// As [`InboxStore::purge_processed_batch`].
+    async fn purge_processed_batch_from(
+        &self,
+        cutoff: DateTime<Utc>,
+        from: Option<DateTime<Utc>>,
+        limit: NonZeroU32,
+    ) -> Result<PurgedBatch, InboxError> {
+        let _ = from;
+        Ok(PurgedBatch::new(
+            self.purge_processed_batch(cutoff, limit).await?,
+            None,
+        ))
+    }
+}
+
+/// What one batch of [`InboxStore::purge_processed_batch_from`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PurgedBatch {
+    /// Rows deleted.
+    pub deleted: u64,
+    /// Where the next batch may start: the latest `processed_at` this
+    /// batch deleted (rows sharing it may remain, so the next batch starts
+    /// at it, not after it). `None`: start where the purge started.
+    pub resume_from: Option<DateTime<Utc>>,
+}
+
+impl PurgedBatch {
+    /// A batch that deleted `deleted` rows, the next to start at
+    /// `resume_from`.
+    pub const fn new(deleted: u64, resume_from: Option<DateTime<Utc>>) -> Self {
+        Self {
+            deleted,
+            resume_from,
+        }
+    }
 }
 
 /// An open transaction of an [`InboxStore`].
@@ -284,6 +337,17 @@ impl<S: InboxStore> InboxStore for Arc<S> {
     ) -> Result<u64, InboxError> {
         (**self).purge_processed_batch(cutoff, limit).await
     }
+
+    async fn purge_processed_batch_from(
+        &self,
+        cutoff: DateTime<Utc>,
+        from: Option<DateTime<Utc>>,
+        limit: NonZeroU32,
+    ) -> Result<PurgedBatch, InboxError> {
+        (**self)
+            .purge_processed_batch_from(cutoff, from, limit)
+            .await
+    }
 }
 
 /// Diagnostics a store can answer about its rows (an optional capability).
@@ -350,7 +414,13 @@ pub trait InboxStoreExt: InboxStore {
         purge_in_batches(
             batch_size,
             crate::metrics::PURGED_ROWS,
-            || self.purge_processed_batch(cutoff, batch_size),
+            None,
+            |from| async move {
+                let batch = self
+                    .purge_processed_batch_from(cutoff, from, batch_size)
+                    .await?;
+                Ok((batch.deleted, batch.resume_from.or(from)))
+            },
             pause,
         )
         .await
@@ -361,22 +431,27 @@ impl<S: InboxStore + ?Sized> InboxStoreExt for S {}
 
 /// Runs `batch` until it deletes fewer than `batch_size` rows, counting each
 /// batch's rows in the counter `metric` and awaiting `pause` between two
-/// batches: the loop of every cleanup, inbox's and outbox's.
-pub(crate) async fn purge_in_batches<B, BF, P, PF>(
+/// batches: the loop of every cleanup, inbox's and outbox's. Each batch
+/// gets the position the one before it returned (`start` for the first):
+/// where the inbox's purge resumes; `()` for a purge without one.
+pub(crate) async fn purge_in_batches<T, B, BF, P, PF>(
     batch_size: NonZeroU32,
     metric: &'static str,
+    start: T,
     mut batch: B,
     mut pause: P,
 ) -> Result<u64, InboxError>
 where
-    B: FnMut() -> BF,
-    BF: std::future::Future<Output = Result<u64, InboxError>>,
+    B: FnMut(T) -> BF,
+    BF: std::future::Future<Output = Result<(u64, T), InboxError>>,
     P: FnMut() -> PF,
     PF: std::future::Future<Output = ()>,
 {
     let mut total = 0;
+    let mut position = start;
     loop {
-        let deleted = batch().await?;
+        let (deleted, next) = batch(position).await?;
+        position = next;
         metrics::counter!(metric).increment(deleted);
         total += deleted;
         if deleted < u64::from(batch_size.get()) {

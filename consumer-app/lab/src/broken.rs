@@ -75,6 +75,15 @@ impl<S: InboxStore + Clone> InboxStore for BrokenParcelStore<S> {
     ) -> Result<u64, InboxError> {
         self.0.purge_processed_batch(cutoff, limit).await
     }
+
+    async fn purge_processed_batch_from(
+        &self,
+        cutoff: DateTime<Utc>,
+        from: Option<DateTime<Utc>>,
+        limit: NonZeroU32,
+    ) -> Result<inbox_api::PurgedBatch, InboxError> {
+        self.0.purge_processed_batch_from(cutoff, from, limit).await
+    }
 }
 
 #[async_trait]

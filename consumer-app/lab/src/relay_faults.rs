@@ -116,6 +116,17 @@ impl<S: InboxStore> InboxStore for FaultyOutbox<S> {
     ) -> Result<u64, InboxError> {
         self.inner.purge_processed_batch(cutoff, limit).await
     }
+
+    async fn purge_processed_batch_from(
+        &self,
+        cutoff: DateTime<Utc>,
+        from: Option<DateTime<Utc>>,
+        limit: NonZeroU32,
+    ) -> Result<inbox_api::PurgedBatch, InboxError> {
+        self.inner
+            .purge_processed_batch_from(cutoff, from, limit)
+            .await
+    }
 }
 
 #[async_trait]

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 use std::num::NonZeroU32;
 
 use inbox_api::{
-    BatchTransaction, Claim, Handled, Inbox, InboxError, InboxKey, InboxStore, InboxTransaction,
+    BatchTransaction, Claim, Handled, Inbox, InboxError, InboxKey, InboxStore, InboxStoreExt as _,
+    InboxTransaction,
 };
 use inbox_postgres::{LEDGER_TABLE, Layout, MIGRATIONS, SessionTimeouts};
 use tokio::sync::Barrier;
@@ -697,15 +698,27 @@ pub async fn purge_uses_the_partial_index_and_deletes_exactly_the_expired_rows<H
         .layout()
         .purge_batch()
         .replace("$1", "now() - interval '7 days'")
-        .replace("$2", "1000");
+        .replace("$3", "1000");
     expect_index(
         h,
         &store,
-        &purge,
+        &purge.replace("$2", "NULL"),
         "inbox_messages_processed_at_idx",
         &["inbox_messages"],
     )
     .await?;
+    // A batch that resumes starts its index scan at the resume point, so
+    // it never walks the entries of the rows the batches before it deleted.
+    let resumed = h
+        .explain(&store, &purge.replace("$2", "(now() - interval '30 days')"))
+        .await?;
+    check!(
+        resumed
+            .iter()
+            .any(|l| l.contains("Index Cond") && l.contains("processed_at >=")),
+        "the resume point is not a bound of the index scan:\n{}",
+        resumed.join("\n")
+    );
     let cutoff = chrono::Utc::now() - chrono::Duration::days(7);
     let mut purged = 0;
     loop {
@@ -717,10 +730,20 @@ pub async fn purge_uses_the_partial_index_and_deletes_exactly_the_expired_rows<H
         purged += n;
     }
     check_eq!(purged, 200, "purged rows");
+    // Again through the purge that resumes from batch to batch: the 200
+    // rows share one processed_at (one INSERT's now()), more than a batch
+    // of 64 holds, so each batch resumes at the time the one before it
+    // stopped at and must still find the rest.
+    seed(h, &store, 200, 30).await?;
+    check_eq!(
+        store.purge_processed_before(cutoff, nz(64)).await?,
+        200,
+        "rows purged in resumed batches"
+    );
     let left = h
         .side_i64(&store, "SELECT count(*) FROM inbox_messages")
         .await?;
-    check_eq!(left, 40_200, "recent and in-flight rows kept");
+    check_eq!(left, 40_400, "recent and in-flight rows kept");
     Ok(())
 }
 

@@ -5,8 +5,9 @@
 //! during the cleanup.
 //!
 //! - The plain table (`Layout::Table`): rows deleted in bounded batches
-//!   (`purge_processed_batch`), once in unpaced batches of 10,000 (what the
-//!   report measured before, for contrast) and once with the cleanup's
+//!   (`purge_processed_paced`: each batch resumes where the one before it
+//!   stopped), once in unpaced batches of 10,000 (what the report
+//!   measured before, for contrast) and once with the cleanup's
 //!   default pacing (`consumer_app::runtime::CleanupConfig::default()`:
 //!   batch size and the pause between batches), or with the pacings of
 //!   `INBOX_BENCH_CLEANUP_PACINGS` (`10000/0,1000/20`: batch/pause in ms).
