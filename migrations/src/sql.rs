@@ -108,11 +108,19 @@ pub const UNCLAIM: &str = "DELETE FROM inbox_messages WHERE id = $1 AND consumer
 pub const LOOKUP: &str = "SELECT received_at, processed_at FROM inbox_messages \
      WHERE id = $1 AND consumer_type = $2";
 
-/// The row a purge batch of the inbox returns ([`PURGE_BATCH`]): how many
-/// rows went and the latest `processed_at` among them.
-macro_rules! purge_batch_result {
-    () => {
-        "SELECT count(*)::int8 AS deleted, max(processed_at) AS last FROM gone"
+/// One batch of the inbox's cleanup on `$table` ([`PURGE_BATCH`] says
+/// what it does), written once for both layouts.
+macro_rules! purge_batch {
+    ($table:literal) => {
+        concat!(
+            "WITH gone AS (DELETE FROM ",
+            $table,
+            " WHERE ctid = ANY(ARRAY(SELECT ctid FROM ",
+            $table,
+            " WHERE processed_at < $1 AND processed_at >= coalesce($2::timestamptz, '-infinity') \
+             ORDER BY processed_at LIMIT $3 FOR UPDATE SKIP LOCKED)) RETURNING processed_at) \
+             SELECT count(*)::int8 AS deleted, max(processed_at) AS last FROM gone"
+        )
     };
 }
 
@@ -135,24 +143,12 @@ macro_rules! purge_batch_result {
 /// `ctid` then goes straight to the locked tuples (a TID scan); deleting by
 /// primary key instead (`(id, consumer_type) IN (…)`) plans as a hash
 /// semi-join over a sequential scan of the whole table.
-pub const PURGE_BATCH: &str = concat!(
-    "WITH gone AS (DELETE FROM inbox_messages WHERE ctid = ANY(ARRAY(\
-     SELECT ctid FROM inbox_messages \
-     WHERE processed_at < $1 AND processed_at >= coalesce($2::timestamptz, '-infinity') \
-     ORDER BY processed_at LIMIT $3 FOR UPDATE SKIP LOCKED)) RETURNING processed_at) ",
-    purge_batch_result!()
-);
+pub const PURGE_BATCH: &str = purge_batch!("inbox_messages");
 
 /// [`PURGE_BATCH`] in the partitioned layout: only the untimed partition's
 /// rows (ids without time) are deleted one by one; the day partitions go
 /// whole ([`crate::drop_expired_partitions`]).
-pub const PURGE_UNTIMED_BATCH: &str = concat!(
-    "WITH gone AS (DELETE FROM inbox_messages_untimed WHERE ctid = ANY(ARRAY(\
-     SELECT ctid FROM inbox_messages_untimed \
-     WHERE processed_at < $1 AND processed_at >= coalesce($2::timestamptz, '-infinity') \
-     ORDER BY processed_at LIMIT $3 FOR UPDATE SKIP LOCKED)) RETURNING processed_at) ",
-    purge_batch_result!()
-);
+pub const PURGE_UNTIMED_BATCH: &str = purge_batch!("inbox_messages_untimed");
 
 /// The partitioned layout's day tables in the connection's schema, as one
 /// text `name:state,…` (NULL when there are none), state `attached`,
