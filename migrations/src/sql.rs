@@ -292,15 +292,22 @@ pub const ENQUEUE: &str = "INSERT INTO outbox_messages \
 /// row another relay leased and committed in between is re-checked under
 /// its lock (READ COMMITTED's re-evaluation) and left out, since its
 /// `locked_until` now lies ahead.
+///
+/// The outer UPDATE goes to the locked rows by address (`ctid = ANY(…)`, a
+/// TID scan), as [`PURGE_BATCH`] does, not by joining on `message_id`:
+/// a prepared statement's generic plan, which the drivers get after five
+/// executions, cannot see `$3` and assumes a tenth of the pending rows,
+/// and with 40,000 pending it joined them by hashing a sequential scan of
+/// the whole table (published rows included): 11.4 ms a take against
+/// 0.3 ms, measured, and the relay's database CPU at a full core.
 pub const TAKE_PENDING: &str = concat!(
     "UPDATE outbox_messages AS o \
      SET locked_until = now() + $1::float8 * interval '1 millisecond', \
          lease_id = $2, attempts = o.attempts + 1 \
-     FROM (SELECT message_id FROM outbox_messages \
+     WHERE o.ctid = ANY(ARRAY(SELECT ctid FROM outbox_messages \
            WHERE published_at IS NULL AND (locked_until IS NULL OR locked_until <= now()) \
              AND dead_at IS NULL AND (next_attempt_at IS NULL OR next_attempt_at <= now()) \
-           ORDER BY position LIMIT $3 FOR UPDATE SKIP LOCKED) AS due \
-     WHERE o.message_id = due.message_id RETURNING ",
+           ORDER BY position LIMIT $3 FOR UPDATE SKIP LOCKED)) RETURNING ",
     outbox_row_columns!()
 );
 

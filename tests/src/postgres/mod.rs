@@ -144,6 +144,7 @@ macro_rules! __with_postgres_tests {
             outbox_a_dead_relays_lease_runs_out_on_the_database_clock,
             outbox_take_and_purge_use_their_partial_indexes,
             outbox_a_take_rewrites_rows_in_place,
+            outbox_a_take_never_scans_the_table,
             ledger_dead_list_and_purge_use_their_indexes,
             partitioned_v4_ids_go_to_the_untimed_partition,
             partitioned_an_expired_id_is_refused_after_its_day_is_dropped,

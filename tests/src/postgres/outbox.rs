@@ -163,6 +163,33 @@ pub async fn outbox_a_take_rewrites_rows_in_place<H: PgHarness + OutboxHarness>(
     Ok(())
 }
 
+/// The take's plan goes to the rows it locked by address even when the
+/// planner cannot see its batch size, as in a prepared statement's generic
+/// plan (a `LIMIT` of an uncorrelated subquery is planned the same way):
+/// with many pending rows, a plan that joins the taken ids back to the
+/// table scans the whole table on every take.
+pub async fn outbox_a_take_never_scans_the_table<H: PgHarness + OutboxHarness>(h: &H) -> Outcome {
+    let store = migrated(h, 2).await?;
+    h.side_execute(
+        &store,
+        "INSERT INTO outbox_messages (message_id, exchange, routing_key, message_type, body) \
+         SELECT gen_random_uuid(), 'parcels', 'k', 'T', '\\x00' FROM generate_series(1, 20000)",
+    )
+    .await?;
+    h.side_execute(&store, "ANALYZE outbox_messages").await?;
+    let take = sql::TAKE_PENDING
+        .replace("$1", "30000")
+        .replace("$2", "gen_random_uuid()")
+        .replace("$3", "(SELECT 100::int8)");
+    let plan = h.explain(&store, &take).await?;
+    check!(
+        !plan.iter().any(|l| l.contains("Seq Scan")),
+        "a take whose batch size the planner cannot see scans the table:\n{}",
+        plan.join("\n")
+    );
+    Ok(())
+}
+
 /// The relay's take walks the partial index of pending rows, and the
 /// purge the partial index on `published_at` without scanning the table,
 /// on a table of mostly published rows.
