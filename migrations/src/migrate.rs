@@ -86,6 +86,11 @@ pub static MIGRATIONS: &[Migration] = &[
         description: "outbox room for the lease",
         sql: include_str!("../20261207000001_outbox_room_for_the_lease.sql"),
     },
+    Migration {
+        version: 20261207000002,
+        description: "outbox take plans by its batch",
+        sql: include_str!("../20261207000002_outbox_take_plans_by_its_batch.sql"),
+    },
 ];
 
 /// The ledger: one row per applied migration, in the store's schema.

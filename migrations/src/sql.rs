@@ -281,34 +281,19 @@ pub const ENQUEUE: &str = "INSERT INTO outbox_messages \
      ON CONFLICT (message_id) DO NOTHING";
 
 /// Leases the oldest due messages, in one statement and so one short
-/// transaction: `$1` lease length in milliseconds (int8), `$2` lease id
+/// transaction: `$1` lease length in milliseconds (float8), `$2` lease id
 /// (uuid), `$3` batch size (int8). Returns the leased rows (in no
 /// particular order: [`crate::lease_from_rows`] sorts them).
 ///
-/// The inner SELECT walks the partial index of pending rows in enqueue
-/// order, skips rows whose lease has not run out, and stops after `$3`;
-/// `FOR UPDATE SKIP LOCKED` makes relays taking at the same moment skip
-/// each other's rows instead of waiting for them or taking them twice. A
-/// row another relay leased and committed in between is re-checked under
-/// its lock (READ COMMITTED's re-evaluation) and left out, since its
-/// `locked_until` now lies ahead.
-///
-/// The outer UPDATE goes to the locked rows by address (`ctid = ANY(…)`, a
-/// TID scan), as [`PURGE_BATCH`] does, not by joining on `message_id`:
-/// a prepared statement's generic plan, which the drivers get after five
-/// executions, cannot see `$3` and assumes a tenth of the pending rows,
-/// and with 40,000 pending it joined them by hashing a sequential scan of
-/// the whole table (published rows included): 11.4 ms a take against
-/// 0.3 ms, measured, and the relay's database CPU at a full core.
+/// The take itself is the function `outbox_take` of migration
+/// `20261207000002_outbox_take_plans_by_its_batch.sql`, which says what it
+/// locks and why it runs under its own planner settings: right after a
+/// burst of enqueues, stale statistics made the planner read the whole
+/// backlog for every take.
 pub const TAKE_PENDING: &str = concat!(
-    "UPDATE outbox_messages AS o \
-     SET locked_until = now() + $1::float8 * interval '1 millisecond', \
-         lease_id = $2, attempts = o.attempts + 1 \
-     WHERE o.ctid = ANY(ARRAY(SELECT ctid FROM outbox_messages \
-           WHERE published_at IS NULL AND (locked_until IS NULL OR locked_until <= now()) \
-             AND dead_at IS NULL AND (next_attempt_at IS NULL OR next_attempt_at <= now()) \
-           ORDER BY position LIMIT $3 FOR UPDATE SKIP LOCKED)) RETURNING ",
-    outbox_row_columns!()
+    "SELECT ",
+    outbox_row_columns!(),
+    " FROM outbox_take($1::float8, $2::uuid, $3::int8) AS o"
 );
 
 /// Marks messages published: `$1` message ids (uuid[]). Affects the rows
