@@ -740,7 +740,13 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
         .unwrap_or(10_000);
     let app_schema = format!("{schema}_app");
     let app_store = e2e::store(url, &app_schema, pool_size).await?;
-    let modes = [E2e::Bare, E2e::PerMessage, E2e::Batched(100), E2e::Runtime];
+    let modes = [
+        E2e::Bare,
+        E2e::PerMessage,
+        E2e::Batched(100),
+        E2e::Runtime,
+        E2e::LapinLoop,
+    ];
     // Per mode, per concurrency, the rate of each repetition; the modes
     // alternate within a repetition, in a rotated order.
     let mut e2e_reps: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); tasks.len()]; modes.len()];
@@ -750,12 +756,20 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
         for (c, &n) in tasks
             .iter()
             .enumerate()
-            .filter(|_| sections.has(Section::EndToEnd))
+            .filter(|_| sections.has(Section::EndToEnd) || sections.has(Section::Runtime))
         {
             for rep in 0..spread::reps() {
                 for k in 0..modes.len() {
                     let m = (k + rep) % modes.len();
                     let mode = modes[m];
+                    let section = if matches!(mode, E2e::Runtime | E2e::LapinLoop) {
+                        Section::Runtime
+                    } else {
+                        Section::EndToEnd
+                    };
+                    if !sections.has(section) {
+                        continue;
+                    }
                     let prefix = format!("{schema}.{m}.{n}.{rep}.");
                     let rate = if mode == E2e::Runtime {
                         let store = bench.inbox.store();
@@ -765,6 +779,9 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
                         eprintln!("{n:>2} tasks, rep {rep}, (b) beside the runtime: {db_rate:.0}");
                         beside_runtime[c].push(db_rate);
                         rate
+                    } else if mode == E2e::LapinLoop {
+                        let store = bench.inbox.store();
+                        e2e::lapin_loop_cell(n, e2e_events, store, &prefix).await?
                     } else {
                         e2e::cell(mode, n, e2e_events, &app_store, &prefix).await?
                     };
@@ -884,6 +901,13 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
             reps: e2e_reps[3].clone(),
             baseline: Some(13),
         },
+        Row {
+            label: "RabbitMQ + hand-written lapin loop per message, business write only (sqlx)"
+                .into(),
+            rates: e2e_rates[4].clone(),
+            reps: e2e_reps[4].clone(),
+            baseline: Some(13),
+        },
     ];
 
     let _ = write!(out, "| messages/s | ");
@@ -921,11 +945,14 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
          to both consumers' queues; rate = deliveries acked per second over both queues; \
          tasks = consumers per queue (bare) or the app's concurrency per queue (prefetch \
          max(32, 4 × tasks) per message, 2 × 100 × tasks batched so that the next batch arrives while one commits, batch wait 20 ms); \
-         the three drains of a concurrency alternate, in a rotated order, for {reps} repetitions, \
+         the drains of a concurrency alternate, in a rotated order, for {reps} repetitions, \
          and each shows its median rate. The runtime row: the same events on one queue, \
          drained by `consumer_app::runtime::Service` per message (prefetch as the app's) with \
          a handler doing only (b)'s business write, and (b) itself run right after each drain \
-         for as long as the drain took, in the same schema and pool.\n\n\
+         for as long as the drain took, in the same schema and pool. The lapin-loop row: the \
+         same events and write without the runtime, per task a lapin consumer (prefetch 32) \
+         running `Inbox::handle` and acking each delivery: what the broker and its client \
+         leave of (b) on this machine, a floor for any runtime on lapin.\n\n\
          Ratios: median (lowest–highest) over {reps} repetitions, each taken within one \
          repetition (the database rows: the cell's time cut into rounds of one slice per \
          variant, in a rotated order, the rounds grouped into {reps} repetitions).",
@@ -982,6 +1009,23 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
         fmt_rate(best_memory),
         check(best_memory.map(|m| m >= 1_000_000.0))
     );
+    // Not a target: what the runtime costs beyond what the broker and lapin
+    // cost any consumer, its row over the hand-written loop's, which share
+    // (b) as their baseline.
+    let own: Vec<String> = (0..tasks.len())
+        .filter_map(|c| {
+            let r = rows[14].ratio(&rows[15], c)?;
+            Some(format!("{} @{}", r.cell(2), tasks[c]))
+        })
+        .collect();
+    if !own.is_empty() {
+        let _ = writeln!(
+            targets,
+            "\nThe runtime over the hand-written lapin loop (the runtime's own cost; above 1: \
+             faster than the loop): {}.",
+            own.join(", ")
+        );
+    }
     out.push_str(&targets);
 
     let _ = writeln!(out);

@@ -14,7 +14,11 @@
 //!   per message on one queue, with a handler that does only the report's
 //!   business write (no Parcel domain, whose consumers add two more
 //!   transactions per message), to set against the database-only inbox (b)
-//!   at the same concurrency: the runtime's own cost.
+//!   at the same concurrency: the runtime's own cost;
+//! - the same work without the runtime ([`lapin_loop_cell`]): per task a
+//!   lapin consumer that runs `Inbox::handle` around the same write and
+//!   acks each delivery, what a user would write by hand: the cost of the
+//!   broker and its client alone, which no runtime on lapin can go below.
 //!
 //! Rates are deliveries per second (both queues together; one queue for
 //! the runtime alone).
@@ -35,7 +39,7 @@ use consumer_app::runtime::{
     AppError, BatchConfig, Handler, Service, ServiceConfig, ServiceHandle, WorkerConfig,
 };
 use futures::StreamExt as _;
-use inbox_api::{ConsumerName, MessageId};
+use inbox_api::{ConsumerName, Inbox, InboxError, InboxKey, MessageId};
 use inbox_backend_sqlx::{SqlxStore, SqlxTransaction, classify};
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
@@ -50,6 +54,9 @@ pub(crate) enum E2e {
     Batched(usize),
     /// The runtime alone, on the report's own store: [`runtime_cell`].
     Runtime,
+    /// The same work as the runtime alone in a hand-written lapin loop:
+    /// [`lapin_loop_cell`].
+    LapinLoop,
 }
 
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -120,8 +127,11 @@ pub(crate) async fn cell(
     store: &SqlxStore,
     prefix: &str,
 ) -> Result<f64, BoxError> {
-    if mode == E2e::Runtime {
-        return Err("the runtime-alone cell runs on the report's store: call runtime_cell".into());
+    if matches!(mode, E2e::Runtime | E2e::LapinLoop) {
+        return Err(
+            "the runtime-alone cells run on the report's store: call runtime_cell or lapin_loop_cell"
+                .into(),
+        );
     }
     let topology = Topology::new(prefix);
     let amqp = topology.runtime();
@@ -175,7 +185,7 @@ pub(crate) async fn cell(
             close_bounded(&connection, "bye").await;
             Ok(rate)
         }
-        E2e::PerMessage | E2e::Batched(_) | E2e::Runtime => {
+        E2e::PerMessage | E2e::Batched(_) | E2e::Runtime | E2e::LapinLoop => {
             let prefetch = match mode {
                 E2e::Batched(k) => u16::try_from(2 * k * tasks).unwrap_or(u16::MAX),
                 _ => per_message_prefetch(tasks),
@@ -286,6 +296,96 @@ pub(crate) async fn runtime_cell(
     finish(&publisher, &topology).await;
     close_bounded(&connection, "bye").await;
     Ok((n as f64 / elapsed.as_secs_f64(), elapsed))
+}
+
+/// The runtime-alone cell's work without the runtime: `n` messages
+/// pre-published to one queue as for [`runtime_cell`], drained by `tasks`
+/// lapin consumers (a channel each, prefetch 32), each delivery decoded
+/// (its `message_id`, its JSON payload), handled by `Inbox::handle` around
+/// the business write on `store`, and acked on its own. No retries, no
+/// dead-letters, no coalesced acks: the loop a user would write by hand,
+/// so its rate is what the broker and lapin leave of (b). Returns
+/// deliveries/s.
+pub(crate) async fn lapin_loop_cell(
+    tasks: usize,
+    n: usize,
+    store: &SqlxStore,
+    prefix: &str,
+) -> Result<f64, BoxError> {
+    let queue = format!("{prefix}writes");
+    let topology = runtime::Topology::new(format!("{prefix}bench")).bind(&queue, BUSINESS_WRITE);
+    let messages = (0..n)
+        .map(|_| Outgoing::json(&MessageId::new_v7(), BUSINESS_WRITE, &crate::PAYLOAD))
+        .collect::<Result<Vec<_>, _>>()?;
+    let (connection, publisher) = prepublish(&topology, BUSINESS_WRITE, &messages).await?;
+    let inbox = Arc::new(Inbox::new(store.clone()));
+    let consumer_name = ConsumerName::new("bench-lapin-loop")?;
+    let done = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicU64::new(0));
+    let consumer_conn = connect(AMQP_URL, "inbox bench lapin loop").await?;
+    let mut workers = Vec::new();
+    let started = Instant::now();
+    for t in 0..tasks {
+        let channel = consumer_conn.create_channel().await?;
+        channel.basic_qos(32, BasicQosOptions::default()).await?;
+        let mut consumer = channel
+            .basic_consume(
+                queue.as_str().into(),
+                format!("lapin-loop-{t}").as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let (inbox, name) = (Arc::clone(&inbox), consumer_name.clone());
+        let (done, failed) = (Arc::clone(&done), Arc::clone(&failed));
+        workers.push(tokio::spawn(async move {
+            let _channel = channel;
+            while let Some(Ok(delivery)) = consumer.next().await {
+                let id = delivery
+                    .properties
+                    .message_id()
+                    .as_ref()
+                    .and_then(|id| MessageId::parse(id.as_str()).ok());
+                let payload = serde_json::from_slice::<String>(&delivery.data).ok();
+                let (Some(id), Some(payload)) = (id, payload) else {
+                    failed.fetch_add(1, Ordering::Relaxed);
+                    break;
+                };
+                let key = InboxKey::new(id, name.clone());
+                let handled = inbox
+                    .handle(&key, async |tx| {
+                        inbox_backend_sqlx::sqlx::query(crate::BUSINESS)
+                            .bind(id.as_uuid())
+                            .bind(&payload)
+                            .execute(tx.conn())
+                            .await
+                            .map_err(classify)?;
+                        Ok::<_, InboxError>(())
+                    })
+                    .await;
+                if handled.is_err() || delivery.ack(BasicAckOptions::default()).await.is_err() {
+                    failed.fetch_add(1, Ordering::Relaxed);
+                    break;
+                }
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    let n = n as u64;
+    while done.load(Ordering::Relaxed) < n && failed.load(Ordering::Relaxed) == 0 {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let elapsed = started.elapsed();
+    for worker in workers {
+        worker.abort();
+    }
+    close_bounded(&consumer_conn, "bye").await;
+    finish(&publisher, &topology).await;
+    close_bounded(&connection, "bye").await;
+    if failed.load(Ordering::Relaxed) > 0 {
+        return Err("the hand-written lapin loop failed a delivery".into());
+    }
+    Ok(n as f64 / elapsed.as_secs_f64())
 }
 
 async fn finish(publisher: &Publisher, topology: &runtime::Topology) {

@@ -15,6 +15,9 @@ pub(crate) enum Section {
     Memory,
     /// End to end through RabbitMQ: bare consume+ack against the app.
     EndToEnd,
+    /// The RabbitMQ runtime alone, per message, against the database-only
+    /// inbox beside it.
+    Runtime,
     /// Every message delivered twice at once.
     Race,
     /// The outbox relay against a bare publisher.
@@ -29,10 +32,11 @@ pub(crate) enum Section {
 
 impl Section {
     /// Every section, in the report's order.
-    pub(crate) const ALL: [Self; 8] = [
+    pub(crate) const ALL: [Self; 9] = [
         Self::Postgres,
         Self::Memory,
         Self::EndToEnd,
+        Self::Runtime,
         Self::Race,
         Self::Relay,
         Self::Latency,
@@ -46,6 +50,7 @@ impl Section {
             Self::Postgres => "postgres",
             Self::Memory => "memory",
             Self::EndToEnd => "e2e",
+            Self::Runtime => "runtime",
             Self::Race => "race",
             Self::Relay => "relay",
             Self::Latency => "latency",
