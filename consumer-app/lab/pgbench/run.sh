@@ -28,7 +28,7 @@ trap 'rm -f "$batch100"' EXIT
 } >"$batch100"
 export PGOPTIONS="-c search_path=ratios_pgb -c synchronous_commit=$sc"
 for rep in $(seq 1 "$reps"); do
-  for c in 1 4 16; do
+  for c in ${CLIENTS:-1 4 16}; do
     for s in ${SCRIPTS:-bare inbox pipelined batch100 batch100multi}; do
       tps=$(pgbench -h 127.0.0.1 -U postgres -n -M prepared -c "$c" -j 2 -T "$secs" -f "$([ "$s" = batch100 ] && echo "$batch100" || echo "$s.sql")" test 2>&1 |
         grep -E "^tps" | grep -oE "[0-9]+\.[0-9]+" | head -1)
