@@ -9,6 +9,7 @@
 #
 # Cells are interleaved (every script at every client count once per
 # repetition), so drift on a shared machine spreads over all of them.
+# CLIENTS picks the client counts (default: 1 4 16).
 # SCRIPTS picks the scripts (default: all). tps of the batch scripts are
 # transactions of 100 messages.
 set -euo pipefail
@@ -29,7 +30,7 @@ trap 'rm -f "$batch100"' EXIT
 export PGOPTIONS="-c search_path=ratios_pgb -c synchronous_commit=$sc"
 for rep in $(seq 1 "$reps"); do
   for c in ${CLIENTS:-1 4 16}; do
-    for s in ${SCRIPTS:-bare inbox pipelined batch100 batch100multi}; do
+    for s in ${SCRIPTS:-bare inbox pipelined guarded batch100 batch100multi}; do
       tps=$(pgbench -h 127.0.0.1 -U postgres -n -M prepared -c "$c" -j 2 -T "$secs" -f "$([ "$s" = batch100 ] && echo "$batch100" || echo "$s.sql")" test 2>&1 |
         grep -E "^tps" | grep -oE "[0-9]+\.[0-9]+" | head -1)
       echo "synchronous_commit=$sc rep=$rep clients=$c script=$s tps=$tps load=$(cut -d' ' -f1 /proc/loadavg)"
