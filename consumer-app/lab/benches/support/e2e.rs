@@ -262,6 +262,41 @@ impl Handler<SqlxTransaction> for BusinessWrite {
     }
 }
 
+/// The queue the runtime-alone cells drain: `n` business-write messages
+/// pre-published to one queue of its own under `prefix`.
+struct Writes {
+    queue: String,
+    topology: runtime::Topology,
+    /// The publisher's connection, closed after the drain.
+    connection: lapin::Connection,
+    /// Deletes the topology after the drain.
+    publisher: Publisher,
+}
+
+impl Writes {
+    async fn publish(n: usize, prefix: &str) -> Result<Self, BoxError> {
+        let queue = format!("{prefix}writes");
+        let topology =
+            runtime::Topology::new(format!("{prefix}bench")).bind(&queue, BUSINESS_WRITE);
+        let messages = (0..n)
+            .map(|_| Outgoing::json(&MessageId::new_v7(), BUSINESS_WRITE, &crate::PAYLOAD))
+            .collect::<Result<Vec<_>, _>>()?;
+        let (connection, publisher) = prepublish(&topology, BUSINESS_WRITE, &messages).await?;
+        Ok(Self {
+            queue,
+            topology,
+            connection,
+            publisher,
+        })
+    }
+
+    /// Deletes the queue's topology and closes the publisher's connection.
+    async fn finish(self) {
+        finish(&self.publisher, &self.topology).await;
+        close_bounded(&self.connection, "bye").await;
+    }
+}
+
 /// The runtime alone: `n` messages pre-published to one queue, drained by
 /// [`Service`] per message at concurrency `tasks` on `store` (whose schema
 /// has the report's `bench_events`), with [`BusinessWrite`] as the handler.
@@ -272,12 +307,7 @@ pub(crate) async fn runtime_cell(
     store: &SqlxStore,
     prefix: &str,
 ) -> Result<(f64, Duration), BoxError> {
-    let queue = format!("{prefix}writes");
-    let topology = runtime::Topology::new(format!("{prefix}bench")).bind(&queue, BUSINESS_WRITE);
-    let messages = (0..n)
-        .map(|_| Outgoing::json(&MessageId::new_v7(), BUSINESS_WRITE, &crate::PAYLOAD))
-        .collect::<Result<Vec<_>, _>>()?;
-    let (connection, publisher) = prepublish(&topology, BUSINESS_WRITE, &messages).await?;
+    let writes = Writes::publish(n, prefix).await?;
     let handler = BusinessWrite(ConsumerName::new("bench-runtime")?);
     let config = ServiceConfig {
         worker: WorkerConfig {
@@ -288,13 +318,12 @@ pub(crate) async fn runtime_cell(
         cleanup: None,
         ..ServiceConfig::new(AMQP_URL, format!("inbox bench {prefix}"))
     };
-    let service = Service::new(store.clone(), config, topology.clone())
-        .consume(queue, handler)
+    let service = Service::new(store.clone(), config, writes.topology.clone())
+        .consume(writes.queue.clone(), handler)
         .spawn()?;
     let started = Instant::now();
     let elapsed = drain(service, &["bench-runtime"], n as u64, started).await?;
-    finish(&publisher, &topology).await;
-    close_bounded(&connection, "bye").await;
+    writes.finish().await;
     Ok((n as f64 / elapsed.as_secs_f64(), elapsed))
 }
 
@@ -312,12 +341,7 @@ pub(crate) async fn lapin_loop_cell(
     store: &SqlxStore,
     prefix: &str,
 ) -> Result<f64, BoxError> {
-    let queue = format!("{prefix}writes");
-    let topology = runtime::Topology::new(format!("{prefix}bench")).bind(&queue, BUSINESS_WRITE);
-    let messages = (0..n)
-        .map(|_| Outgoing::json(&MessageId::new_v7(), BUSINESS_WRITE, &crate::PAYLOAD))
-        .collect::<Result<Vec<_>, _>>()?;
-    let (connection, publisher) = prepublish(&topology, BUSINESS_WRITE, &messages).await?;
+    let writes = Writes::publish(n, prefix).await?;
     let inbox = Arc::new(Inbox::new(store.clone()));
     let consumer_name = ConsumerName::new("bench-lapin-loop")?;
     let done = Arc::new(AtomicU64::new(0));
@@ -330,7 +354,7 @@ pub(crate) async fn lapin_loop_cell(
         channel.basic_qos(32, BasicQosOptions::default()).await?;
         let mut consumer = channel
             .basic_consume(
-                queue.as_str().into(),
+                writes.queue.as_str().into(),
                 format!("lapin-loop-{t}").as_str().into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
@@ -380,8 +404,7 @@ pub(crate) async fn lapin_loop_cell(
         worker.abort();
     }
     close_bounded(&consumer_conn, "bye").await;
-    finish(&publisher, &topology).await;
-    close_bounded(&connection, "bye").await;
+    writes.finish().await;
     if failed.load(Ordering::Relaxed) > 0 {
         return Err("the hand-written lapin loop failed a delivery".into());
     }
