@@ -67,6 +67,24 @@ where
     type Fut = Fut;
 }
 
+/// The shared-reference sibling of [`AsyncWorkMut`], for
+/// [`Inbox::handle_batch_at_once`]'s work, which a rerun calls again while
+/// the first call's borrow could still be live.
+pub trait AsyncWorkFn<A, B, R>:
+    AsyncFn(A, B) -> R + Fn(A, B) -> <Self as AsyncWorkFn<A, B, R>>::Fut
+{
+    /// The closure's future.
+    type Fut: Future<Output = R>;
+}
+
+impl<F, A, B, Fut, R> AsyncWorkFn<A, B, R> for F
+where
+    F: AsyncFn(A, B) -> R + Fn(A, B) -> Fut,
+    Fut: Future<Output = R>,
+{
+    type Fut = Fut;
+}
+
 /// The idempotency middleware around a consumer's work.
 ///
 /// Like a tower layer it owns the step around the consumer: the consumer's
@@ -293,14 +311,36 @@ impl<S: InboxStore> Inbox<S> {
     ///         .count()
     /// }
     /// ```
+    pub fn handle_batch<'a, I, T, E, F>(
+        &'a self,
+        items: Vec<(InboxKey, I)>,
+        work: F,
+    ) -> impl Future<Output = Vec<(InboxKey, I, Result<Handled<T>, E>)>> + Send + 'a
+    where
+        S::Transaction: BatchTransaction,
+        for<'t, 'i> F: AsyncFnMut(&'t mut S::Transaction, &'i I) -> Result<T, E>
+            + AsyncWorkMut<&'t mut S::Transaction, &'i I, Result<T, E>, Fut: Send>
+            + Send
+            + 'a,
+        E: From<InboxError> + Send + 'a,
+        T: Send + 'a,
+        I: Send + Sync + 'a,
+    {
+        self.run_batch(items, work, false, Instant::now())
+    }
+
+    /// [`Inbox::handle_batch`]'s body; `with_savepoints` skips the
+    /// optimistic attempt when the caller already saw the batch fail.
     #[expect(
         clippy::manual_async_fn,
         reason = "an async fn cannot promise `Send`; the explicit bound lets callers spawn it"
     )]
-    pub fn handle_batch<'a, I, T, E, F>(
+    fn run_batch<'a, I, T, E, F>(
         &'a self,
         items: Vec<(InboxKey, I)>,
         mut work: F,
+        mut with_savepoints: bool,
+        started: Instant,
     ) -> impl Future<Output = Vec<(InboxKey, I, Result<Handled<T>, E>)>> + Send + 'a
     where
         S::Transaction: BatchTransaction,
@@ -313,7 +353,6 @@ impl<S: InboxStore> Inbox<S> {
         I: Send + Sync + 'a,
     {
         async move {
-            let started = Instant::now();
             let (keys, payloads): (Vec<InboxKey>, Vec<I>) = items.into_iter().unzip();
             // A store step's error ends the batch, with the stage it
             // happened in.
@@ -335,12 +374,11 @@ impl<S: InboxStore> Inbox<S> {
             // Messages whose work failed in the optimistic attempt, with
             // their error: the rerun gives their claims back unrun.
             let mut failed_before: HashMap<usize, E> = HashMap::new();
-            let mut with_savepoints = false;
             // Set once the batch's one claim statement was refused because
             // of a key it did not name: the keys are then claimed one by
             // one, each in a savepoint, so only the refused ones fail.
             let mut claim_one_by_one = false;
-            let run: Result<Vec<Slot<T, E>>, (&'static str, InboxError)> = 'run: loop {
+            let run: Result<Vec<Slot<T, E>>, StepFailure> = 'run: loop {
                 let mut tx = step!('run, "begin", self.store.begin());
                 let claims = if claim_one_by_one {
                     None
@@ -469,68 +507,247 @@ impl<S: InboxStore> Inbox<S> {
                 step!('run, "commit", tx.commit());
                 break 'run Ok(slots);
             };
-            let outcomes = match run {
-                Ok(slots) => slots,
-                Err((stage, error)) => {
-                    tracing::warn!(batch = keys.len(), stage, error = %error,
-                        retryable = error.is_retryable(), "inbox store failed during a batch");
-                    let retryable = if error.is_retryable() {
-                        "true"
-                    } else {
-                        "false"
-                    };
-                    let cause = Arc::new(error);
-                    let elapsed = started.elapsed().as_secs_f64();
-                    return keys
-                        .into_iter()
-                        .zip(payloads)
-                        .map(|(key, item)| {
-                            let consumer = key.consumer.label();
-                            metrics::counter!(names::FAILED, "consumer" => consumer.clone(),
-                                "stage" => stage, "retryable" => retryable)
-                            .increment(1);
-                            metrics::histogram!(names::HANDLE_DURATION,
-                                "consumer" => consumer, "outcome" => "failed")
-                            .record(elapsed);
-                            let error = InboxError::BatchAborted {
-                                source: Arc::clone(&cause),
-                            };
-                            (key, item, Err(E::from(error)))
-                        })
-                        .collect();
-                }
-            };
+            match run {
+                Ok(slots) => settle(keys, payloads, slots, started),
+                Err((stage, error)) => abort(keys, payloads, stage, error, started),
+            }
+        }
+    }
 
-            let elapsed = started.elapsed().as_secs_f64();
-            keys.into_iter()
-                .zip(payloads)
-                .zip(outcomes)
-                .map(|((key, item), slot)| {
-                    let consumer = key.consumer.label();
-                    let (outcome, result) = match slot {
-                        Slot::Processed(value) => {
-                            metrics::counter!(names::PROCESSED, "consumer" => consumer.clone())
-                                .increment(1);
-                            ("processed", Ok(Handled::Processed(value)))
+    /// Batch-at-once mode: one transaction, one claim statement, and `work`
+    /// called once with every fresh message of `items`, so the consumer can
+    /// write the whole batch's business rows in one statement too.
+    ///
+    /// [`Inbox::handle_batch`] saves the per-message BEGIN, claim and
+    /// COMMIT but still runs the work once per message, so a batch of K
+    /// still pays K business statements; where those are the bulk of the
+    /// cost (one INSERT per message) a multi-row write is what makes a batch
+    /// many times cheaper than K messages. This is MassTransit's batch
+    /// consumer (`Batch<T>`) or Wolverine's batched handler, with the
+    /// inbox's guarantee kept per message.
+    ///
+    /// `work` gets the transaction and the items of the fresh messages, in
+    /// the order given, each message once (duplicates, committed before or
+    /// repeated in the batch, are left out). When it returns `Ok` the batch
+    /// commits and every fresh message is `Processed(())`. When it fails,
+    /// or the batch's claim refuses a key it does not name
+    /// ([`InboxError::KeyRefusedInBatch`]), that attempt is rolled back
+    /// whole and the batch runs again as [`Inbox::handle_batch`] reruns a
+    /// failed batch: `work` is called once per fresh message, on a slice of
+    /// one, each in its own savepoint, so the failing message is rolled back
+    /// alone with its own error and the rest commit. So `work` runs twice
+    /// for the messages of a failed attempt; only the committed run has
+    /// effects, as long as the work keeps its effects inside the
+    /// transaction. The whole batch's error belongs to no one message: it
+    /// is dropped (the rerun returns each message's own), the attempt is
+    /// logged at debug level and counted in `inbox_batch_reruns_total`.
+    ///
+    /// A store failure of the batch's own steps (begin, claim, commit)
+    /// gives every item [`InboxError::BatchAborted`], as in
+    /// [`Inbox::handle_batch`], whose outcome type this shares.
+    ///
+    /// # Example
+    /// ```
+    /// use inbox_api::{BatchTransaction, Handled, Inbox, InboxError, InboxKey, InboxStore};
+    ///
+    /// async fn on_deliveries<S>(inbox: &Inbox<S>, batch: Vec<(InboxKey, String)>) -> usize
+    /// where
+    ///     S: InboxStore,
+    ///     S::Transaction: BatchTransaction,
+    /// {
+    ///     let outcomes = inbox
+    ///         .handle_batch_at_once(batch, async |tx, parcels: &[&String]| {
+    ///             // one multi-row business write for all `parcels` through `tx`
+    ///             let _ = (tx, parcels.len());
+    ///             Ok::<_, InboxError>(())
+    ///         })
+    ///         .await;
+    ///     outcomes
+    ///         .iter()
+    ///         .filter(|(_, _, outcome)| matches!(outcome, Ok(Handled::Processed(()))))
+    ///         .count()
+    /// }
+    /// ```
+    #[expect(
+        clippy::manual_async_fn,
+        reason = "an async fn cannot promise `Send`; the explicit bound lets callers spawn it"
+    )]
+    pub fn handle_batch_at_once<'a, I, E, F>(
+        &'a self,
+        items: Vec<(InboxKey, I)>,
+        work: F,
+    ) -> impl Future<Output = Vec<(InboxKey, I, Result<Handled<()>, E>)>> + Send + 'a
+    where
+        S::Transaction: BatchTransaction,
+        // `AsyncFn`, not `AsyncFnMut`: the rerun hands `work` to
+        // `handle_batch` by shared reference, and an async closure that
+        // borrowed it mutably could not be called again while its future
+        // lived.
+        for<'t, 's, 'i> F: AsyncFn(&'t mut S::Transaction, &'s [&'i I]) -> Result<(), E>
+            + AsyncWorkFn<&'t mut S::Transaction, &'s [&'i I], Result<(), E>, Fut: Send>
+            + Send
+            + Sync
+            + 'a,
+        E: From<InboxError> + Send + 'a,
+        I: Send + Sync + 'a,
+    {
+        async move {
+            let started = Instant::now();
+            let (keys, payloads): (Vec<InboxKey>, Vec<I>) = items.into_iter().unzip();
+            // `Some(slots)`: committed; `None`: rerun one message at a time.
+            let attempt: Result<Option<Vec<Slot<(), E>>>, StepFailure> = async {
+                let mut tx = self.store.begin().await.map_err(|e| ("begin", e))?;
+                let claims = match tx.claim_batch(&keys).await {
+                    Ok(claims) if claims.len() == keys.len() => claims,
+                    Ok(_) | Err(InboxError::KeyRefusedInBatch { .. }) => {
+                        // The rerun claims one by one and reports a wrong
+                        // answer or each refused key on its own message.
+                        if let Err(rollback) = tx.rollback().await {
+                            tracing::debug!(error = %rollback,
+                                "rollback of the refused batch claim failed");
                         }
-                        Slot::Duplicate => {
-                            metrics::counter!(names::DUPLICATES_DISCARDED,
-                                "consumer" => consumer.clone())
-                            .increment(1);
-                            ("duplicate", Ok(Handled::Duplicate))
-                        }
-                        Slot::Failed(error) => ("failed", Err(error)),
-                        Slot::Deferred => ("failed", Err(E::from(InboxError::Deferred))),
-                    };
-                    metrics::histogram!(names::HANDLE_DURATION,
-                        "consumer" => consumer, "outcome" => outcome)
-                    .record(elapsed);
-                    (key, item, result)
-                })
-                .collect()
+                        return Ok(None);
+                    }
+                    Err(error) => return Err(("claim", error)),
+                };
+                let fresh: Vec<&I> = payloads
+                    .iter()
+                    .zip(&claims)
+                    .filter(|(_, claim)| **claim == Claim::Fresh)
+                    .map(|(item, _)| item)
+                    .collect();
+                // The whole batch's error is not any one message's: the rerun
+                // finds whose it is.
+                if !fresh.is_empty() && work(&mut tx, &fresh).await.is_err() {
+                    if let Err(rollback) = tx.rollback().await {
+                        tracing::debug!(error = %rollback,
+                            "rollback of the failed batch-at-once attempt failed");
+                    }
+                    tracing::debug!(
+                        batch = keys.len(),
+                        fresh = fresh.len(),
+                        "work failed for a whole batch; rerunning one message at a time"
+                    );
+                    return Ok(None);
+                }
+                tx.commit().await.map_err(|e| ("commit", e))?;
+                Ok(Some(
+                    claims
+                        .iter()
+                        .map(|claim| match claim {
+                            Claim::Fresh => Slot::Processed(()),
+                            // Committed before, or a later copy of a key
+                            // that just committed.
+                            Claim::Duplicate => Slot::Duplicate,
+                        })
+                        .collect(),
+                ))
+            }
+            .await;
+            match attempt {
+                Ok(Some(slots)) => settle(keys, payloads, slots, started),
+                Err((stage, error)) => abort(keys, payloads, stage, error, started),
+                Ok(None) => {
+                    metrics::counter!(names::BATCH_RERUNS).increment(1);
+                    let items = keys.into_iter().zip(payloads).collect();
+                    let work = &work;
+                    // Straight to a savepoint per message: the batch as a
+                    // whole has just failed.
+                    self.run_batch(
+                        items,
+                        async move |tx, item: &I| {
+                            // A copy of the reference, so the future borrows
+                            // `work` from this frame, not from the closure.
+                            let work: &F = work;
+                            work(tx, std::slice::from_ref(&item)).await
+                        },
+                        true,
+                        started,
+                    )
+                    .await
+                }
+            }
         }
     }
 }
+
+/// Every item of a batch whose own store step (`stage`) failed gets
+/// [`InboxError::BatchAborted`] with the shared cause: nothing of it
+/// committed (for a lost commit: maybe all of it), so each is redelivered.
+fn abort<I, T, E: From<InboxError>>(
+    keys: Vec<InboxKey>,
+    payloads: Vec<I>,
+    stage: &'static str,
+    error: InboxError,
+    started: Instant,
+) -> Vec<(InboxKey, I, Result<Handled<T>, E>)> {
+    tracing::warn!(batch = keys.len(), stage, error = %error,
+        retryable = error.is_retryable(), "inbox store failed during a batch");
+    let retryable = if error.is_retryable() {
+        "true"
+    } else {
+        "false"
+    };
+    let cause = Arc::new(error);
+    let elapsed = started.elapsed().as_secs_f64();
+    keys.into_iter()
+        .zip(payloads)
+        .map(|(key, item)| {
+            let consumer = key.consumer.label();
+            metrics::counter!(names::FAILED, "consumer" => consumer.clone(),
+                "stage" => stage, "retryable" => retryable)
+            .increment(1);
+            metrics::histogram!(names::HANDLE_DURATION,
+                "consumer" => consumer, "outcome" => "failed")
+            .record(elapsed);
+            let error = InboxError::BatchAborted {
+                source: Arc::clone(&cause),
+            };
+            (key, item, Err(E::from(error)))
+        })
+        .collect()
+}
+
+/// Turns a committed batch's slots into [`Inbox::handle`]'s outcome type,
+/// counting each message once.
+fn settle<I, T, E: From<InboxError>>(
+    keys: Vec<InboxKey>,
+    payloads: Vec<I>,
+    slots: Vec<Slot<T, E>>,
+    started: Instant,
+) -> Vec<(InboxKey, I, Result<Handled<T>, E>)> {
+    let elapsed = started.elapsed().as_secs_f64();
+    keys.into_iter()
+        .zip(payloads)
+        .zip(slots)
+        .map(|((key, item), slot)| {
+            let consumer = key.consumer.label();
+            let (outcome, result) = match slot {
+                Slot::Processed(value) => {
+                    metrics::counter!(names::PROCESSED, "consumer" => consumer.clone())
+                        .increment(1);
+                    ("processed", Ok(Handled::Processed(value)))
+                }
+                Slot::Duplicate => {
+                    metrics::counter!(names::DUPLICATES_DISCARDED,
+                        "consumer" => consumer.clone())
+                    .increment(1);
+                    ("duplicate", Ok(Handled::Duplicate))
+                }
+                Slot::Failed(error) => ("failed", Err(error)),
+                Slot::Deferred => ("failed", Err(E::from(InboxError::Deferred))),
+            };
+            metrics::histogram!(names::HANDLE_DURATION,
+                "consumer" => consumer, "outcome" => outcome)
+            .record(elapsed);
+            (key, item, result)
+        })
+        .collect()
+}
+
+/// A batch's own store step that failed: its stage (the metric label) and
+/// the error.
+type StepFailure = (&'static str, InboxError);
 
 /// What became of one message of a batch inside [`Inbox::handle_batch`], before it is
 /// turned into the outcome type [`Inbox::handle`] shares.

@@ -38,7 +38,7 @@ mod store;
 
 pub use attempts::{AttemptLedger, AttemptLedgerExt, AttemptRecord, DeadMark, LastError};
 pub use error::{BoxError, Disposition, InboxError};
-pub use inbox::{AsyncWork, AsyncWorkMut, Handled, Inbox};
+pub use inbox::{AsyncWork, AsyncWorkFn, AsyncWorkMut, Handled, Inbox};
 pub use key::{ConsumerName, InboxKey, MessageId};
 pub use outbox::{
     EnqueueOutcome, LeaseId, OutboxLease, OutboxRecord, OutboxStore, OutboxStoreExt,

@@ -1011,6 +1011,116 @@ pub async fn handle_batch_rolls_back_a_failing_message_alone<H: Harness>(h: &H) 
     expect_processed_once(h, &store, &failing).await
 }
 
+/// Batch-at-once middleware: the work runs once, with the fresh messages'
+/// items only (in order, a key repeated in the batch once), and all commit
+/// together.
+pub async fn handle_batch_at_once_runs_the_fresh_messages_together<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let inbox = Inbox::new(store.clone());
+    let done = new_key("c1");
+    process_once(h, &store, &done).await?;
+    let (a, b) = (new_key("c1"), new_key("c1"));
+    let batch = [a.clone(), done.clone(), b.clone(), a.clone()];
+    let calls = std::sync::Mutex::new(Vec::new());
+    let items = batch.iter().cloned().zip(0..).collect();
+    let outcomes = inbox
+        .handle_batch_at_once(items, async |tx, fresh: &[&usize]| {
+            calls
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(fresh.iter().map(|i| **i).collect::<Vec<usize>>());
+            for i in fresh {
+                h.record_effect(tx, &batch[**i]).await?;
+            }
+            Ok::<_, InboxError>(())
+        })
+        .await;
+    let summary: Vec<String> = outcomes
+        .iter()
+        .map(|(key, i, outcome)| format!("{}:{i}:{outcome:?}", u8::from(*key == batch[*i])))
+        .collect();
+    check_eq!(
+        summary,
+        vec![
+            "1:0:Ok(Processed(()))",
+            "1:1:Ok(Duplicate)",
+            "1:2:Ok(Processed(()))",
+            "1:3:Ok(Duplicate)"
+        ],
+        "batch outcomes, each with its own key and item, in order"
+    );
+    check_eq!(
+        calls
+            .into_inner()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+        vec![vec![0, 2]],
+        "calls of the work, with the fresh items"
+    );
+    for key in [&a, &b, &done] {
+        expect_processed_once(h, &store, key).await?;
+    }
+    Ok(())
+}
+
+/// Batch-at-once middleware: when the work fails for the whole batch, the
+/// batch runs again one message at a time, so only the failing message is
+/// rolled back (its claim too) and charged; the rest commit once.
+pub async fn handle_batch_at_once_isolates_a_failing_message<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let inbox = Inbox::new(store.clone());
+    let (a, failing, b) = (new_key("c1"), new_key("c1"), new_key("c1"));
+    let batch = [a.clone(), failing.clone(), b.clone()];
+    let sizes = std::sync::Mutex::new(Vec::new());
+    let items = batch.iter().cloned().zip(0..).collect();
+    let outcomes = inbox
+        .handle_batch_at_once(items, async |tx, fresh: &[&usize]| {
+            sizes
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(fresh.len());
+            for i in fresh {
+                h.record_effect(tx, &batch[**i]).await?;
+                if **i == 1 {
+                    return Err(InboxError::retryable_handler("carrier API timed out"));
+                }
+            }
+            Ok(())
+        })
+        .await;
+    let summary: Vec<String> = outcomes
+        .iter()
+        .map(|(_, _, outcome)| match outcome {
+            Ok(handled) => format!("{handled:?}"),
+            Err(error) => format!("Err({}, retryable: {})", error.kind(), error.is_retryable()),
+        })
+        .collect();
+    check_eq!(
+        summary,
+        vec![
+            "Processed(())",
+            "Err(handler, retryable: true)",
+            "Processed(())"
+        ],
+        "batch outcomes"
+    );
+    check_eq!(
+        sizes
+            .into_inner()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+        vec![3, 1, 1, 1],
+        "the whole batch, then one message at a time"
+    );
+    expect_processed_once(h, &store, &a).await?;
+    expect_processed_once(h, &store, &b).await?;
+    expect_no_trace(h, &store, &failing).await?;
+    without_waiting(
+        "the redelivery of the failed message",
+        process_once(h, &store, &failing),
+    )
+    .await??;
+    expect_processed_once(h, &store, &failing).await
+}
+
 /// Runs every contract test against `h` and returns the failures by name.
 pub async fn run_all<H: Harness>(h: &H) -> Vec<(&'static str, Failure)> {
     let mut failures = Vec::new();

@@ -254,6 +254,8 @@ macro_rules! __with_contract_tests {
             a_key_given_back_leaves_the_other_claims_alone,
             handle_batch_runs_each_message_once,
             handle_batch_rolls_back_a_failing_message_alone,
+            handle_batch_at_once_runs_the_fresh_messages_together,
+            handle_batch_at_once_isolates_a_failing_message,
         }
     };
 }

@@ -61,6 +61,10 @@ pub struct Step {
     /// In batched mode, how many queued deliveries the consumer takes at
     /// once (the picked one first).
     pub batch: usize,
+    /// In batched mode, whether the batch goes to
+    /// [`Inbox::handle_batch_at_once`] (one call of the work for all fresh
+    /// messages) instead of [`Inbox::handle_batch`].
+    pub at_once: bool,
 }
 
 /// How the consumer hands deliveries to the inbox.
@@ -95,8 +99,11 @@ impl fmt::Display for Schedule {
         for step in &self.steps {
             write!(
                 f,
-                "\n  pick {} (batch {}) {:?}",
-                step.pick, step.batch, step.first
+                "\n  pick {} (batch {}{}) {:?}",
+                step.pick,
+                step.batch,
+                if step.at_once { ", at once" } else { "" },
+                step.first
             )?;
             if step.concurrent_copy {
                 write!(f, " || concurrent copy {:?}", step.second)?;
@@ -129,14 +136,18 @@ fn step() -> impl Strategy<Value = Step> {
         fault(),
         fault(),
         1usize..=4,
+        any::<bool>(),
     )
-        .prop_map(|(pick, concurrent_copy, first, second, batch)| Step {
-            pick,
-            concurrent_copy,
-            first,
-            second,
-            batch,
-        })
+        .prop_map(
+            |(pick, concurrent_copy, first, second, batch, at_once)| Step {
+                pick,
+                concurrent_copy,
+                first,
+                second,
+                batch,
+                at_once,
+            },
+        )
 }
 
 /// Schedules of 1–3 messages × 1–2 consumers with up to 12 faulty steps.
@@ -290,6 +301,7 @@ async fn deliver_batch<H: Harness>(
     keys: &[InboxKey],
     fault: Fault,
     failing: usize,
+    at_once: bool,
 ) -> Result<Vec<Ack>, Failure> {
     let store = inbox.store();
     let all = |ack: Ack| Ok(vec![ack; keys.len()]);
@@ -311,11 +323,34 @@ async fn deliver_batch<H: Harness>(
     };
     let items = || keys.iter().cloned().zip(0..).collect::<Vec<_>>();
     let failing = failing % keys.len();
+    // One per-message work for both batch APIs: at once, the fresh
+    // messages' work runs in one call, message after message, and an error
+    // or a cancellation ends the whole call.
+    macro_rules! handle_batch {
+        (|$tx:ident, $i:ident| $body:block) => {
+            if at_once {
+                inbox
+                    .handle_batch_at_once(items(), async |$tx, fresh: &[&usize]| {
+                        for &&$i in fresh $body
+                        Ok::<(), InboxError>(())
+                    })
+                    .await
+            } else {
+                inbox
+                    .handle_batch(items(), async |$tx, $i: &usize| {
+                        let $i = *$i;
+                        $body
+                        Ok::<(), InboxError>(())
+                    })
+                    .await
+            }
+        };
+    }
     match fault {
         Fault::None | Fault::AckLost => {
-            let outcomes = inbox
-                .handle_batch(items(), async |tx, i: &usize| work(h, tx, &keys[*i]).await)
-                .await;
+            let outcomes = handle_batch!(|tx, i| {
+                work(h, tx, &keys[i]).await?;
+            });
             let acked = acks(outcomes)?;
             if fault == Fault::AckLost {
                 all(Ack::Redeliver)
@@ -324,15 +359,12 @@ async fn deliver_batch<H: Harness>(
             }
         }
         Fault::HandlerError => {
-            let outcomes = inbox
-                .handle_batch(items(), async |tx, i: &usize| {
-                    work(h, tx, &keys[*i]).await?;
-                    if *i == failing {
-                        return Err(InboxError::retryable_handler("carrier API timed out"));
-                    }
-                    Ok(())
-                })
-                .await;
+            let outcomes = handle_batch!(|tx, i| {
+                work(h, tx, &keys[i]).await?;
+                if i == failing {
+                    return Err(InboxError::retryable_handler("carrier API timed out"));
+                }
+            });
             acks(outcomes)
         }
         Fault::CrashAfterClaim(_) | Fault::CrashAfterWork(_) | Fault::CommitLost { .. } => {
@@ -374,20 +406,21 @@ async fn deliver_batch<H: Harness>(
         Fault::CancelledInHandle => {
             let (reached, work_started) = tokio::sync::oneshot::channel::<()>();
             let reached = std::sync::Mutex::new(Some(reached));
-            let handling = inbox.handle_batch(items(), async |tx, i: &usize| {
-                work(h, tx, &keys[*i]).await?;
-                if *i == failing {
-                    let signal = reached
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .take();
-                    if let Some(signal) = signal {
-                        let _ = signal.send(());
+            let handling = async {
+                handle_batch!(|tx, i| {
+                    work(h, tx, &keys[i]).await?;
+                    if i == failing {
+                        let signal = reached
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .take();
+                        if let Some(signal) = signal {
+                            let _ = signal.send(());
+                        }
+                        std::future::pending::<()>().await;
                     }
-                    std::future::pending::<()>().await;
-                }
-                Ok::<_, InboxError>(())
-            });
+                })
+            };
             tokio::select! {
                 outcomes = handling => acks(outcomes),
                 _ = work_started => all(Ack::Redeliver),
@@ -435,15 +468,16 @@ pub async fn run_schedule<H: Harness>(
                 queue.len()
             )));
         }
-        let (pick, concurrent, first, second, batch) = match steps.next() {
+        let (pick, concurrent, first, second, batch, at_once) = match steps.next() {
             Some(step) => (
                 step.pick,
                 step.concurrent_copy,
                 step.first,
                 step.second,
                 step.batch,
+                step.at_once,
             ),
-            None => (0, false, Fault::None, Fault::None, 4),
+            None => (0, false, Fault::None, Fault::None, 4, false),
         };
         let Some(head) = queue.remove(pick % queue.len()) else {
             break;
@@ -478,7 +512,7 @@ pub async fn run_schedule<H: Harness>(
         let run = async |delivered: &[InboxKey], fault: Fault| -> Result<Vec<Ack>, Failure> {
             match mode {
                 Mode::PerMessage => Ok(vec![deliver(h, &inbox, &delivered[0], fault).await?]),
-                Mode::Batched => deliver_batch(h, &inbox, delivered, fault, pick).await,
+                Mode::Batched => deliver_batch(h, &inbox, delivered, fault, pick, at_once).await,
             }
         };
         let (first_acks, copy_acks) = match copy {

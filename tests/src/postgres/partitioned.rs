@@ -325,54 +325,73 @@ pub async fn partitioned_a_schema_keeps_its_layout<H: PgHarness>(h: &H) -> Outco
 /// In batched mode, an expired id and an id ahead of the created days fail
 /// the batch's one claim statement without naming themselves; the batch
 /// then claims one by one, so only those two are charged (expired:
-/// permanent; ahead: retryable) and the others are processed once.
+/// permanent; ahead: retryable) and the others are processed once. The
+/// same for a batch handled at once (`Inbox::handle_batch_at_once`).
 pub async fn partitioned_a_batch_charges_only_its_expired_and_future_ids<H: PgHarness>(
     h: &H,
 ) -> Outcome {
     let store = partitioned_store(h).await?;
     h.side_execute(&store, EFFECTS_TABLE).await?;
-    let fine = [
-        key(v7_at(Duration::zero()))?,
-        key(MessageId::from_uuid(uuid::Uuid::new_v4()))?,
-        key(v7_at(-Duration::days(1)))?,
-    ];
-    let expired = key(v7_at(-Duration::days(3)))?;
-    let future = key(v7_at(Duration::days(10)))?;
-    let batch = [
-        fine[0].clone(),
-        expired.clone(),
-        fine[1].clone(),
-        future.clone(),
-        fine[2].clone(),
-    ];
-    let items: Vec<(InboxKey, InboxKey)> = batch.iter().map(|k| (k.clone(), k.clone())).collect();
-    let inbox = Inbox::new(store.clone());
-    let outcomes = inbox
-        .handle_batch(items, async |tx, key: &InboxKey| {
-            h.record_effect(tx, key).await
-        })
-        .await;
-    for (key, _, outcome) in &outcomes {
-        match outcome {
-            Ok(Handled::Processed(())) if fine.contains(key) => {}
-            Err(error) if *key == expired => {
-                check_eq!(error.kind(), "expired", "the expired id: {error:?}");
-                check!(!error.is_retryable(), "expired is permanent");
+    for at_once in [false, true] {
+        let fine = [
+            key(v7_at(Duration::zero()))?,
+            key(MessageId::from_uuid(uuid::Uuid::new_v4()))?,
+            key(v7_at(-Duration::days(1)))?,
+        ];
+        let expired = key(v7_at(-Duration::days(3)))?;
+        let future = key(v7_at(Duration::days(10)))?;
+        let batch = [
+            fine[0].clone(),
+            expired.clone(),
+            fine[1].clone(),
+            future.clone(),
+            fine[2].clone(),
+        ];
+        let items: Vec<(InboxKey, InboxKey)> =
+            batch.iter().map(|k| (k.clone(), k.clone())).collect();
+        let inbox = Inbox::new(store.clone());
+        let outcomes = if at_once {
+            inbox
+                .handle_batch_at_once(items, async |tx, keys: &[&InboxKey]| {
+                    for key in keys {
+                        h.record_effect(tx, key).await?;
+                    }
+                    Ok(())
+                })
+                .await
+        } else {
+            inbox
+                .handle_batch(items, async |tx, key: &InboxKey| {
+                    h.record_effect(tx, key).await
+                })
+                .await
+        };
+        for (key, _, outcome) in &outcomes {
+            match outcome {
+                Ok(Handled::Processed(())) if fine.contains(key) => {}
+                Err(error) if *key == expired => {
+                    check_eq!(error.kind(), "expired", "the expired id: {error:?}");
+                    check!(!error.is_retryable(), "expired is permanent");
+                }
+                Err(error) if *key == future => {
+                    check!(
+                        error.is_retryable(),
+                        "the future id is retryable: {error:?}"
+                    );
+                    check!(error.kind() != "expired", "the future id: {error:?}");
+                }
+                other => {
+                    return Err(Failure::new(format!("at once {at_once}: {key}: {other:?}")));
+                }
             }
-            Err(error) if *key == future => {
-                check!(
-                    error.is_retryable(),
-                    "the future id is retryable: {error:?}"
-                );
-                check!(error.kind() != "expired", "the future id: {error:?}");
-            }
-            other => return Err(Failure::new(format!("{key}: {other:?}"))),
+        }
+        let effects = h.effects(&store).await;
+        for k in &fine {
+            check_eq!(effects.get(k).copied(), Some(1), "effects of {k}");
+        }
+        for k in [&expired, &future] {
+            check_eq!(effects.get(k).copied(), None, "effects of the refused {k}");
         }
     }
-    let effects = h.effects(&store).await;
-    for k in &fine {
-        check_eq!(effects.get(k).copied(), Some(1), "effects of {k}");
-    }
-    check_eq!(effects.len(), fine.len(), "effects of the refused ids");
     Ok(())
 }
