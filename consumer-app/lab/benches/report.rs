@@ -30,6 +30,10 @@
 //! - (f)–(i) batched mode: `Inbox::handle_batch` over K = 10 and 100 new
 //!   messages per transaction, sqlx and diesel (diesel's rows are skipped
 //!   if its store refuses savepoints);
+//! - (j), (k) batched at once: `Inbox::handle_batch_at_once` over K = 100
+//!   new messages, the work writing their business rows in one multi-row
+//!   INSERT (sqlx: `UNNEST` of one array parameter; diesel: its multi-row
+//!   `VALUES`), against the per-message inbox of the same driver;
 //! - the memory store through `Inbox::handle`, on one core (a
 //!   current-thread runtime on its own thread);
 //! - end to end through RabbitMQ (`support/e2e.rs`): bare consume+ack with
@@ -101,6 +105,10 @@ const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 const SLICE: Duration = Duration::from_millis(250);
 
 const BUSINESS: &str = "INSERT INTO bench_events (message_id, payload) VALUES ($1, $2)";
+/// [`BUSINESS`] for a whole batch in one statement: one array parameter
+/// whatever K, so sqlx prepares it once per connection.
+const BUSINESS_MANY: &str =
+    "INSERT INTO bench_events (message_id, payload) SELECT id, $2 FROM UNNEST($1::uuid[]) AS id";
 const ARTICLE_CHECK: &str =
     "SELECT EXISTS (SELECT 1 FROM article_inbox WHERE id = $1 AND consumer_type = $2)";
 const ARTICLE_INSERT: &str = "INSERT INTO article_inbox (id, consumer_type) VALUES ($1, $2)";
@@ -119,6 +127,11 @@ enum Variant {
     SqlxBatch(usize),
     /// (e) in batched mode.
     DieselBatch(usize),
+    /// (b) batched at once: `Inbox::handle_batch_at_once` over K new
+    /// messages, their business rows in one multi-row INSERT.
+    SqlxBatchAtOnce(usize),
+    /// (e) batched at once.
+    DieselBatchAtOnce(usize),
 }
 
 impl Variant {
@@ -141,6 +154,12 @@ impl Variant {
             Self::SqlxBatch(_) => "(g) inbox batched K=100 (sqlx)",
             Self::DieselBatch(10) => "(h) inbox batched K=10 (diesel)",
             Self::DieselBatch(_) => "(i) inbox batched K=100 (diesel)",
+            Self::SqlxBatchAtOnce(_) => {
+                "(j) inbox batched at once K=100, one multi-row write (sqlx)"
+            }
+            Self::DieselBatchAtOnce(_) => {
+                "(k) inbox batched at once K=100, one multi-row write (diesel)"
+            }
         }
     }
 }
@@ -191,6 +210,46 @@ impl Bench {
                     .await;
                 return processed(outcomes);
             }
+            Variant::SqlxBatchAtOnce(k) => {
+                let outcomes = self
+                    .inbox
+                    .handle_batch_at_once(batch_items(key, k), async |tx, ids: &[&uuid::Uuid]| {
+                        let ids: Vec<uuid::Uuid> = ids.iter().map(|id| **id).collect();
+                        sqlx::query(BUSINESS_MANY)
+                            .bind(ids)
+                            .bind(PAYLOAD)
+                            .execute(tx.conn())
+                            .await
+                            .map_err(classify)?;
+                        Ok::<_, InboxError>(())
+                    })
+                    .await;
+                return processed(outcomes);
+            }
+            Variant::DieselBatchAtOnce(k) => {
+                use inbox_backend_diesel::diesel_async::RunQueryDsl as _;
+                let outcomes = self
+                    .diesel
+                    .handle_batch_at_once(batch_items(key, k), async |tx, ids: &[&uuid::Uuid]| {
+                        let rows: Vec<_> = ids
+                            .iter()
+                            .map(|id| {
+                                (
+                                    bench_events::message_id.eq(**id),
+                                    bench_events::payload.eq(PAYLOAD),
+                                )
+                            })
+                            .collect();
+                        diesel::insert_into(bench_events::table)
+                            .values(rows)
+                            .execute(tx.conn())
+                            .await
+                            .map_err(classify_diesel)?;
+                        Ok::<_, InboxError>(())
+                    })
+                    .await;
+                return processed(outcomes);
+            }
             _ => {}
         }
         self.deliver_one(variant, key).await.map(u64::from)
@@ -200,7 +259,10 @@ impl Bench {
     async fn deliver_one(&self, variant: Variant, key: &InboxKey) -> Result<bool, InboxError> {
         let id = key.message_id.as_uuid();
         match variant {
-            Variant::SqlxBatch(_) | Variant::DieselBatch(_) => Ok(false),
+            Variant::SqlxBatch(_)
+            | Variant::DieselBatch(_)
+            | Variant::SqlxBatchAtOnce(_)
+            | Variant::DieselBatchAtOnce(_) => Ok(false),
             Variant::BareTx => {
                 let mut tx = self.pool.begin().await.map_err(classify)?;
                 sqlx::query(BUSINESS)
@@ -555,11 +617,13 @@ use e2e::{BoxError, E2e};
 use spread::Spread;
 
 /// The batched variants, measured in the same interleaved slices.
-const BATCHED: [Variant; 4] = [
+const BATCHED: [Variant; 6] = [
     Variant::SqlxBatch(10),
     Variant::SqlxBatch(100),
     Variant::DieselBatch(10),
     Variant::DieselBatch(100),
+    Variant::SqlxBatchAtOnce(100),
+    Variant::DieselBatchAtOnce(100),
 ];
 
 fn load_average() -> String {
@@ -668,11 +732,9 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
     let bench = setup(url, schema, pool_size).await?;
     let diesel_batched = diesel_batches(&bench).await;
     let mut variants: Vec<Variant> = Variant::ALL.to_vec();
-    variants.extend(
-        BATCHED
-            .iter()
-            .filter(|v| diesel_batched || !matches!(v, Variant::DieselBatch(_))),
-    );
+    variants.extend(BATCHED.iter().filter(|v| {
+        diesel_batched || !matches!(v, Variant::DieselBatch(_) | Variant::DieselBatchAtOnce(_))
+    }));
 
     // Warm up: connections, prepared statements, caches.
     if sections.has(Section::Postgres) || sections.has(Section::Race) {
@@ -860,6 +922,18 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
             baseline: Some(1),
         },
         Row {
+            label: Variant::SqlxBatchAtOnce(100).header().into(),
+            rates: of(Variant::SqlxBatchAtOnce(100)).0,
+            reps: of(Variant::SqlxBatchAtOnce(100)).1,
+            baseline: Some(2),
+        },
+        Row {
+            label: Variant::DieselBatchAtOnce(100).header().into(),
+            rates: of(Variant::DieselBatchAtOnce(100)).0,
+            reps: of(Variant::DieselBatchAtOnce(100)).1,
+            baseline: Some(3),
+        },
+        Row {
             label: Variant::Article.header().into(),
             rates: of(Variant::Article).0,
             reps: of(Variant::Article).1,
@@ -881,13 +955,13 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
             label: "RabbitMQ + app per message (sqlx)".into(),
             rates: e2e_rates[1].clone(),
             reps: e2e_reps[1].clone(),
-            baseline: Some(10),
+            baseline: Some(12),
         },
         Row {
             label: "RabbitMQ + app batched K=100 (sqlx)".into(),
             rates: e2e_rates[2].clone(),
             reps: e2e_reps[2].clone(),
-            baseline: Some(10),
+            baseline: Some(12),
         },
         Row {
             label: "(b) inbox per message (sqlx), beside the runtime's drains".into(),
@@ -899,14 +973,14 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
             label: "RabbitMQ + runtime per message, business write only (sqlx)".into(),
             rates: e2e_rates[3].clone(),
             reps: e2e_reps[3].clone(),
-            baseline: Some(13),
+            baseline: Some(15),
         },
         Row {
             label: "RabbitMQ + hand-written lapin loop per message, business write only (sqlx)"
                 .into(),
             rates: e2e_rates[4].clone(),
             reps: e2e_reps[4].clone(),
-            baseline: Some(13),
+            baseline: Some(15),
         },
     ];
 
@@ -978,18 +1052,25 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
     for (name, a, b, want) in [
         ("batched K=100 ≥ 8 × per message (sqlx)", 5, 2, 8.0),
         ("batched K=100 ≥ 8 × per message (diesel)", 7, 3, 8.0),
+        ("batched at once K=100 ≥ 8 × per message (sqlx)", 8, 2, 8.0),
+        (
+            "batched at once K=100 ≥ 8 × per message (diesel)",
+            9,
+            3,
+            8.0,
+        ),
         (
             "end-to-end batched ≥ 0.5 × bare RabbitMQ consume+ack",
+            14,
             12,
-            10,
             0.5,
         ),
         ("per-message inbox ≥ 0.80 × bare tx (sqlx)", 2, 0, 0.8),
         ("per-message inbox ≥ 0.80 × bare tx (diesel)", 3, 1, 0.8),
         (
             "runtime per message ≥ 0.8 × database-only inbox (b)",
-            14,
-            13,
+            16,
+            15,
             0.8,
         ),
     ] {
@@ -1002,7 +1083,7 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
             spread::verdict(worst.map(|(_, r)| r), want)
         );
     }
-    let best_memory = rows[9].rates.iter().flatten().copied().reduce(f64::max);
+    let best_memory = rows[11].rates.iter().flatten().copied().reduce(f64::max);
     let _ = writeln!(
         targets,
         "| memory ≥ 1,000,000 claim+commit/s on one core | {} /s (best) | | {} |",
@@ -1014,7 +1095,7 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
     // (b) as their baseline.
     let own: Vec<String> = (0..tasks.len())
         .filter_map(|c| {
-            let r = rows[14].ratio(&rows[15], c)?;
+            let r = rows[16].ratio(&rows[17], c)?;
             Some(format!("{} @{}", r.cell(2), tasks[c]))
         })
         .collect();
