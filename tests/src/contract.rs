@@ -927,15 +927,23 @@ pub async fn a_key_given_back_leaves_the_other_claims_alone<H: Harness>(h: &H) -
     expect_no_trace(h, &store, &given_back).await
 }
 
-/// Batched middleware: fresh messages run, duplicates (committed before, or
-/// repeated in the batch) do not, and all commit at once.
-pub async fn handle_batch_runs_each_message_once<H: Harness>(h: &H) -> Outcome {
+/// A fresh store and a batch of four for it: `a`, `done` (processed
+/// before), `b`, and `a` again.
+async fn a_batch_with_duplicates<H: Harness>(h: &H) -> Result<(H::Store, [InboxKey; 4]), Failure> {
     let store = h.fresh_store().await;
-    let inbox = Inbox::new(store.clone());
     let done = new_key("c1");
     process_once(h, &store, &done).await?;
     let (a, b) = (new_key("c1"), new_key("c1"));
-    let batch = [a.clone(), done.clone(), b.clone(), a.clone()];
+    let batch = [a.clone(), done, b, a];
+    Ok((store, batch))
+}
+
+/// Batched middleware: fresh messages run, duplicates (committed before, or
+/// repeated in the batch) do not, and all commit at once.
+pub async fn handle_batch_runs_each_message_once<H: Harness>(h: &H) -> Outcome {
+    let (store, batch) = a_batch_with_duplicates(h).await?;
+    let inbox = Inbox::new(store.clone());
+    let [a, done, b, _] = batch.clone();
     let runs = AtomicU32::new(0);
     let items = batch.iter().cloned().zip(0..).collect();
     let outcomes = inbox
@@ -966,6 +974,41 @@ pub async fn handle_batch_runs_each_message_once<H: Harness>(h: &H) -> Outcome {
     Ok(())
 }
 
+/// One message's outcome in a batch, as the batch calls return it.
+type BatchOutcome<I, T> = (InboxKey, I, Result<Handled<T>, InboxError>);
+
+/// Each outcome of a batch as `Processed(..)`, `Duplicate` or `Err(kind,
+/// retryable)`, for comparing a batch's outcomes in one check.
+fn outcome_summary<I, T: std::fmt::Debug>(outcomes: &[BatchOutcome<I, T>]) -> Vec<String> {
+    outcomes
+        .iter()
+        .map(|(_, _, outcome)| match outcome {
+            Ok(handled) => format!("{handled:?}"),
+            Err(error) => format!("Err({}, retryable: {})", error.kind(), error.is_retryable()),
+        })
+        .collect()
+}
+
+/// After a batch in which `failing` failed: the others processed once,
+/// `failing` without a trace, and its redelivery runs without waiting.
+async fn expect_only_the_failed_one_redone<H: Harness>(
+    h: &H,
+    store: &H::Store,
+    processed: [&InboxKey; 2],
+    failing: &InboxKey,
+) -> Outcome {
+    for key in processed {
+        expect_processed_once(h, store, key).await?;
+    }
+    expect_no_trace(h, store, failing).await?;
+    without_waiting(
+        "the redelivery of the failed message",
+        process_once(h, store, failing),
+    )
+    .await??;
+    expect_processed_once(h, store, failing).await
+}
+
 /// Batched middleware: a failing message rolls back alone, its claim too;
 /// the rest of the batch commits, and the failed one is `Fresh` again.
 pub async fn handle_batch_rolls_back_a_failing_message_alone<H: Harness>(h: &H) -> Outcome {
@@ -983,15 +1026,8 @@ pub async fn handle_batch_rolls_back_a_failing_message_alone<H: Harness>(h: &H) 
             Ok(())
         })
         .await;
-    let summary: Vec<String> = outcomes
-        .iter()
-        .map(|(_, _, outcome)| match outcome {
-            Ok(handled) => format!("{handled:?}"),
-            Err(error) => format!("Err({}, retryable: {})", error.kind(), error.is_retryable()),
-        })
-        .collect();
     check_eq!(
-        summary,
+        outcome_summary(&outcomes),
         vec![
             "Processed(())",
             "Err(handler, retryable: true)",
@@ -1000,27 +1036,16 @@ pub async fn handle_batch_rolls_back_a_failing_message_alone<H: Harness>(h: &H) 
         ],
         "batch outcomes"
     );
-    expect_processed_once(h, &store, &a).await?;
-    expect_processed_once(h, &store, &b).await?;
-    expect_no_trace(h, &store, &failing).await?;
-    without_waiting(
-        "the redelivery of the failed message",
-        process_once(h, &store, &failing),
-    )
-    .await??;
-    expect_processed_once(h, &store, &failing).await
+    expect_only_the_failed_one_redone(h, &store, [&a, &b], &failing).await
 }
 
 /// Batch-at-once middleware: the work runs once, with the fresh messages'
 /// items only (in order, a key repeated in the batch once), and all commit
 /// together.
 pub async fn handle_batch_at_once_runs_the_fresh_messages_together<H: Harness>(h: &H) -> Outcome {
-    let store = h.fresh_store().await;
+    let (store, batch) = a_batch_with_duplicates(h).await?;
     let inbox = Inbox::new(store.clone());
-    let done = new_key("c1");
-    process_once(h, &store, &done).await?;
-    let (a, b) = (new_key("c1"), new_key("c1"));
-    let batch = [a.clone(), done.clone(), b.clone(), a.clone()];
+    let [a, done, b, _] = batch.clone();
     let calls = std::sync::Mutex::new(Vec::new());
     let items = batch.iter().cloned().zip(0..).collect();
     let outcomes = inbox
@@ -1087,15 +1112,8 @@ pub async fn handle_batch_at_once_isolates_a_failing_message<H: Harness>(h: &H) 
             Ok(())
         })
         .await;
-    let summary: Vec<String> = outcomes
-        .iter()
-        .map(|(_, _, outcome)| match outcome {
-            Ok(handled) => format!("{handled:?}"),
-            Err(error) => format!("Err({}, retryable: {})", error.kind(), error.is_retryable()),
-        })
-        .collect();
     check_eq!(
-        summary,
+        outcome_summary(&outcomes),
         vec![
             "Processed(())",
             "Err(handler, retryable: true)",
@@ -1110,15 +1128,7 @@ pub async fn handle_batch_at_once_isolates_a_failing_message<H: Harness>(h: &H) 
         vec![3, 1, 1, 1],
         "the whole batch, then one message at a time"
     );
-    expect_processed_once(h, &store, &a).await?;
-    expect_processed_once(h, &store, &b).await?;
-    expect_no_trace(h, &store, &failing).await?;
-    without_waiting(
-        "the redelivery of the failed message",
-        process_once(h, &store, &failing),
-    )
-    .await??;
-    expect_processed_once(h, &store, &failing).await
+    expect_only_the_failed_one_redone(h, &store, [&a, &b], &failing).await
 }
 
 /// Runs every contract test against `h` and returns the failures by name.
