@@ -326,11 +326,11 @@ impl<S: InboxStore> Inbox<S> {
         T: Send + 'a,
         I: Send + Sync + 'a,
     {
-        self.run_batch(items, work, false, Instant::now())
+        self.run_batch(items, work, BatchStart::Optimistic, Instant::now())
     }
 
-    /// [`Inbox::handle_batch`]'s body; `with_savepoints` skips the
-    /// optimistic attempt when the caller already saw the batch fail.
+    /// [`Inbox::handle_batch`]'s body; `start` skips the optimistic attempt
+    /// (or the batch's claim) when the caller already saw it fail.
     #[expect(
         clippy::manual_async_fn,
         reason = "an async fn cannot promise `Send`; the explicit bound lets callers spawn it"
@@ -339,7 +339,7 @@ impl<S: InboxStore> Inbox<S> {
         &'a self,
         items: Vec<(InboxKey, I)>,
         mut work: F,
-        mut with_savepoints: bool,
+        start: BatchStart,
         started: Instant,
     ) -> impl Future<Output = Vec<(InboxKey, I, Result<Handled<T>, E>)>> + Send + 'a
     where
@@ -374,10 +374,11 @@ impl<S: InboxStore> Inbox<S> {
             // Messages whose work failed in the optimistic attempt, with
             // their error: the rerun gives their claims back unrun.
             let mut failed_before: HashMap<usize, E> = HashMap::new();
+            let mut with_savepoints = !matches!(start, BatchStart::Optimistic);
             // Set once the batch's one claim statement was refused because
             // of a key it did not name: the keys are then claimed one by
             // one, each in a savepoint, so only the refused ones fail.
-            let mut claim_one_by_one = false;
+            let mut claim_one_by_one = matches!(start, BatchStart::OneByOne);
             let run: Result<Vec<Slot<T, E>>, StepFailure> = 'run: loop {
                 let mut tx = step!('run, "begin", self.store.begin());
                 let claims = if claim_one_by_one {
@@ -386,10 +387,7 @@ impl<S: InboxStore> Inbox<S> {
                     match tx.claim_batch(&keys).await {
                         Ok(claims) => Some(claims),
                         Err(error @ InboxError::KeyRefusedInBatch { .. }) => {
-                            if let Err(rollback) = tx.rollback().await {
-                                tracing::debug!(error = %rollback,
-                                    "rollback of the refused batch claim failed");
-                            }
+                            drop_attempt(tx, "the refused batch claim").await;
                             metrics::counter!(names::BATCH_RERUNS).increment(1);
                             tracing::debug!(batch = keys.len(), error = %error,
                                 "the batch's claim refused a key; claiming one by one");
@@ -491,10 +489,7 @@ impl<S: InboxStore> Inbox<S> {
                     // Without savepoints the failure cannot be undone alone (and
                     // in PostgreSQL a failed statement aborts the whole
                     // transaction): drop this attempt, rerun with savepoints.
-                    if let Err(rollback) = tx.rollback().await {
-                        tracing::debug!(error = %rollback,
-                                "rollback of the optimistic batch attempt failed");
-                    }
+                    drop_attempt(tx, "the optimistic batch attempt").await;
                     work_failed(&keys[index]);
                     metrics::counter!(names::BATCH_RERUNS).increment(1);
                     tracing::debug!(message_id = %keys[index].message_id,
@@ -579,8 +574,8 @@ impl<S: InboxStore> Inbox<S> {
     ) -> impl Future<Output = Vec<(InboxKey, I, Result<Handled<()>, E>)>> + Send + 'a
     where
         S::Transaction: BatchTransaction,
-        // `AsyncFn`, not `AsyncFnMut`: the rerun hands `work` to
-        // `handle_batch` by shared reference, and an async closure that
+        // `AsyncFn`, not `AsyncFnMut`: the rerun's per-message closure
+        // holds `work` by shared reference, and an async closure that
         // borrowed it mutably could not be called again while its future
         // lived.
         for<'t, 's, 'i> F: AsyncFn(&'t mut S::Transaction, &'s [&'i I]) -> Result<(), E>
@@ -594,19 +589,19 @@ impl<S: InboxStore> Inbox<S> {
         async move {
             let started = Instant::now();
             let (keys, payloads): (Vec<InboxKey>, Vec<I>) = items.into_iter().unzip();
-            // `Some(slots)`: committed; `None`: rerun one message at a time.
-            let attempt: Result<Option<Vec<Slot<(), E>>>, StepFailure> = async {
+            let attempt: Result<AtOnce<E>, StepFailure> = async {
                 let mut tx = self.store.begin().await.map_err(|e| ("begin", e))?;
                 let claims = match tx.claim_batch(&keys).await {
                     Ok(claims) if claims.len() == keys.len() => claims,
                     Ok(_) | Err(InboxError::KeyRefusedInBatch { .. }) => {
                         // The rerun claims one by one and reports a wrong
                         // answer or each refused key on its own message.
-                        if let Err(rollback) = tx.rollback().await {
-                            tracing::debug!(error = %rollback,
-                                "rollback of the refused batch claim failed");
-                        }
-                        return Ok(None);
+                        drop_attempt(tx, "the refused batch claim").await;
+                        tracing::debug!(
+                            batch = keys.len(),
+                            "the batch's claim refused a key; claiming one by one"
+                        );
+                        return Ok(AtOnce::Rerun(BatchStart::OneByOne));
                     }
                     Err(error) => return Err(("claim", error)),
                 };
@@ -619,19 +614,16 @@ impl<S: InboxStore> Inbox<S> {
                 // The whole batch's error is not any one message's: the rerun
                 // finds whose it is.
                 if !fresh.is_empty() && work(&mut tx, &fresh).await.is_err() {
-                    if let Err(rollback) = tx.rollback().await {
-                        tracing::debug!(error = %rollback,
-                            "rollback of the failed batch-at-once attempt failed");
-                    }
+                    drop_attempt(tx, "the failed batch-at-once attempt").await;
                     tracing::debug!(
                         batch = keys.len(),
                         fresh = fresh.len(),
                         "work failed for a whole batch; rerunning one message at a time"
                     );
-                    return Ok(None);
+                    return Ok(AtOnce::Rerun(BatchStart::Savepoints));
                 }
                 tx.commit().await.map_err(|e| ("commit", e))?;
-                Ok(Some(
+                Ok(AtOnce::Committed(
                     claims
                         .iter()
                         .map(|claim| match claim {
@@ -645,14 +637,12 @@ impl<S: InboxStore> Inbox<S> {
             }
             .await;
             match attempt {
-                Ok(Some(slots)) => settle(keys, payloads, slots, started),
+                Ok(AtOnce::Committed(slots)) => settle(keys, payloads, slots, started),
                 Err((stage, error)) => abort(keys, payloads, stage, error, started),
-                Ok(None) => {
+                Ok(AtOnce::Rerun(start)) => {
                     metrics::counter!(names::BATCH_RERUNS).increment(1);
                     let items = keys.into_iter().zip(payloads).collect();
                     let work = &work;
-                    // Straight to a savepoint per message: the batch as a
-                    // whole has just failed.
                     self.run_batch(
                         items,
                         async move |tx, item: &I| {
@@ -661,7 +651,7 @@ impl<S: InboxStore> Inbox<S> {
                             let work: &F = work;
                             work(tx, std::slice::from_ref(&item)).await
                         },
-                        true,
+                        start,
                         started,
                     )
                     .await
@@ -748,6 +738,36 @@ fn settle<I, T, E: From<InboxError>>(
 /// A batch's own store step that failed: its stage (the metric label) and
 /// the error.
 type StepFailure = (&'static str, InboxError);
+
+/// Where [`Inbox::handle_batch`]'s body starts.
+#[derive(Clone, Copy)]
+enum BatchStart {
+    /// One claim statement, no savepoints until a message's work fails.
+    Optimistic,
+    /// One claim statement and a savepoint per message: the batch as a
+    /// whole has just failed.
+    Savepoints,
+    /// Each key claimed alone, in a savepoint: the batch's claim statement
+    /// has just refused a key it did not name.
+    OneByOne,
+}
+
+/// How [`Inbox::handle_batch_at_once`]'s attempt ended, short of a store
+/// failure.
+enum AtOnce<E> {
+    /// Committed; each message's slot.
+    Committed(Vec<Slot<(), E>>),
+    /// Rolled back; run the batch again from here.
+    Rerun(BatchStart),
+}
+
+/// Rolls back a batch attempt that is being dropped and run again: the
+/// transaction is gone either way, so a failed rollback is only logged.
+async fn drop_attempt<Tx: InboxTransaction>(tx: Tx, what: &'static str) {
+    if let Err(error) = tx.rollback().await {
+        tracing::debug!(error = %error, "rollback of {what} failed");
+    }
+}
 
 /// What became of one message of a batch inside [`Inbox::handle_batch`], before it is
 /// turned into the outcome type [`Inbox::handle`] shares.

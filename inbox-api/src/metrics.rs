@@ -33,8 +33,10 @@ pub const DUPLICATES_DISCARDED: &str = "inbox_duplicates_discarded_total";
 pub const FAILED: &str = "inbox_failed_total";
 /// Wall time of one [`crate::Inbox::handle`] call, begin to commit.
 pub const HANDLE_DURATION: &str = "inbox_handle_duration_seconds";
-/// Batches rerun with a savepoint per message after a work failure in the
-/// optimistic attempt ([`crate::Inbox::handle_batch`]).
+/// Batches rolled back and run again: after a message's work failed in the
+/// optimistic attempt ([`crate::Inbox::handle_batch`]), after the whole
+/// batch's work failed ([`crate::Inbox::handle_batch_at_once`]), or after
+/// the batch's claim refused a key and its keys are claimed one by one.
 pub const BATCH_RERUNS: &str = "inbox_batch_reruns_total";
 /// Rows deleted by cleanup.
 pub const PURGED_ROWS: &str = "inbox_purged_rows_total";
@@ -89,7 +91,7 @@ pub fn describe() {
     );
     describe_counter!(
         BATCH_RERUNS,
-        "Batches rerun with savepoints after a message's work failed"
+        "Batches rolled back and rerun: a message's or the whole batch's work failed, or the claim refused a key"
     );
     describe_counter!(PURGED_ROWS, "Processed inbox rows deleted by cleanup");
     describe_counter!(
