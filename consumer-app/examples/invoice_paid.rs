@@ -3,9 +3,9 @@
 //! to write; the claim, acks, retries, dead letters and shutdown are the
 //! runtime's. `cargo run -p consumer-app --example invoice_paid` consumes
 //! until Ctrl-C (`bash .ci/services.sh` first); tests/example.rs runs it.
-use consumer_app::runtime::{AppError, Handler, Service, ServiceConfig, ServiceHandle, Topology};
 use inbox_api::{ConsumerName, MessageId};
 use inbox_backend_sqlx::{SqlxStore, SqlxTransaction, classify};
+use inbox_runtime::{AppError, Handler, Service, ServiceConfig, ServiceHandle, Topology};
 
 const LEDGER: &str =
     "CREATE TABLE IF NOT EXISTS ledger (message_id uuid, invoice text, cents int8)";

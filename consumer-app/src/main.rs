@@ -6,10 +6,6 @@ use std::time::Duration;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use consumer_app::parcel::store::{ParcelStore, StoreKind};
-use consumer_app::runtime::redact::redact_url;
-use consumer_app::runtime::relay::purge_published_once;
-use consumer_app::runtime::service::cleanup_once;
-use consumer_app::runtime::{AppError, CleanupConfig};
 use consumer_app::tools::cli::{
     ApiArgs, CleanupArgs, ConsumeArgs, Global, Idle, OutboxPurgeArgs, Plain, RelayArgs, Uses,
     WorkerArgs, refuse_idle, run_main,
@@ -23,6 +19,10 @@ use consumer_app::tools::stores::{WithOutbox, WithStore, with_outbox, with_store
 use futures::stream::BoxStream;
 use inbox_api::{ConsumerName, MessageId, OutboxStore};
 use inbox_postgres::Layout;
+use inbox_runtime::redact::redact_url;
+use inbox_runtime::relay::purge_published_once;
+use inbox_runtime::service::cleanup_once;
+use inbox_runtime::{AppError, CleanupConfig};
 
 /// Parcel Tracking: RabbitMQ consumers with exactly-once effects through the inbox.
 // No Debug: the URLs may hold passwords.

@@ -304,7 +304,7 @@ mod postgres {
     pub(crate) fn unreachable(error: &inbox_api::InboxError) -> ! {
         panic!(
             "PostgreSQL is not reachable ({}); start it with `bash .ci/services.sh`",
-            consumer_app::runtime::error::chain(error)
+            inbox_runtime::error::chain(error)
         )
     }
 }

@@ -13,13 +13,13 @@ use consumer_app::parcel::role::Role;
 use consumer_app::parcel::service::{consumers, with_handlers};
 use consumer_app::parcel::store::ParcelStore;
 use consumer_app::parcel::topology::Topology;
-use consumer_app::runtime::amqp::{Outgoing, connect};
-use consumer_app::runtime::message::header_text;
-use consumer_app::runtime::tally::get;
-use consumer_app::runtime::{BatchConfig, ServiceConfig, WorkerConfig};
 use consumer_app::tools::faults::Faults;
 use consumer_app::tools::publish::{Plan, publish};
 use inbox_api::{ConsumerName, InboxKey};
+use inbox_runtime::amqp::{Outgoing, connect};
+use inbox_runtime::message::header_text;
+use inbox_runtime::tally::get;
+use inbox_runtime::{BatchConfig, ServiceConfig, WorkerConfig};
 use lapin::options::BasicGetOptions;
 
 const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -70,7 +70,7 @@ async fn teardown<S: ParcelStore>(store: &S, names: &Names) {
         if let Ok(channel) = connection.create_channel().await {
             let _ = Topology::new(&names.prefix).delete(&channel).await;
         }
-        consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
+        inbox_runtime::amqp::close_bounded(&connection, "bye").await;
     }
     let _ = store.drop_schema().await;
 }
@@ -84,7 +84,7 @@ async fn batched_exactly_once<S: ParcelStore>(store: S, names: Names) {
     if let Err(error) = connect(AMQP_URL, "parcel-inbox test probe").await {
         panic!(
             "RabbitMQ is not reachable at 127.0.0.1:5672 ({}); start it with `bash .ci/services.sh`",
-            consumer_app::runtime::error::chain(&error)
+            inbox_runtime::error::chain(&error)
         );
     }
     let topology = Topology::new(&names.prefix);
@@ -94,7 +94,7 @@ async fn batched_exactly_once<S: ParcelStore>(store: S, names: Names) {
             .expect("connect");
         let channel = connection.create_channel().await.expect("channel");
         topology.declare(&channel).await.expect("declare");
-        consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
+        inbox_runtime::amqp::close_bounded(&connection, "bye").await;
     }
     let plan = Plan::new(N as usize, 0.5, 21, &format!("P{}", names.schema)).expect("plan");
     let copies = plan.copies as u64;
@@ -264,7 +264,7 @@ async fn batched_exactly_once<S: ParcelStore>(store: S, names: Names) {
             "nothing left in {role:?}'s queue"
         );
     }
-    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
+    inbox_runtime::amqp::close_bounded(&connection, "bye").await;
     teardown(&store, &names).await;
 }
 

@@ -16,14 +16,14 @@ use consumer_app::parcel::downstream::{Downstreams, StubCarrier, StubNotifier};
 use consumer_app::parcel::service::spawn;
 use consumer_app::parcel::store::ParcelStore;
 use consumer_app::parcel::topology::Topology;
-use consumer_app::runtime::service::cleanup_once;
-use consumer_app::runtime::{CleanupConfig, ServiceConfig};
 use futures::StreamExt;
 use inbox_api::{
     ConsumerName, Handled, Inbox, InboxError, InboxKey, InboxStats, InboxStore, MessageId,
 };
 use inbox_backend_memory::MemoryStore;
 use inbox_backend_sqlx::SqlxStore;
+use inbox_runtime::service::cleanup_once;
+use inbox_runtime::{CleanupConfig, ServiceConfig};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 
 const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -406,8 +406,8 @@ async fn the_cleanup_command_purges_published_outbox_rows_past_their_retention()
 /// them again), and keeps the pending rows.
 #[tokio::test]
 async fn one_outbox_purge_of_n_rows_adds_exactly_n_to_its_counter() {
-    use consumer_app::runtime::relay::purge_published_once;
     use inbox_api::{InboxTransaction, OutboxStore, OutboxTransaction, OutgoingMessage};
+    use inbox_runtime::relay::purge_published_once;
 
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();

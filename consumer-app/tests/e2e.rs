@@ -18,13 +18,13 @@ use consumer_app::parcel::role::Role;
 use consumer_app::parcel::service::{consumers, with_handlers};
 use consumer_app::parcel::store::{ParcelStore, Stats, StoreKind};
 use consumer_app::parcel::topology::Topology;
-use consumer_app::runtime::amqp::{Outgoing, connect};
-use consumer_app::runtime::message::{BadInputReason, header_text};
-use consumer_app::runtime::tally::get;
-use consumer_app::runtime::{QueueType, ServiceConfig, ServiceHandle, WorkerConfig};
 use consumer_app::tools::faults::Faults;
 use consumer_app::tools::publish::{Plan, publish};
 use inbox_api::{ConsumerName, InboxKey};
+use inbox_runtime::amqp::{Outgoing, connect};
+use inbox_runtime::message::{BadInputReason, header_text};
+use inbox_runtime::tally::get;
+use inbox_runtime::{QueueType, ServiceConfig, ServiceHandle, WorkerConfig};
 use lapin::options::BasicGetOptions;
 
 const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -46,8 +46,8 @@ fn database_url() -> String {
 fn unreachable_postgres(error: &inbox_api::InboxError) -> ! {
     panic!(
         "PostgreSQL is not reachable at {} ({}); start it with `bash .ci/services.sh`",
-        consumer_app::runtime::redact::redact_url(&database_url()),
-        consumer_app::runtime::error::chain(error)
+        inbox_runtime::redact::redact_url(&database_url()),
+        inbox_runtime::error::chain(error)
     )
 }
 
@@ -75,7 +75,7 @@ async fn require_rabbitmq() {
     if let Err(error) = connect(AMQP_URL, "parcel-inbox test probe").await {
         panic!(
             "RabbitMQ is not reachable at 127.0.0.1:5672 ({}); start it with `bash .ci/services.sh`",
-            consumer_app::runtime::error::chain(&error)
+            inbox_runtime::error::chain(&error)
         );
     }
 }
@@ -127,7 +127,7 @@ async fn start_configured<S: ParcelStore>(
     worker: WorkerConfig,
 ) -> Running {
     if std::env::var_os("RUST_LOG").is_some() {
-        consumer_app::runtime::telemetry::init_logging(Default::default());
+        consumer_app::tools::logging::init_logging(Default::default());
     }
     let carrier = Arc::new(StubCarrier::default());
     let notifier = Arc::new(StubNotifier::default());
@@ -206,7 +206,7 @@ impl<S: ParcelStore> Drop for Teardown<S> {
                     if let Ok(channel) = connection.create_channel().await {
                         let _ = Topology::new(prefix).delete(&channel).await;
                     }
-                    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
+                    inbox_runtime::amqp::close_bounded(&connection, "bye").await;
                 }
                 let _ = store.drop_schema().await;
             });
@@ -223,7 +223,7 @@ async fn cleanup<S: ParcelStore>(store: &S, names: &Names) {
         .delete(&channel)
         .await
         .expect("delete topology");
-    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
+    inbox_runtime::amqp::close_bounded(&connection, "bye").await;
     store.drop_schema().await.expect("drop schema");
 }
 
@@ -537,7 +537,7 @@ async fn bad_input_is_dead_lettered_with_reason<S: ParcelStore>(store: S, names:
             "nothing left in the work queue"
         );
     }
-    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
+    inbox_runtime::amqp::close_bounded(&connection, "bye").await;
     run.service.shutdown();
     run.service.join().await.expect("clean shutdown");
     let stats = store.stats().await.expect("stats");
@@ -608,7 +608,7 @@ async fn retryable_failures_are_capped<S: ParcelStore>(store: S, names: Names) {
         header_text(&headers, "x-dead-letter-reason").as_deref(),
         Some("retries_exhausted")
     );
-    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
+    inbox_runtime::amqp::close_bounded(&connection, "bye").await;
     cleanup(&store, &names).await;
 }
 
@@ -773,7 +773,7 @@ async fn poison_on_a_classic_queue_is_capped_by_the_ledger_and_replayed_once<S: 
     assert_eq!(carrier.dead_lettered_total(), 1, "not dead-lettered again");
     for queue in [&carrier_queue, &dead_letter_queue] {
         assert_eq!(
-            consumer_app::runtime::Topology::ready_messages(&channel, queue)
+            inbox_runtime::Topology::ready_messages(&channel, queue)
                 .await
                 .expect("queue depth"),
             0,
@@ -792,7 +792,7 @@ async fn poison_on_a_classic_queue_is_capped_by_the_ledger_and_replayed_once<S: 
         let listed = parcel_inbox(&operator_env, &["dead"]).await;
         assert!(listed.contains("0 dead message(s)"), "{listed}");
     }
-    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
+    inbox_runtime::amqp::close_bounded(&connection, "bye").await;
     cleanup(&store, &names).await;
 }
 
@@ -940,7 +940,7 @@ async fn closed_connection_redelivers_exactly_once<S: ParcelStore>(store: S, nam
                             .expect("depth"),
                     );
                 }
-                consumer_app::runtime::amqp::close_bounded(&c, "bye").await;
+                inbox_runtime::amqp::close_bounded(&c, "bye").await;
                 eprintln!("still waiting: ready {depths:?}\n{stats}{tally:?}");
                 tokio::time::sleep(Duration::from_secs(2)).await;
             }
@@ -961,7 +961,7 @@ async fn closed_connection_redelivers_exactly_once<S: ParcelStore>(store: S, nam
                 .await
                 .expect("depth");
         }
-        consumer_app::runtime::amqp::close_bounded(&c, "bye").await;
+        inbox_runtime::amqp::close_bounded(&c, "bye").await;
         total == 0
     };
     eventually("queues empty", Duration::from_secs(20), depth_zero).await;
@@ -1031,7 +1031,7 @@ async fn waiting_acks_lost_with_the_connection_come_back_as_duplicates<S: Parcel
         .await
         .expect("publish");
     let tally = Arc::clone(&run.service.tally);
-    let counted = |count: fn(&consumer_app::runtime::ConsumerTally) -> u64| {
+    let counted = |count: fn(&inbox_runtime::ConsumerTally) -> u64| {
         Role::PARCEL_CREATED
             .iter()
             .map(|r| count(tally.consumer(r.consumer_name())))
@@ -1073,7 +1073,7 @@ async fn waiting_acks_lost_with_the_connection_come_back_as_duplicates<S: Parcel
             "{role:?}: the shutdown acked the duplicates"
         );
     }
-    consumer_app::runtime::amqp::close_bounded(&c, "bye").await;
+    inbox_runtime::amqp::close_bounded(&c, "bye").await;
     cleanup(&store, &names).await;
 }
 

@@ -6,11 +6,11 @@
 
 use std::time::{Duration, Instant};
 
-use consumer_app::runtime::amqp::{Outgoing, Publisher, connect};
-use consumer_app::runtime::tally::get;
-use consumer_app::runtime::{ServiceConfig, Topology, WorkerConfig};
 use inbox_api::MessageId;
 use inbox_backend_sqlx::SqlxStore;
+use inbox_runtime::amqp::{Outgoing, Publisher, connect};
+use inbox_runtime::tally::get;
+use inbox_runtime::{ServiceConfig, Topology, WorkerConfig};
 
 #[path = "../examples/invoice_paid.rs"]
 #[allow(
@@ -97,7 +97,7 @@ async fn a_redelivered_invoice_is_booked_once() {
         .delete(&channel)
         .await
         .expect("delete topology");
-    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
+    inbox_runtime::amqp::close_bounded(&connection, "bye").await;
     sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
         .execute(store.pool())
         .await

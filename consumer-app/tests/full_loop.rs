@@ -18,12 +18,12 @@ use consumer_app::parcel::role::Role;
 use consumer_app::parcel::service::{consumers, with_handlers};
 use consumer_app::parcel::store::ParcelStore;
 use consumer_app::parcel::topology::Topology;
-use consumer_app::runtime::message::follow_up_id;
-use consumer_app::runtime::tally::{Tally, get};
-use consumer_app::runtime::{ServiceConfig, WorkerConfig};
 use consumer_app::tools::faults::Faults;
 use consumer_app::tools::producer::{Producer, create_parcels, publish_copies};
 use inbox_api::{ConsumerName, InboxKey, MessageId};
+use inbox_runtime::message::follow_up_id;
+use inbox_runtime::tally::{Tally, get};
+use inbox_runtime::{ServiceConfig, WorkerConfig};
 
 const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 

@@ -17,14 +17,14 @@ use consumer_app::parcel::events::{EVENT_TYPE, ParcelCreatedEvent, outgoing};
 use consumer_app::parcel::role::Role;
 use consumer_app::parcel::service::METRIC_NAMES;
 use consumer_app::parcel::topology::Topology;
-use consumer_app::runtime::amqp::Outgoing;
-use consumer_app::runtime::service::cleanup_once;
-use consumer_app::runtime::{CleanupConfig, ServiceConfig, WorkerConfig};
 use consumer_app::tools::faults::Faults;
 use consumer_app::tools::publish::{Plan, publish};
 use inbox_api::metrics as names;
 use inbox_api::{ConsumerName, InboxKey, MessageId};
 use inbox_backend_memory::MemoryStore;
+use inbox_runtime::amqp::Outgoing;
+use inbox_runtime::service::cleanup_once;
+use inbox_runtime::{CleanupConfig, ServiceConfig, WorkerConfig};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 
 const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";

@@ -21,10 +21,10 @@ use consumer_app::parcel::role::Role;
 use consumer_app::parcel::service::spawn;
 use consumer_app::parcel::store::{ParcelStore, Stats};
 use consumer_app::parcel::topology::Topology;
-use consumer_app::runtime::amqp::{close_bounded, connect};
-use consumer_app::runtime::tally::{Tally, get};
-use consumer_app::runtime::{AvailabilityConfig, ServiceConfig, ServiceHandle, WorkerConfig};
 use consumer_app::tools::publish::{Plan, publish};
+use inbox_runtime::amqp::{close_bounded, connect};
+use inbox_runtime::tally::{Tally, get};
+use inbox_runtime::{AvailabilityConfig, ServiceConfig, ServiceHandle, WorkerConfig};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use private_servers::{PrivatePostgres, PrivateRabbit, run};
 

@@ -6,14 +6,14 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use consumer_app::runtime::amqp::{connect, no_args};
-use consumer_app::runtime::relay::{Relay, RelayConfig, RelayHandle};
-use consumer_app::runtime::tally::get;
 use inbox_api::{
     InboxStore, InboxTransaction, MessageId, OutboxStore, OutboxTransaction, OutgoingMessage,
 };
 use inbox_backend_memory::MemoryStore;
 use inbox_backend_sqlx::SqlxStore;
+use inbox_runtime::amqp::{connect, no_args};
+use inbox_runtime::relay::{Relay, RelayConfig, RelayHandle};
+use inbox_runtime::tally::get;
 use lapin::options::{
     BasicGetOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
     QueueDeclareOptions, QueueDeleteOptions,
@@ -140,7 +140,7 @@ impl Broker {
             )
             .await
             .expect("delete exchange");
-        consumer_app::runtime::amqp::close_bounded(&self.connection, "bye").await;
+        inbox_runtime::amqp::close_bounded(&self.connection, "bye").await;
     }
 
     fn message(&self, queue: &str, n: usize) -> OutgoingMessage {
@@ -533,11 +533,11 @@ async fn the_relay_purges_published_rows_after_their_retention() {
     let relay = Relay::new(
         store.clone(),
         RelayConfig {
-            purge: Some(consumer_app::runtime::CleanupConfig {
+            purge: Some(inbox_runtime::CleanupConfig {
                 retention: Duration::from_millis(200),
                 interval: Duration::from_millis(50),
                 batch_size: std::num::NonZeroU32::new(2).expect("non-zero"),
-                ..consumer_app::runtime::CleanupConfig::default()
+                ..inbox_runtime::CleanupConfig::default()
             }),
             ..config(&id, 10)
         },
@@ -1316,7 +1316,7 @@ async fn a_broker_outage_and_a_lost_connection_charge_no_message() {
 }
 
 async fn close_bounded_quietly(connection: Connection) {
-    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
+    inbox_runtime::amqp::close_bounded(&connection, "bye").await;
 }
 
 /// `api`'s in-process relay declares the exchange it publishes to (as the

@@ -7,10 +7,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use consumer_app::runtime::amqp::{Outgoing, Publisher, connect};
-use consumer_app::runtime::{AppError, Handler, Service, ServiceConfig, Topology, WorkerConfig};
 use inbox_api::{ConsumerName, MessageId};
 use inbox_backend_memory::MemoryStore;
+use inbox_runtime::amqp::{Outgoing, Publisher, connect};
+use inbox_runtime::{AppError, Handler, Service, ServiceConfig, Topology, WorkerConfig};
 
 const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
@@ -137,7 +137,7 @@ async fn shutdown_during_backoff(test: &str, retry_attempts: u32, bound: Duratio
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
+    inbox_runtime::amqp::close_bounded(&connection, "bye").await;
 }
 
 /// Between in-process attempts (a 5 s retry delay here).

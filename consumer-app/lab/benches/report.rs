@@ -1021,7 +1021,7 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
          max(32, 4 × tasks) per message, 2 × 100 × tasks batched so that the next batch arrives while one commits, batch wait 20 ms); \
          the drains of a concurrency alternate, in a rotated order, for {reps} repetitions, \
          and each shows its median rate. The runtime row: the same events on one queue, \
-         drained by `consumer_app::runtime::Service` per message (prefetch as the app's) with \
+         drained by `inbox_runtime::Service` per message (prefetch as the app's) with \
          a handler doing only (b)'s business write, and (b) itself run right after each drain \
          for as long as the drain took, in the same schema and pool. The lapin-loop row: the \
          same events and write without the runtime, per task a lapin consumer (prefetch 32) \
@@ -1162,7 +1162,7 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
             u32::try_from(env_count("INBOX_BENCH_RELAY_BATCH", 100)).unwrap_or(100),
         )
         .unwrap_or(std::num::NonZeroU32::MIN);
-        let default_depth = consumer_app::runtime::relay::RelayConfig::new("", "").pipeline_depth;
+        let default_depth = inbox_runtime::relay::RelayConfig::new("", "").pipeline_depth;
         let depth = std::num::NonZeroU32::new(
             u32::try_from(env_count(
                 "INBOX_BENCH_RELAY_DEPTH",
@@ -1247,7 +1247,7 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
         &tasks,
         &chart_rows,
     )?;
-    consumer_app::runtime::shutdown::bounded("close the benchmark pool", bench.pool.close()).await;
+    inbox_runtime::shutdown::bounded("close the benchmark pool", bench.pool.close()).await;
     Ok((format!("{out}\n{cleanup_md}"), svg))
 }
 

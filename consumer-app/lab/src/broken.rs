@@ -18,13 +18,13 @@ use consumer_app::parcel::effects::{
 use consumer_app::parcel::events::ParcelCreatedEvent;
 use consumer_app::parcel::role::Role;
 use consumer_app::parcel::store::{EffectCounts, ParcelStore, StoreKind};
-use consumer_app::runtime::AppError;
 use inbox_api::{
     AttemptLedger, AttemptRecord, BatchTransaction, Claim, ConsumerName, EnqueueOutcome,
     InboxError, InboxKey, InboxRecord, InboxStats, InboxStore, InboxTransaction, LastError,
     MessageId, OutboxLease, OutboxRecord, OutboxStore, OutboxTransaction, OutgoingMessage,
 };
 use inbox_conformance::broken::{Broken, BrokenStore, BrokenTransaction};
+use inbox_runtime::AppError;
 
 /// Parses a `--fault-broken-store` name.
 ///

@@ -1,6 +1,6 @@
 //! Crash points for the outbox relay: an [`OutboxStore`] decorator that the
 //! lab's relay binary (`parcel-lab-relay`) puts between the real
-//! [`Relay`](consumer_app::runtime::relay::Relay) and its store.
+//! [`Relay`](inbox_runtime::relay::Relay) and its store.
 //!
 //! The relay's round is take → publish → await confirms → mark. The two
 //! windows where a crash matters are reached through the store: right

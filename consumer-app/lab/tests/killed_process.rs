@@ -16,10 +16,10 @@ use consumer_app::parcel::role::Role;
 use consumer_app::parcel::service::spawn;
 use consumer_app::parcel::store::{ParcelStore, Stats};
 use consumer_app::parcel::topology::Topology;
-use consumer_app::runtime::amqp::connect;
-use consumer_app::runtime::tally::get;
-use consumer_app::runtime::{ServiceConfig, WorkerConfig};
 use consumer_app::tools::publish::{Plan, publish};
+use inbox_runtime::amqp::connect;
+use inbox_runtime::tally::get;
+use inbox_runtime::{ServiceConfig, WorkerConfig};
 
 const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
@@ -558,7 +558,7 @@ async fn frozen_process_redeliveries<S: ParcelStore>(
             .expect("dead-letter queue");
         assert_eq!(dead, 0, "{queue}: nothing dead-lettered");
     }
-    consumer_app::runtime::amqp::close_bounded(&connection, "bye").await;
+    inbox_runtime::amqp::close_bounded(&connection, "bye").await;
     observer.close().await;
     clean_up(&store, &topology).await;
 }

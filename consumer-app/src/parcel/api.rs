@@ -1,6 +1,6 @@
 //! `POST /parcels`: the producer side of the loop. A request writes the
 //! `parcels` row and its `parcel.created` outbox row in one transaction; the
-//! relay ([`crate::runtime::Relay`]) publishes the event after COMMIT.
+//! relay ([`inbox_runtime::Relay`]) publishes the event after COMMIT.
 //!
 //! ```text
 //! POST /parcels {"tracking_number", "destination", "parcel_id"?}
@@ -49,9 +49,9 @@ use crate::parcel::effects::ParcelEffects;
 use crate::parcel::events::{self, ParcelCreatedEvent, created_message_id};
 use crate::parcel::store::ParcelStore;
 use crate::parcel::topology::Topology;
-use crate::runtime::AppError;
-use crate::runtime::error::chain;
-use crate::runtime::shutdown::stopped;
+use inbox_runtime::AppError;
+use inbox_runtime::error::chain;
+use inbox_runtime::shutdown::stopped;
 
 /// The largest request body, in bytes: three fields of at most
 /// [`ParcelCreatedEvent::MAX_FIELD_LEN`] bytes each, with room for JSON
@@ -160,7 +160,7 @@ impl<S: ParcelStore> ParcelApi<S> {
     }
 
     /// Yields after a creation committed: a relay in the same process wakes
-    /// on it ([`crate::runtime::Relay::wake_on`]) instead of waiting for its
+    /// on it ([`inbox_runtime::Relay::wake_on`]) instead of waiting for its
     /// poll, on every store (the memory store has no LISTEN/NOTIFY).
     pub fn committed(&self) -> BoxStream<'static, ()> {
         futures::stream::unfold(self.committed.subscribe(), |mut receiver| async move {

@@ -23,8 +23,8 @@ use crate::parcel::events::{
     self, CARRIER_ASSIGNED_TYPE, CarrierAssignedEvent, EVENT_TYPE, ParcelCreatedEvent,
 };
 use crate::parcel::role::Role;
-use crate::runtime::message::follow_up_id;
-use crate::runtime::{AppError, Handler};
+use inbox_runtime::message::follow_up_id;
+use inbox_runtime::{AppError, Handler};
 
 /// An event a notification is sent for: what differs between the two
 /// notification consumers (which consumer, which type, which text).

@@ -34,8 +34,8 @@ use crate::parcel::downstream::{CarrierApi, Downstreams, NotificationSender};
 use crate::parcel::effects::{CarrierAssignment, Intent, Notification};
 use crate::parcel::role::Role;
 use crate::parcel::store::ParcelStore;
-use crate::runtime::AppError;
-use crate::runtime::error::chain;
+use inbox_runtime::AppError;
+use inbox_runtime::error::chain;
 
 /// The `downstream` column of the stub carrier's ledger rows.
 pub const CARRIER_LEDGER: &str = "carrier";

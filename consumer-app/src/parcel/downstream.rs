@@ -51,7 +51,7 @@ use std::sync::{Arc, Mutex};
 use futures::future::BoxFuture;
 
 use crate::parcel::effects::{CarrierAssignment, Notification};
-use crate::runtime::AppError;
+use inbox_runtime::AppError;
 
 /// The non-transactional downstreams the consumers call after commit.
 #[derive(Clone)]

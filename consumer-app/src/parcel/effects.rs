@@ -12,7 +12,7 @@ use std::future::Future;
 use inbox_api::{MessageId, OutboxTransaction};
 
 use crate::parcel::events::ParcelCreatedEvent;
-use crate::runtime::AppError;
+use inbox_runtime::AppError;
 
 /// Which notification: the `kind` column of `notifications`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

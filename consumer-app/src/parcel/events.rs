@@ -3,7 +3,7 @@
 //! `parcel.carrier-assigned` (what the carrier consumer enqueues, and the
 //! third consumer takes).
 //!
-//! The runtime's decoding ([`crate::runtime::message::decode`]) refuses what
+//! The runtime's decoding ([`inbox_runtime::message::decode`]) refuses what
 //! is not this event (wrong type, not JSON, missing fields) before any
 //! transaction opens; [`ParcelCreatedEvent::validate`] adds the event's own
 //! rules, refused the same way (`invalid_event`).
@@ -12,9 +12,9 @@ use inbox_api::{MessageId, OutgoingMessage};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use crate::runtime::AppError;
-use crate::runtime::amqp::Outgoing;
-use crate::runtime::message::{self, BadInput, RawMessage};
+use inbox_runtime::AppError;
+use inbox_runtime::amqp::Outgoing;
+use inbox_runtime::message::{self, BadInput, RawMessage};
 
 /// The AMQP `type` property of a [`ParcelCreatedEvent`].
 pub const EVENT_TYPE: &str = "parcel.created";
@@ -157,7 +157,7 @@ impl CarrierAssignedEvent {
 }
 
 /// The outbox row announcing `event` to `exchange`, under `id` (the
-/// carrier consumer's [`crate::runtime::message::follow_up_id`] of
+/// carrier consumer's [`inbox_runtime::message::follow_up_id`] of
 /// `cause`), with `cause` as its causation and correlation id.
 ///
 /// # Errors
@@ -242,7 +242,7 @@ pub fn created_outgoing(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::message::BadInputReason;
+    use inbox_runtime::message::BadInputReason;
 
     const ID: &str = "0192f0a4-6c1e-7d2a-9b1c-3f4e5d6c7b8a";
     const BODY: &[u8] = br#"{"parcel_id":"P-1","tracking_number":"TN1","destination":"Lyon"}"#;

@@ -16,7 +16,7 @@
 //! after commit books) a carrier slot and enqueues the follow-up event in
 //! the same inbox transaction; [`consumers::CarrierAssignedNotificationConsumer`]
 //! notifies again from that event, through its own inbox. All are plain
-//! business code, as [`crate::runtime::Handler`]s: the runtime claims the
+//! business code, as [`inbox_runtime::Handler`]s: the runtime claims the
 //! message in the transaction they write in, and acks only after the commit.
 //!
 //! - [`api`]: `POST /parcels`, the producer side: the parcel and its

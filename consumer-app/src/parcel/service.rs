@@ -10,8 +10,8 @@ use crate::parcel::downstream::Downstreams;
 use crate::parcel::role::Role;
 use crate::parcel::store::ParcelStore;
 use crate::parcel::topology::Topology;
-use crate::runtime::telemetry::MetricNames;
-use crate::runtime::{AppError, Handler, Service, ServiceConfig, ServiceHandle};
+use inbox_runtime::telemetry::MetricNames;
+use inbox_runtime::{AppError, Handler, Service, ServiceConfig, ServiceHandle};
 
 /// The names of the runtime's own counters in the Parcel service, as its
 /// dashboards know them.

@@ -8,19 +8,19 @@
 //! ```
 //!
 //! The shape (quorum queues unless `--queue-type classic`, dead-letter
-//! exchanges, the delivery limit) is the runtime's [`runtime::Topology`];
+//! exchanges, the delivery limit) is the runtime's [`inbox_runtime::Topology`];
 //! this names its parts per [`Role`].
 
 use lapin::Channel;
 
 use crate::parcel::role::Role;
-use crate::runtime::{self, AppError};
+use inbox_runtime::{self, AppError};
 
 /// The names of everything, under an optional prefix.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
     prefix: String,
-    queue_type: runtime::QueueType,
+    queue_type: inbox_runtime::QueueType,
 }
 
 impl Topology {
@@ -28,7 +28,7 @@ impl Topology {
     pub fn new(prefix: impl Into<String>) -> Self {
         Self {
             prefix: prefix.into(),
-            queue_type: runtime::QueueType::default(),
+            queue_type: inbox_runtime::QueueType::default(),
         }
     }
 
@@ -36,7 +36,7 @@ impl Topology {
     /// queues keep no delivery count, so the attempt ledger alone caps
     /// redeliveries there).
     #[must_use]
-    pub fn with_queue_type(mut self, queue_type: runtime::QueueType) -> Self {
+    pub fn with_queue_type(mut self, queue_type: inbox_runtime::QueueType) -> Self {
         self.queue_type = queue_type;
         self
     }
@@ -58,18 +58,18 @@ impl Topology {
 
     /// A queue's dead-letter exchange.
     pub fn dead_letter_exchange(&self, role: Role) -> String {
-        runtime::Topology::dead_letter_exchange(&self.queue(role))
+        inbox_runtime::Topology::dead_letter_exchange(&self.queue(role))
     }
 
     /// A queue's dead-letter queue.
     pub fn dead_letter_queue(&self, role: Role) -> String {
-        runtime::Topology::dead_letter_queue(&self.queue(role))
+        inbox_runtime::Topology::dead_letter_queue(&self.queue(role))
     }
 
     /// The runtime's topology: the exchange and every consumer's queue.
-    pub fn runtime(&self) -> runtime::Topology {
+    pub fn runtime(&self) -> inbox_runtime::Topology {
         Role::ALL.iter().fold(
-            runtime::Topology::new(self.exchange()).with_queue_type(self.queue_type),
+            inbox_runtime::Topology::new(self.exchange()).with_queue_type(self.queue_type),
             |topology, role| topology.bind(self.queue(*role), role.routing_key()),
         )
     }
@@ -91,7 +91,7 @@ impl Topology {
     }
 
     /// Deletes it on a connection of its own, bounded in time (see
-    /// [`runtime::Topology::remove`]): the teardown of tests and the demo.
+    /// [`inbox_runtime::Topology::remove`]): the teardown of tests and the demo.
     ///
     /// # Errors
     /// Broker errors, or giving up after the teardown limit.
@@ -100,8 +100,8 @@ impl Topology {
     }
 
     /// Deletes it when the guard is dropped, also when a test panics (see
-    /// [`runtime::Topology::remove_on_drop`]).
-    pub fn remove_on_drop(&self, amqp_url: &str) -> runtime::topology::RemoveOnDrop {
+    /// [`inbox_runtime::Topology::remove_on_drop`]).
+    pub fn remove_on_drop(&self, amqp_url: &str) -> inbox_runtime::topology::RemoveOnDrop {
         self.runtime().remove_on_drop(amqp_url)
     }
 
@@ -111,7 +111,7 @@ impl Topology {
     /// # Errors
     /// Broker errors; a missing queue closes the channel.
     pub async fn ready_messages(&self, channel: &Channel, queue: &str) -> Result<u32, AppError> {
-        runtime::Topology::ready_messages(channel, queue).await
+        inbox_runtime::Topology::ready_messages(channel, queue).await
     }
 }
 

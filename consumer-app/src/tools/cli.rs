@@ -23,14 +23,15 @@ use crate::parcel::downstream::Downstreams;
 use crate::parcel::service::{self, METRIC_NAMES};
 use crate::parcel::store::{ParcelStore, StoreKind};
 use crate::parcel::topology::Topology;
-use crate::runtime::relay::{Relay, RelayConfig};
-use crate::runtime::tally::get;
-use crate::runtime::telemetry::{self, Health, LogFormat, install_recorder};
-use crate::runtime::{
+use crate::tools::logging::LogFormat;
+use crate::tools::stores::{StoreConfig, WithOutbox, WithStore};
+use inbox_runtime::http::{self as telemetry, Health, install_recorder};
+use inbox_runtime::relay::{Relay, RelayConfig};
+use inbox_runtime::tally::get;
+use inbox_runtime::{
     AppError, AvailabilityConfig, BatchConfig, CleanupConfig, QueueType, ServiceConfig,
     ServiceHandle, WorkerConfig,
 };
-use crate::tools::stores::{StoreConfig, WithOutbox, WithStore};
 
 /// The flags every command takes.
 // No Debug: the URLs may hold passwords.
@@ -568,7 +569,7 @@ pub trait Spawner: Send + Sync {
     /// Starts both consumers on `store`.
     ///
     /// # Errors
-    /// As [`crate::runtime::Service::spawn`].
+    /// As [`inbox_runtime::Service::spawn`].
     fn spawn<S: ParcelStore>(
         &self,
         store: S,
@@ -696,7 +697,7 @@ fn with_migrate_hint(error: AppError, schema: &str) -> AppError {
     AppError::Config(format!(
         "the schema {schema:?} is not ready for the inbox ({}): run `parcel-inbox migrate{flag}` \
          (with a role that may use its tables), then start again",
-        crate::runtime::error::chain(&error)
+        inbox_runtime::error::chain(&error)
     ))
 }
 
@@ -1052,7 +1053,7 @@ pub fn run_main(
     log_format: LogFormat,
     body: impl Future<Output = Result<(), AppError>>,
 ) -> ExitCode {
-    crate::runtime::telemetry::init_logging(log_format);
+    crate::tools::logging::init_logging(log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -1066,7 +1067,7 @@ pub fn run_main(
     match runtime.block_on(body) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("error: {}", crate::runtime::error::chain(&error));
+            eprintln!("error: {}", inbox_runtime::error::chain(&error));
             ExitCode::FAILURE
         }
     }

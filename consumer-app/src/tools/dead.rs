@@ -9,13 +9,13 @@
 //! and are only in the dead-letter queue, with their reason header.
 //!
 //! `replay` moves dead letters from a consumer's dead-letter queue back to
-//! its queue ([`crate::runtime::replay`]); each comes back with a fresh
+//! its queue ([`inbox_runtime::replay`]); each comes back with a fresh
 //! retry budget, and the inbox still makes sure it is processed at most
 //! once.
 //!
 //! `outbox-dead` and `outbox-requeue` are the producer side's pair: the
 //! outgoing messages the broker refused too often (dead in the outbox
-//! table, see [`crate::runtime::relay`]), and making them pending again,
+//! table, see [`inbox_runtime::relay`]), and making them pending again,
 //! with a fresh count, once their exchange or queue is fixed.
 
 use std::fmt::Write as _;
@@ -27,10 +27,10 @@ use inbox_api::{AttemptRecord, ConsumerName, MessageId, OutboxRecord, OutboxStor
 use crate::parcel::role::Role;
 use crate::parcel::store::{ParcelStore, StoreKind};
 use crate::parcel::topology::Topology;
-use crate::runtime::amqp::connect;
-use crate::runtime::replay::{Replayed, replay};
-use crate::runtime::{AppError, message::truncate};
 use crate::tools::stores::{WithOutbox, WithStore};
+use inbox_runtime::amqp::connect;
+use inbox_runtime::replay::{Replayed, replay};
+use inbox_runtime::{AppError, message::truncate};
 
 /// The widest last error a table row shows (the ledger keeps up to 1000
 /// bytes; `x-inbox-last-error` in the dead letter has it all).
@@ -130,7 +130,7 @@ pub async fn replay_dead_letters(
     let chosen =
         |id: Option<&str>| ids.is_empty() || id.is_some_and(|id| ids.iter().any(|i| i == id));
     let replayed = replay(&channel, &topology.queue(role), chosen).await;
-    crate::runtime::amqp::close_bounded(&connection, "replayed").await;
+    inbox_runtime::amqp::close_bounded(&connection, "replayed").await;
     replayed
 }
 

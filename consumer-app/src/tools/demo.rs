@@ -34,13 +34,13 @@ use crate::parcel::role::Role;
 use crate::parcel::service::{consumers, with_handlers};
 use crate::parcel::store::{ParcelStore, Stats};
 use crate::parcel::topology::Topology;
-use crate::runtime::amqp::{close_bounded, connect};
-use crate::runtime::message::follow_up_id;
-use crate::runtime::tally::{Tally, get};
-use crate::runtime::{AppError, ServiceConfig, WorkerConfig};
 use crate::tools::faults::Faults;
 use crate::tools::producer::{Producer, create_parcels, publish_copies};
 use crate::tools::stores::{StoreConfig, WithStore, with_store};
+use inbox_runtime::amqp::{close_bounded, connect};
+use inbox_runtime::message::follow_up_id;
+use inbox_runtime::tally::{Tally, get};
+use inbox_runtime::{AppError, ServiceConfig, WorkerConfig};
 
 /// Settings of a demo run.
 #[derive(Clone)]
@@ -67,7 +67,7 @@ impl std::fmt::Debug for DemoConfig {
             .field("store", &self.store)
             .field(
                 "amqp_url",
-                &crate::runtime::redact::redact_url(&self.amqp_url),
+                &inbox_runtime::redact::redact_url(&self.amqp_url),
             )
             .field("events", &self.events)
             .field("duplicate_rate", &self.duplicate_rate)
@@ -104,7 +104,7 @@ impl WithStore for Demo {
         if !self.config.keep
             && let Err(error) = cleanup(&store, &topology, &self.config.amqp_url).await
         {
-            tracing::warn!(error = %crate::runtime::error::chain(&error), "demo cleanup failed");
+            tracing::warn!(error = %inbox_runtime::error::chain(&error), "demo cleanup failed");
         }
         outcome
     }

@@ -20,7 +20,7 @@ use crate::parcel::downstream::Downstreams;
 use crate::parcel::service::{Wrap, consumers, with_handlers};
 use crate::parcel::store::ParcelStore;
 use crate::parcel::topology::Topology;
-use crate::runtime::{AppError, Handler, ServiceConfig, ServiceHandle};
+use inbox_runtime::{AppError, Handler, ServiceConfig, ServiceHandle};
 
 /// Every consumer of [`crate::parcel::service::Consumers`] wrapped in the
 /// same faults.
@@ -78,7 +78,7 @@ impl Faults {
     /// these faults (what the lab's consume binary and the tests run).
     ///
     /// # Errors
-    /// As [`crate::runtime::Service::spawn`].
+    /// As [`inbox_runtime::Service::spawn`].
     pub fn spawn<S: ParcelStore>(
         self: &std::sync::Arc<Self>,
         store: S,

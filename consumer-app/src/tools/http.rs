@@ -8,7 +8,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
 
-use crate::runtime::AppError;
+use inbox_runtime::AppError;
 
 /// The longest wait for an answer.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);

@@ -11,6 +11,7 @@
 //! - [`faults`]: the fault-injecting handler decorator.
 //! - [`producer`]: `POST /parcels` and a relay in one process, for the
 //!   demo and the tests, and copies of outbox messages.
+//! - [`logging`]: the `tracing` subscriber the binaries install.
 //! - [`http`]: a one-request HTTP client, the demo's and the tests' caller
 //!   of `POST /parcels`.
 
@@ -19,6 +20,7 @@ pub mod dead;
 pub mod demo;
 pub mod faults;
 pub mod http;
+pub mod logging;
 pub mod producer;
 pub mod publish;
 pub mod stores;

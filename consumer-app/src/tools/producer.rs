@@ -14,10 +14,10 @@ use crate::parcel::api::{ApiServer, ParcelApi};
 use crate::parcel::events::ParcelCreatedEvent;
 use crate::parcel::store::ParcelStore;
 use crate::parcel::topology::Topology;
-use crate::runtime::AppError;
-use crate::runtime::amqp::{Outgoing, Publisher, close_bounded, connect};
-use crate::runtime::relay::{Relay, RelayConfig, RelayHandle, RelayTally};
 use crate::tools::http::{Answer, post_json};
+use inbox_runtime::AppError;
+use inbox_runtime::amqp::{Outgoing, Publisher, close_bounded, connect};
+use inbox_runtime::relay::{Relay, RelayConfig, RelayHandle, RelayTally};
 
 /// The endpoint and a relay, running in this process.
 pub struct Producer {

@@ -12,8 +12,8 @@ use rand::{Rng, SeedableRng};
 
 use crate::parcel::events::{ParcelCreatedEvent, ROUTING_KEY, outgoing};
 use crate::parcel::topology::Topology;
-use crate::runtime::AppError;
-use crate::runtime::amqp::{Outgoing, Publisher, close_bounded, connect};
+use inbox_runtime::AppError;
+use inbox_runtime::amqp::{Outgoing, Publisher, close_bounded, connect};
 
 /// What will be published.
 #[derive(Clone, Debug)]

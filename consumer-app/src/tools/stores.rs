@@ -9,8 +9,7 @@ use futures::stream::BoxStream;
 use inbox_api::OutboxStore;
 
 use crate::parcel::store::{ParcelStore, StoreKind};
-use crate::runtime::AppError;
-use crate::runtime::shutdown::bounded;
+use inbox_runtime::AppError;
 
 /// Where the store lives.
 #[derive(Clone)]
@@ -18,7 +17,7 @@ pub struct StoreConfig {
     /// Which implementation.
     pub kind: StoreKind,
     /// The PostgreSQL URL (may hold a password: log it through
-    /// [`crate::runtime::redact::redact_url`]).
+    /// [`inbox_runtime::redact::redact_url`]).
     pub database_url: String,
     /// The schema holding the inbox and the app's tables.
     pub schema: String,
@@ -38,7 +37,7 @@ impl fmt::Debug for StoreConfig {
             .field("kind", &self.kind)
             .field(
                 "database_url",
-                &crate::runtime::redact::redact_url(&self.database_url),
+                &inbox_runtime::redact::redact_url(&self.database_url),
             )
             .field("schema", &self.schema)
             .field("pool_size", &self.pool_size)
@@ -176,7 +175,7 @@ pub async fn with_outbox<W: WithOutbox>(
 ///
 /// After a lost listener connection (or any listener error) it LISTENs
 /// again on a new one, with backoff
-/// ([`crate::runtime::backoff::RECONNECT`]), and then wakes the
+/// ([`inbox_runtime::backoff::RECONNECT`]), and then wakes the
 /// relay once: a commit made while it was disconnected notified nobody, and
 /// that round publishes it (as diesel's `OutboxListener` does). sqlx's own
 /// reconnect (`PgListener`'s `eager_reconnect`) is off: it would reconnect
@@ -185,7 +184,7 @@ pub async fn with_outbox<W: WithOutbox>(
 pub async fn sqlx_wakeups(store: &inbox_backend_sqlx::SqlxStore) -> Option<BoxStream<'static, ()>> {
     use futures::StreamExt;
 
-    use crate::runtime::backoff::RECONNECT;
+    use inbox_runtime::backoff::RECONNECT;
     let listen = async |store: &inbox_backend_sqlx::SqlxStore| {
         let mut listener = store.listen_outbox().await?;
         listener.eager_reconnect(false);
@@ -215,7 +214,7 @@ pub async fn sqlx_wakeups(store: &inbox_backend_sqlx::SqlxStore) -> Option<BoxSt
                                 return Some(((), (store, listener)));
                             }
                             Err(error) => tracing::debug!(
-                                error = %crate::runtime::error::chain(&error),
+                                error = %inbox_runtime::error::chain(&error),
                                 attempt, "outbox LISTEN failed again"
                             ),
                         }
@@ -226,7 +225,7 @@ pub async fn sqlx_wakeups(store: &inbox_backend_sqlx::SqlxStore) -> Option<BoxSt
             .boxed(),
         ),
         Err(error) => {
-            tracing::warn!(error = %crate::runtime::error::chain(&error),
+            tracing::warn!(error = %inbox_runtime::error::chain(&error),
                 "LISTEN on the outbox channel failed; the relay polls only");
             None
         }
@@ -251,7 +250,7 @@ pub async fn diesel_wakeups(
             .boxed(),
         ),
         Err(error) => {
-            tracing::warn!(error = %crate::runtime::error::chain(&error),
+            tracing::warn!(error = %inbox_runtime::error::chain(&error),
                 "LISTEN on the outbox channel failed; the relay polls only");
             None
         }
@@ -284,7 +283,8 @@ async fn open_sqlx(
                 )),
             })?
             .map_err(classify)?;
-        let closed = bounded("close the probe connection", probe.close()).await;
+        let closed =
+            inbox_runtime::shutdown::bounded("close the probe connection", probe.close()).await;
         if let Some(Err(error)) = closed {
             tracing::debug!(error = %error, "closing the probe connection failed");
         }
@@ -326,7 +326,7 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<S, inbox_api::InboxError>>,
 {
-    let url = crate::runtime::redact::redact_url(&config.database_url);
+    let url = inbox_runtime::redact::redact_url(&config.database_url);
     let mut attempt = 0;
     loop {
         match connect().await {
@@ -341,12 +341,12 @@ where
                     };
                     return Err(AppError::Unavailable(format!(
                         "PostgreSQL at {url} unreachable{after}: {}",
-                        crate::runtime::error::chain(&error)
+                        inbox_runtime::error::chain(&error)
                     )));
                 }
-                let delay = crate::runtime::backoff::RECONNECT.delay(attempt);
+                let delay = inbox_runtime::backoff::RECONNECT.delay(attempt);
                 tracing::warn!(%url, store = %config.kind, attempt, ?delay,
-                    error = %crate::runtime::error::chain(&error), "PostgreSQL unreachable; retrying");
+                    error = %inbox_runtime::error::chain(&error), "PostgreSQL unreachable; retrying");
                 tokio::time::sleep(delay).await;
             }
             Err(error) => return Err(error.into()),

@@ -8,7 +8,7 @@
 //!   (`purge_processed_paced`: each batch resumes where the one before it
 //!   stopped), once in unpaced batches of 10,000 (what the report
 //!   measured before, for contrast) and once with the cleanup's
-//!   default pacing (`consumer_app::runtime::CleanupConfig::default()`:
+//!   default pacing (`inbox_runtime::CleanupConfig::default()`:
 //!   batch size and the pause between batches), or with the pacings of
 //!   `INBOX_BENCH_CLEANUP_PACINGS` (`10000/0,1000/20`: batch/pause in ms).
 //! - The partitioned layout (`Layout::Partitioned`): v7 rows in one day
@@ -67,7 +67,7 @@ impl Pacing {
 /// The plain table's pacings: `INBOX_BENCH_CLEANUP_PACINGS`, or the old
 /// unpaced 10,000-row batches and the cleanup's default.
 fn pacings_from_env() -> Vec<Pacing> {
-    let default = consumer_app::runtime::CleanupConfig::default();
+    let default = inbox_runtime::CleanupConfig::default();
     let defaults = vec![
         Pacing {
             batch: NonZeroU32::new(10_000).unwrap_or(NonZeroU32::MIN),
@@ -262,8 +262,7 @@ pub(crate) async fn run(
         if let Err(error) = sqlx::query(&drop).execute(store.pool()).await {
             eprintln!("could not drop {}: {error}", store.schema());
         }
-        consumer_app::runtime::shutdown::bounded("close a cleanup pool", store.pool().close())
-            .await;
+        inbox_runtime::shutdown::bounded("close a cleanup pool", store.pool().close()).await;
     }
     result
 }
@@ -416,7 +415,7 @@ async fn measure(
 
 /// Deletes the plain table's rows before `cutoff` with `pacing`, through
 /// the cleanup's own paced loop (`purge_processed_paced`, what
-/// `consumer_app::runtime::cleanup_once` runs): rows deleted, batches, the
+/// `inbox_runtime::cleanup_once` runs): rows deleted, batches, the
 /// longest batch (the time from the end of one pause to the start of the
 /// next).
 async fn purge_rows(

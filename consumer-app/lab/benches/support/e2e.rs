@@ -10,7 +10,7 @@
 //! - the app per message: `consumer_app::parcel::service::spawn` on the sqlx store,
 //!   concurrency `tasks` per queue (one transaction per delivery);
 //! - the app batched: the same with `--batch-size 100 --batch-wait 20`;
-//! - the runtime alone ([`runtime_cell`]): `consumer_app::runtime::Service`
+//! - the runtime alone ([`runtime_cell`]): `inbox_runtime::Service`
 //!   per message on one queue, with a handler that does only the report's
 //!   business write (no Parcel domain, whose consumers add two more
 //!   transactions per message), to set against the database-only inbox (b)
@@ -33,14 +33,13 @@ use consumer_app::parcel::role::Role;
 use consumer_app::parcel::service::spawn;
 use consumer_app::parcel::store::ParcelStore;
 use consumer_app::parcel::topology::Topology;
-use consumer_app::runtime;
-use consumer_app::runtime::amqp::{Outgoing, Publisher, close_bounded, connect};
-use consumer_app::runtime::{
-    AppError, BatchConfig, Handler, Service, ServiceConfig, ServiceHandle, WorkerConfig,
-};
 use futures::StreamExt as _;
 use inbox_api::{ConsumerName, Inbox, InboxError, InboxKey, MessageId};
 use inbox_backend_sqlx::{SqlxStore, SqlxTransaction, classify};
+use inbox_runtime::amqp::{Outgoing, Publisher, close_bounded, connect};
+use inbox_runtime::{
+    AppError, BatchConfig, Handler, Service, ServiceConfig, ServiceHandle, WorkerConfig,
+};
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 
@@ -84,7 +83,7 @@ fn per_message_prefetch(tasks: usize) -> u16 {
 /// `routing_key`, with confirms: the queue to drain. Returns the connection
 /// and publisher, to delete the topology with after the drain.
 async fn prepublish(
-    topology: &runtime::Topology,
+    topology: &inbox_runtime::Topology,
     routing_key: &str,
     messages: &[Outgoing],
 ) -> Result<(lapin::Connection, Publisher), BoxError> {
@@ -266,7 +265,7 @@ impl Handler<SqlxTransaction> for BusinessWrite {
 /// pre-published to one queue of its own under `prefix`.
 struct Writes {
     queue: String,
-    topology: runtime::Topology,
+    topology: inbox_runtime::Topology,
     /// The publisher's connection, closed after the drain.
     connection: lapin::Connection,
     /// Deletes the topology after the drain.
@@ -277,7 +276,7 @@ impl Writes {
     async fn publish(n: usize, prefix: &str) -> Result<Self, BoxError> {
         let queue = format!("{prefix}writes");
         let topology =
-            runtime::Topology::new(format!("{prefix}bench")).bind(&queue, BUSINESS_WRITE);
+            inbox_runtime::Topology::new(format!("{prefix}bench")).bind(&queue, BUSINESS_WRITE);
         let messages = (0..n)
             .map(|_| Outgoing::json(&MessageId::new_v7(), BUSINESS_WRITE, &crate::PAYLOAD))
             .collect::<Result<Vec<_>, _>>()?;
@@ -411,7 +410,7 @@ pub(crate) async fn lapin_loop_cell(
     Ok(n as f64 / elapsed.as_secs_f64())
 }
 
-async fn finish(publisher: &Publisher, topology: &runtime::Topology) {
+async fn finish(publisher: &Publisher, topology: &inbox_runtime::Topology) {
     if let Err(error) = topology.delete(publisher.channel()).await {
         eprintln!("could not delete {}: {error}", topology.exchange());
     }

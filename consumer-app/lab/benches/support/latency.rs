@@ -28,12 +28,12 @@ use consumer_app::parcel::downstream::{Downstreams, StubCarrier, StubNotifier};
 use consumer_app::parcel::service::spawn;
 use consumer_app::parcel::store::ParcelStore as _;
 use consumer_app::parcel::topology::Topology;
-use consumer_app::runtime::amqp::{close_bounded, connect};
-use consumer_app::runtime::relay::{Relay, RelayConfig};
-use consumer_app::runtime::{ServiceConfig, WorkerConfig};
 use consumer_app::tools::http::post_json;
 use consumer_app::tools::stores::sqlx_wakeups;
 use inbox_backend_sqlx::sqlx;
+use inbox_runtime::amqp::{close_bounded, connect};
+use inbox_runtime::relay::{Relay, RelayConfig};
+use inbox_runtime::{ServiceConfig, WorkerConfig};
 use tokio::sync::Mutex;
 
 use super::cleanup::percentile;

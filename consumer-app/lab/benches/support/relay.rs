@@ -9,7 +9,7 @@
 //!
 //! - bare: one confirm-mode channel, `batch` messages published, then all
 //!   their confirms awaited, then the next `batch`: the relay's window;
-//! - the relay (`runtime::relay::Relay`, batch size `batch`, up to `depth`
+//! - the relay (`inbox_runtime::relay::Relay`, batch size `batch`, up to `depth`
 //!   batches unsettled: its pipeline) over the sqlx and over the diesel
 //!   outbox, the messages enqueued beforehand in
 //!   transactions of 500 (not timed); the cell ends when the relay has
@@ -24,14 +24,14 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use consumer_app::parcel::events::{EVENT_TYPE, ParcelCreatedEvent, ROUTING_KEY};
-use consumer_app::runtime::amqp::{close_bounded, connect, no_args};
-use consumer_app::runtime::relay::{Relay, RelayConfig};
-use consumer_app::runtime::tally::get;
 use futures::future::join_all;
 use inbox_api::{
     InboxTransaction as _, MessageId, OutboxStore, OutboxStoreExt as _, OutboxTransaction as _,
     OutgoingMessage,
 };
+use inbox_runtime::amqp::{close_bounded, connect, no_args};
+use inbox_runtime::relay::{Relay, RelayConfig};
+use inbox_runtime::tally::get;
 use lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
     QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,

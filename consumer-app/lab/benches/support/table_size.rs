@@ -270,8 +270,7 @@ impl Table {
     }
 
     async fn close(self) {
-        consumer_app::runtime::shutdown::bounded("close a table-size pool", self.pool.close())
-            .await;
+        inbox_runtime::shutdown::bounded("close a table-size pool", self.pool.close()).await;
     }
 }
 

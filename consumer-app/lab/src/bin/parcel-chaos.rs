@@ -90,15 +90,15 @@ use consumer_app::parcel::events::{
 use consumer_app::parcel::role::Role;
 use consumer_app::parcel::store::{ParcelStore, StoreKind};
 use consumer_app::parcel::topology::Topology;
-use consumer_app::runtime::amqp::{Outgoing, Publisher, close_bounded, connect};
-use consumer_app::runtime::error::chain;
-use consumer_app::runtime::message::{BadInputReason, follow_up_id, header_text};
-use consumer_app::runtime::redact::redact_url;
-use consumer_app::runtime::{AppError, telemetry};
 use consumer_app::tools::http::request as request_http;
 use consumer_app::tools::stores::{StoreConfig, WithStore, with_store};
 use inbox_api::{ConsumerName, InboxKey, InboxStats, InboxStore, MessageId, OutboxStore};
 use inbox_backend_sqlx::{Layout, SqlxStore};
+use inbox_runtime::AppError;
+use inbox_runtime::amqp::{Outgoing, Publisher, close_bounded, connect};
+use inbox_runtime::error::chain;
+use inbox_runtime::message::{BadInputReason, follow_up_id, header_text};
+use inbox_runtime::redact::redact_url;
 use lapin::options::BasicGetOptions;
 use parcel_lab::broken::BrokenRelay;
 use parcel_lab::relay_faults::CRASH_EXIT;
@@ -288,7 +288,7 @@ struct Cli {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    telemetry::init_logging(telemetry::LogFormat::Text);
+    consumer_app::tools::logging::init_logging(consumer_app::tools::logging::LogFormat::Text);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -855,7 +855,7 @@ impl<'a> Consumers<'a> {
                 "--fault-work-delay-ms",
                 &self.cli.work_delay_ms.to_string(),
             ])
-            .env("RUST_LOG", "warn,consumer_app::runtime::worker=error")
+            .env("RUST_LOG", "warn,inbox_runtime::worker=error")
             .stdin(Stdio::null())
             .stdout(stdout)
             .stderr(stderr)

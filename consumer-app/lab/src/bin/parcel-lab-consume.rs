@@ -16,11 +16,11 @@ use clap::Parser;
 use consumer_app::parcel::downstream::Downstreams;
 use consumer_app::parcel::store::ParcelStore;
 use consumer_app::parcel::topology::Topology;
-use consumer_app::runtime::{AppError, ServiceConfig, ServiceHandle};
 use consumer_app::tools::cli::{Consume, ConsumeArgs, Global, Spawner, run_main};
 use consumer_app::tools::faults::Faults;
 use consumer_app::tools::stores::{WithStore, with_store};
 use inbox_conformance::broken::Broken;
+use inbox_runtime::{AppError, ServiceConfig, ServiceHandle};
 use parcel_lab::broken::{self, BrokenParcelStore};
 
 /// `parcel-inbox consume` with fault injection (test tool).

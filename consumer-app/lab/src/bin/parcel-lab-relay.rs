@@ -14,11 +14,11 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use consumer_app::runtime::AppError;
 use consumer_app::tools::cli::{Global, RelayArgs, RelayCommand, run_main};
 use consumer_app::tools::stores::{WithOutbox, with_outbox};
 use futures::stream::BoxStream;
 use inbox_api::OutboxStore;
+use inbox_runtime::AppError;
 use parcel_lab::broken::BrokenRelay;
 use parcel_lab::relay_faults::{CrashPoints, FaultyOutbox};
 

@@ -15,7 +15,7 @@ use crate::parcel::effects::{
 };
 use crate::parcel::events::ParcelCreatedEvent;
 use crate::parcel::role::Role;
-use crate::runtime::AppError;
+use inbox_runtime::AppError;
 
 #[derive(QueryableByName)]
 struct Calls {

@@ -14,7 +14,7 @@ use crate::parcel::effects::{
 };
 use crate::parcel::events::ParcelCreatedEvent;
 use crate::parcel::role::Role;
-use crate::runtime::AppError;
+use inbox_runtime::AppError;
 
 /// Key prefixes of the memory store's "tables"; notifications per kind
 /// ([`notifications`]).

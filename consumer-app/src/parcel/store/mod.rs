@@ -2,7 +2,7 @@
 //! its cargo feature (`sqlx`, `diesel`, `memory`).
 //!
 //! [`ParcelStore`] is what the Parcel domain needs beyond the runtime's
-//! [`ServiceStore`](crate::runtime::ServiceStore): its own migration after
+//! [`ServiceStore`](inbox_runtime::ServiceStore): its own migration after
 //! the inbox's, the effect tables' counts for `stats`, the stub downstreams'
 //! ledger and the intents' dispatch marks. Inbox row counts are the
 //! backend's own answer ([`InboxStats`]): the inbox table's name and layout
@@ -22,7 +22,7 @@ use inbox_api::{AttemptLedger, BatchTransaction, InboxStats, InboxStore, Message
 
 use crate::parcel::effects::{Intent, NotificationKind, ParcelEffects};
 use crate::parcel::role::Role;
-use crate::runtime::AppError;
+use inbox_runtime::AppError;
 
 #[cfg(feature = "diesel")]
 mod diesel;

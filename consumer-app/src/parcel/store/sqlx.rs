@@ -13,7 +13,7 @@ use crate::parcel::effects::{
 };
 use crate::parcel::events::ParcelCreatedEvent;
 use crate::parcel::role::Role;
-use crate::runtime::AppError;
+use inbox_runtime::AppError;
 
 async fn effects(
     store: &SqlxStore,

@@ -12,10 +12,10 @@ use tokio::sync::watch;
 
 use serde::Serialize;
 
-use crate::runtime::AppError;
-use crate::runtime::backoff::RECONNECT;
-use crate::runtime::redact::redact_url;
-use crate::runtime::shutdown::bounded;
+use crate::AppError;
+use crate::backoff::RECONNECT;
+use crate::redact::redact_url;
+use crate::shutdown::bounded;
 
 /// Opens one connection, named so that `rabbitmqctl list_connections
 /// user_provided_name` shows which instance it is.
@@ -56,7 +56,7 @@ pub async fn connect_with_backoff(
                 }
                 let delay = RECONNECT.delay(attempt);
                 tracing::warn!(url = %redact_url(url), attempt, ?delay,
-                    error = %crate::runtime::error::chain(&error), "RabbitMQ unreachable; retrying");
+                    error = %crate::error::chain(&error), "RabbitMQ unreachable; retrying");
                 tokio::select! {
                     () = tokio::time::sleep(delay) => {}
                     _ = shutdown.wait_for(|stop| *stop) => {
@@ -262,7 +262,7 @@ async fn check_confirm(confirm: PublisherConfirm) -> Result<(), AppError> {
 }
 
 /// Closes `connection`, giving up after
-/// [`crate::runtime::shutdown::TEARDOWN_LIMIT`] with a log line: lapin's
+/// [`crate::shutdown::TEARDOWN_LIMIT`] with a log line: lapin's
 /// close can wait for ever for a close-ok that never comes once the socket
 /// is gone, and a caller that is only tidying up must not hang on it.
 pub async fn close_bounded(connection: &Connection, reason: &str) {

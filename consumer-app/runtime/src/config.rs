@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-use crate::runtime::AppError;
-use crate::runtime::settle::SettlePolicy;
+use crate::AppError;
+use crate::settle::SettlePolicy;
 
 /// Settings of the message path.
 #[derive(Clone, Debug)]
@@ -168,7 +168,7 @@ impl Default for CleanupConfig {
     }
 }
 
-/// Settings of the store circuit ([`crate::runtime::availability`]): when
+/// Settings of the store circuit ([`crate::availability`]): when
 /// a store outage pauses consumption, and how often the paused service
 /// probes the store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -231,10 +231,7 @@ impl ServiceConfig {
 impl std::fmt::Debug for ServiceConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ServiceConfig")
-            .field(
-                "amqp_url",
-                &crate::runtime::redact::redact_url(&self.amqp_url),
-            )
+            .field("amqp_url", &crate::redact::redact_url(&self.amqp_url))
             .field("worker", &self.worker)
             .field("connection_name", &self.connection_name)
             .field("cleanup", &self.cleanup)

@@ -36,7 +36,7 @@ pub async fn bounded_by<T>(
 
 /// Resolves when `shutdown` turns true or its sender is gone (a dropped
 /// handle means nobody can ask to keep running).
-pub(crate) async fn stopped(shutdown: &mut watch::Receiver<bool>) {
+pub async fn stopped(shutdown: &mut watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|stop| *stop).await;
 }
 

@@ -41,17 +41,17 @@
 //! counts.
 //!
 //! **An outage is not the message's fault.** A failure of the store itself
-//! (unreachable, or its schema unusable: [`crate::runtime::AppError::is_store_unavailable`])
+//! (unreachable, or its schema unusable: [`crate::AppError::is_store_unavailable`])
 //! is released: no in-process retry is spent and no requeue pause held, the
 //! delivery goes back with `basic.nack(requeue)` (which RabbitMQ 4.3 and
 //! later do not count as a delivery), and the runtime's store circuit
 //! pauses consumption until the store answers again (see
-//! [`crate::runtime::availability`]). Its length therefore never decides a
+//! [`crate::availability`]). Its length therefore never decides a
 //! message's fate.
 
 use std::time::Duration;
 
-use crate::runtime::backoff::Backoff;
+use crate::backoff::Backoff;
 
 /// The longest in-process retry backoff.
 const MAX_RETRY_DELAY: Duration = Duration::from_secs(5);
@@ -88,7 +88,7 @@ pub enum Outcome {
 /// Why a delivery is dead-lettered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DeadLetterReason {
-    /// The error's own reason ([`crate::runtime::AppError::reason`]).
+    /// The error's own reason ([`crate::AppError::reason`]).
     Permanent,
     /// Retryable failures until the delivery cap: `retries_exhausted`.
     RetriesExhausted,

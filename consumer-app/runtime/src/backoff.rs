@@ -10,7 +10,7 @@
 //! a store that just failed. `max` stays a true upper bound.
 //!
 //! The nominal delay is a pure function ([`Backoff::nominal`]), so that
-//! [`crate::runtime::settle::SettlePolicy::decide`] stays a table-testable
+//! [`crate::settle::SettlePolicy::decide`] stays a table-testable
 //! value; the jitter is applied where the delay is slept ([`jittered`]).
 
 use std::time::Duration;

@@ -35,8 +35,8 @@ use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use tokio::sync::{Mutex, Notify, watch};
 
-use crate::runtime::AppError;
-use crate::runtime::config::BatchConfig;
+use crate::AppError;
+use crate::config::BatchConfig;
 
 /// The frame one delivery is settled with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use inbox_api::InboxError;
 
-use crate::runtime::message::BadInput;
-use crate::runtime::settle::ErrorDisposition;
+use crate::message::BadInput;
+use crate::settle::ErrorDisposition;
 
 /// Everything that can go wrong in a service built on the runtime, its
 /// handlers included.
@@ -198,6 +198,23 @@ pub fn chain(error: &dyn std::error::Error) -> String {
         source = inner.source();
     }
     text
+}
+
+// `?` on a driver's error in a handler: the backend's own classification
+// decides what the runtime does with it (a serialization failure retries, a
+// constraint violation dead-letters), so a handler needs no `map_err`.
+#[cfg(feature = "sqlx")]
+impl From<inbox_backend_sqlx::sqlx::Error> for AppError {
+    fn from(error: inbox_backend_sqlx::sqlx::Error) -> Self {
+        Self::Inbox(inbox_backend_sqlx::classify(error))
+    }
+}
+
+#[cfg(feature = "diesel")]
+impl From<inbox_backend_diesel::diesel::result::Error> for AppError {
+    fn from(error: inbox_backend_diesel::diesel::result::Error) -> Self {
+        Self::Inbox(inbox_backend_diesel::classify(error))
+    }
 }
 
 #[cfg(test)]

@@ -65,20 +65,20 @@ use lapin::Channel;
 use lapin::message::Delivery;
 use tokio::sync::{OwnedSemaphorePermit, watch};
 
-use crate::runtime::ack::{AckTracker, Frame};
-use crate::runtime::amqp::Publisher;
-use crate::runtime::availability::StoreCircuit;
-use crate::runtime::backoff::jittered;
-use crate::runtime::config::WorkerConfig;
-use crate::runtime::error::chain;
-use crate::runtime::handler::Handler;
-use crate::runtime::message::{RawMessage, decode, delivery_count, long_string, truncate};
-use crate::runtime::settle::{DeadLetterReason, Deliveries, ErrorDisposition, Outcome, Settle};
-use crate::runtime::shutdown::stopped;
-use crate::runtime::tally::{ConsumerTally, bump};
-use crate::runtime::telemetry::MetricNames;
-use crate::runtime::topology::Topology;
-use crate::runtime::{AppError, ServiceStore};
+use crate::ack::{AckTracker, Frame};
+use crate::amqp::Publisher;
+use crate::availability::StoreCircuit;
+use crate::backoff::jittered;
+use crate::config::WorkerConfig;
+use crate::error::chain;
+use crate::handler::Handler;
+use crate::message::{RawMessage, decode, delivery_count, long_string, truncate};
+use crate::settle::{DeadLetterReason, Deliveries, ErrorDisposition, Outcome, Settle};
+use crate::shutdown::stopped;
+use crate::tally::{ConsumerTally, bump};
+use crate::telemetry::MetricNames;
+use crate::topology::Topology;
+use crate::{AppError, ServiceStore};
 
 /// What the message path does with one queue's deliveries.
 pub(crate) struct Worker<S, H> {

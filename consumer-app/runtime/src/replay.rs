@@ -21,9 +21,9 @@ use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel};
 
-use crate::runtime::AppError;
-use crate::runtime::amqp::Publisher;
-use crate::runtime::topology::Topology;
+use crate::AppError;
+use crate::amqp::Publisher;
+use crate::topology::Topology;
 
 /// Headers a dead-lettering adds, which a replayed message must not carry.
 fn is_dead_letter_header(name: &str) -> bool {
@@ -142,7 +142,7 @@ mod tests {
     use lapin::types::AMQPValue;
 
     use super::*;
-    use crate::runtime::message::long_string;
+    use crate::message::long_string;
 
     #[test]
     fn replayed_properties_lose_only_the_dead_letter_headers() {

@@ -13,7 +13,7 @@ use std::future::Future;
 use inbox_api::{ConsumerName, MessageId};
 use serde::de::DeserializeOwned;
 
-use crate::runtime::AppError;
+use crate::AppError;
 
 /// One consumer's business code, over the store's transaction type `Tx`.
 ///

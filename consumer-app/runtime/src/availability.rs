@@ -20,7 +20,7 @@
 //! the circuit opens. Each consumer then cancels its subscription (the
 //! broker keeps the messages), hands back what the broker had already sent,
 //! and waits; one probe task checks the store with backoff (`check_store`:
-//! a claim and every handler's own [`crate::runtime::Handler::check`] in a
+//! a claim and every handler's own [`crate::Handler::check`] in a
 //! transaction that is rolled back, so the schema and the role's privileges
 //! are checked too) and closes the circuit when it passes; the consumers
 //! subscribe again.
@@ -29,8 +29,8 @@
 //! consumption paused" with the cause, INFO "store available again,
 //! consumption resumed" with the outage's length), sets the
 //! `inbox_store_available` gauge (1/0) and, on opening, counts one
-//! `inbox_store_outages_total`. [`crate::runtime::ServiceHandle::store_available`]
-//! and [`crate::runtime::ServiceHandle::store_availability`] expose the
+//! `inbox_store_outages_total`. [`crate::ServiceHandle::store_available`]
+//! and [`crate::ServiceHandle::store_availability`] expose the
 //! state, e.g. for a readiness endpoint.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -44,11 +44,11 @@ use inbox_api::{
 };
 use tokio::sync::watch;
 
-use crate::runtime::AppError;
-use crate::runtime::backoff::Backoff;
-use crate::runtime::config::AvailabilityConfig;
-use crate::runtime::error::chain;
-use crate::runtime::shutdown::stopped;
+use crate::AppError;
+use crate::backoff::Backoff;
+use crate::config::AvailabilityConfig;
+use crate::error::chain;
+use crate::shutdown::stopped;
 
 /// The consumer name of the probe's claim: never a real consumer's, and
 /// the claim is rolled back anyway.
@@ -56,7 +56,7 @@ const PROBE_CONSUMER: &str = "inbox-availability-probe";
 
 /// What a consumer needs of the store beyond the inbox, checked inside the
 /// store check's transaction: its handler's
-/// [`crate::runtime::Handler::check`], with the handler's type erased.
+/// [`crate::Handler::check`], with the handler's type erased.
 pub(crate) trait StoreCheck<Tx>: Send + Sync {
     /// Runs the check in `tx`.
     fn check<'a>(&'a self, tx: &'a mut Tx) -> BoxFuture<'a, Result<(), AppError>>;

@@ -1,16 +1,12 @@
-//! Logs, metrics and health: the tracing subscriber, and an HTTP server
-//! (axum) with `/metrics` (Prometheus), `/live` and `/ready`.
+//! `/metrics` (Prometheus), `/live` and `/ready` over HTTP (axum), behind
+//! the `http` feature: a service that exports its metrics another way, or
+//! has no orchestrator to answer, builds without axum or the exporter.
 //!
 //! [`router`] is an ordinary axum [`Router`], so a service adds its own
-//! routes beside these (`router(..).merge(app_routes)`, the producer's
-//! `POST /parcels` one day) and [`serve`] serves the lot. What "ready"
-//! means is the service's to say: [`Health`] collects named checks
-//! (the broker's connection, a store probe, later the store circuit's
-//! state), so this module knows neither the broker nor the store. The metric names
-//! are those of [`inbox_api::metrics`] (processed, duplicates discarded,
-//! failed, handle latency, purged rows, dead-lettered, inbox rows) plus the
-//! runtime's two of its own, whose names a service picks ([`MetricNames`]):
-//! an existing dashboard keeps its names when the runtime moves under it.
+//! routes beside these (`router(..).merge(app_routes)`) and [`serve`] serves
+//! the lot. What "ready" means is the service's to say: [`Health`] collects
+//! named checks (the broker's connection, a store probe), so this module
+//! knows neither the broker nor the store.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -27,62 +23,10 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::runtime::AppError;
-use crate::runtime::error::chain;
-use crate::runtime::shutdown::stopped;
-
-/// The names of the runtime's own counters (both labelled `consumer`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MetricNames {
-    /// Deliveries requeued after their in-process retries failed.
-    pub requeued: &'static str,
-    /// After-commit calls that failed (the commit stands).
-    pub after_commit_failed: &'static str,
-    /// The help text of `after_commit_failed`, naming the service's calls.
-    pub after_commit_failed_help: &'static str,
-}
-
-impl Default for MetricNames {
-    fn default() -> Self {
-        Self {
-            requeued: "inbox_consumer_requeued_total",
-            after_commit_failed: "inbox_consumer_after_commit_failed_total",
-            after_commit_failed_help: "Downstream calls that failed after commit",
-        }
-    }
-}
-
-/// How log lines are written.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum LogFormat {
-    /// One human-readable line per event (coloured on a terminal).
-    #[default]
-    Text,
-    /// One JSON object per line, the event's fields (`message_id`,
-    /// `consumer`, …) at the top level beside `timestamp`, `level`,
-    /// `target` and `message`: what log collectors parse without a regex.
-    Json,
-}
-
-/// Installs a `tracing` subscriber reading `RUST_LOG` (default `info`),
-/// writing to stderr in `format`, once; later calls do nothing.
-///
-/// Colours only when stderr is a terminal: in a file, a pipe or a log
-/// collector the escape codes are noise that breaks grep and parsers.
-pub fn init_logging(format: LogFormat) {
-    use std::io::IsTerminal as _;
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let _ = match format {
-        LogFormat::Text => builder
-            .with_ansi(std::io::stderr().is_terminal())
-            .try_init(),
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
-    };
-}
+use crate::AppError;
+use crate::error::chain;
+use crate::shutdown::stopped;
+use crate::telemetry::{MetricNames, Running};
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
@@ -217,28 +161,6 @@ impl Health {
         .await;
         failures.extend(results.into_iter().flatten());
         failures
-    }
-}
-
-/// Reads true while the task holding its [`RunningGuard`] has not ended
-/// (returned, failed or panicked: the guard is dropped either way).
-#[derive(Clone, Debug)]
-pub struct Running(watch::Receiver<()>);
-
-/// Held by the task [`Running`] watches; dropping it ends "running".
-#[derive(Debug)]
-pub struct RunningGuard(#[expect(dead_code, reason = "held for its drop")] watch::Sender<()>);
-
-impl Running {
-    /// A guard for the task and the flag that watches it.
-    pub fn new() -> (RunningGuard, Self) {
-        let (guard, running) = watch::channel(());
-        (RunningGuard(guard), Self(running))
-    }
-
-    /// Whether the guard still exists.
-    pub fn is_running(&self) -> bool {
-        self.0.has_changed().is_ok()
     }
 }
 

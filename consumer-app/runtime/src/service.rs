@@ -11,7 +11,7 @@
 //! schema that is missing, not migrated or not this role's to use refuses
 //! the start with that error (run the migrations); a store that cannot be
 //! reached yet is waited for. PostgreSQL going away mid-run, or the schema
-//! with it, opens the store circuit ([`crate::runtime::availability`]):
+//! with it, opens the store circuit ([`crate::availability`]):
 //! the consumers pause, the deliveries they hold go back uncharged, and
 //! consumption resumes when a probe of the store succeeds.
 //!
@@ -21,7 +21,7 @@
 //! prefetched but never started) and the connection.
 //!
 //! ```no_run
-//! # use consumer_app::runtime::{Service, ServiceConfig, ServiceStore, Handler, AppError, Topology};
+//! # use inbox_runtime::{Service, ServiceConfig, ServiceStore, Handler, AppError, Topology};
 //! # fn wire<S: ServiceStore, H: Handler<S::Transaction>>(store: S, config: ServiceConfig, handler: H) -> Result<(), AppError> {
 //! let topology = Topology::new("shop.events").bind("shop.invoice-paid", "invoice.paid");
 //! let service = Service::new(store, config, topology)
@@ -44,19 +44,19 @@ use lapin::{Channel, Connection};
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
 
-use crate::runtime::ack::{AckTracker, collect};
-use crate::runtime::amqp::{close_bounded, close_channel_bounded, connect_with_backoff, no_args};
-use crate::runtime::availability::{StoreCheck, StoreChecks, StoreCircuit, check_store};
-use crate::runtime::backoff::RECONNECT;
-use crate::runtime::config::{CleanupConfig, ServiceConfig};
-use crate::runtime::error::chain;
-use crate::runtime::handler::Handler;
-use crate::runtime::shutdown::stopped;
-use crate::runtime::tally::{ConsumerTally, Tally};
-use crate::runtime::telemetry::{MetricNames, Running};
-use crate::runtime::topology::Topology;
-use crate::runtime::worker::Worker;
-use crate::runtime::{AppError, ServiceStore};
+use crate::ack::{AckTracker, collect};
+use crate::amqp::{close_bounded, close_channel_bounded, connect_with_backoff, no_args};
+use crate::availability::{StoreCheck, StoreChecks, StoreCircuit, check_store};
+use crate::backoff::RECONNECT;
+use crate::config::{CleanupConfig, ServiceConfig};
+use crate::error::chain;
+use crate::handler::Handler;
+use crate::shutdown::stopped;
+use crate::tally::{ConsumerTally, Tally};
+use crate::telemetry::{MetricNames, Running};
+use crate::topology::Topology;
+use crate::worker::Worker;
+use crate::{AppError, ServiceStore};
 
 /// A service being put together: a store, settings, the topology to declare,
 /// and a [`Handler`] per queue. [`Service::spawn`] starts it.
@@ -339,7 +339,7 @@ impl ServiceHandle {
     }
 
     /// Whether the store answers and the service consumes: `false` while a
-    /// store outage pauses it (see [`crate::runtime::availability`]). Cheap:
+    /// store outage pauses it (see [`crate::availability`]). Cheap:
     /// a readiness endpoint may call it per request.
     pub fn store_available(&self) -> bool {
         *self.availability.borrow()

@@ -23,10 +23,10 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, ExchangeKind};
 
-use crate::runtime::AppError;
-use crate::runtime::amqp::{close_bounded, connect};
-use crate::runtime::message::long_string;
-use crate::runtime::shutdown::TEARDOWN_LIMIT;
+use crate::AppError;
+use crate::amqp::{close_bounded, connect};
+use crate::message::long_string;
+use crate::shutdown::TEARDOWN_LIMIT;
 
 /// The broker's own cap on deliveries of one message (`x-delivery-limit`),
 /// above any sensible `max_deliveries`: only reached if the runtime cannot

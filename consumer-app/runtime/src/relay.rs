@@ -76,14 +76,14 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use crate::runtime::amqp::{close_bounded, close_channel_bounded, connect_with_backoff};
-use crate::runtime::backoff::Backoff;
-use crate::runtime::error::chain;
-use crate::runtime::redact::redact_url;
-use crate::runtime::shutdown::stopped;
-use crate::runtime::tally::bump;
-use crate::runtime::telemetry::Running;
-use crate::runtime::{AppError, CleanupConfig};
+use crate::amqp::{close_bounded, close_channel_bounded, connect_with_backoff};
+use crate::backoff::Backoff;
+use crate::error::chain;
+use crate::redact::redact_url;
+use crate::shutdown::stopped;
+use crate::tally::bump;
+use crate::telemetry::Running;
+use crate::{AppError, CleanupConfig};
 
 /// Settings of a [`Relay`].
 #[derive(Clone)]
@@ -132,7 +132,7 @@ pub struct RelayConfig {
     /// The backoff and dead-letter limit of a message the broker refuses
     /// (nack, returned).
     pub retry: PublishRetry,
-    /// Exchanges declared ([`crate::runtime::topology::declare_exchange`]:
+    /// Exchanges declared ([`crate::topology::declare_exchange`]:
     /// durable, topic, as a consumer's topology declares them) on every
     /// channel the relay opens, before it publishes: a message to one of
     /// them goes out even before any consumer has declared its topology.
@@ -227,7 +227,7 @@ impl fmt::Debug for RelayConfig {
     }
 }
 
-/// What a relay did so far (read with [`crate::runtime::tally::get`]); the
+/// What a relay did so far (read with [`crate::tally::get`]); the
 /// metrics say the same to a dashboard, these to a test or a summary line.
 #[derive(Debug, Default)]
 pub struct RelayTally {
@@ -511,7 +511,7 @@ impl<S: OutboxStore + Clone + 'static> Relay<S> {
     async fn open_channel(&self, connection: &Connection) -> Result<Channel, AppError> {
         let channel = open_confirm_channel(connection).await?;
         for exchange in &self.config.exchanges {
-            crate::runtime::topology::declare_exchange(&channel, exchange).await?;
+            crate::topology::declare_exchange(&channel, exchange).await?;
         }
         Ok(channel)
     }

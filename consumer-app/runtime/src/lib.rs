@@ -16,7 +16,7 @@
 //! poison message from looping, say why it dead-lettered something, survive
 //! a broker or database restart and stop without losing a delivery. Written
 //! once here, a new consumer gets all of it by implementing [`Handler`]
-//! (`consumer-app/examples/invoice_paid.rs` is one, in under 80 lines).
+//! (`examples/orders.rs` is a service of two, in under 60 lines).
 //!
 //! - [`handler`]: the trait a consumer implements.
 //! - [`service`]: [`Service`], the builder that runs handlers on queues.
@@ -28,6 +28,7 @@
 //! - [`config`], [`topology`], [`message`]: settings, queue names, decoding.
 //! - [`amqp`], [`backoff`], [`shutdown`], [`telemetry`], [`tally`],
 //!   [`redact`], [`error`]: plumbing.
+//! - `http` (feature `http`): `/metrics`, `/live` and `/ready`.
 
 pub mod amqp;
 pub mod availability;
@@ -35,6 +36,8 @@ pub mod backoff;
 pub mod config;
 pub mod error;
 pub mod handler;
+#[cfg(feature = "http")]
+pub mod http;
 pub mod message;
 pub mod redact;
 pub mod relay;
@@ -50,6 +53,23 @@ mod ack;
 mod worker;
 
 use inbox_api::{AttemptLedger, BatchTransaction, InboxStats, InboxStore};
+
+// What the public API names, so a service needs no version of its own.
+pub use inbox_api;
+pub use lapin;
+
+/// The sqlx store (PostgreSQL), the `sqlx` feature's: [`sqlx_store::SqlxStore`].
+#[cfg(feature = "sqlx")]
+pub use inbox_backend_sqlx as sqlx_store;
+
+/// The diesel-async store (PostgreSQL), the `diesel` feature's:
+/// [`diesel_store::DieselStore`].
+#[cfg(feature = "diesel")]
+pub use inbox_backend_diesel as diesel_store;
+
+/// The in-process store, the `memory` feature's: [`memory_store::MemoryStore`].
+#[cfg(feature = "memory")]
+pub use inbox_backend_memory as memory_store;
 
 pub use config::{AvailabilityConfig, BatchConfig, CleanupConfig, ServiceConfig, WorkerConfig};
 pub use error::AppError;
