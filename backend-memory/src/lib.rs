@@ -1,4 +1,6 @@
-//! An in-process [`InboxStore`](inbox_api::InboxStore) with PostgreSQL's claim semantics.
+#![doc = include_str!("../README.md")]
+//!
+//! # Semantics
 //!
 //! For tests and the application's offline mode: it keeps the same contract
 //! as the Postgres backends (the contract on `inbox_api::InboxStore`), so code that is correct on
@@ -55,35 +57,6 @@
 //! each other and the last commit wins. Effects should use unique keys (the
 //! message id in the key) — which is what makes them safe on Postgres too.
 //! Reads are read-committed. Nothing survives the process.
-//!
-//! # Example
-//! ```
-//! use inbox_api::{ConsumerName, Handled, Inbox, InboxError, InboxKey, MessageId};
-//! use inbox_backend_memory::MemoryStore;
-//! # use tokio_sync as tokio; // this crate's name for its tokio dependency
-//!
-//! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), InboxError> {
-//! let store = MemoryStore::new();
-//! let inbox = Inbox::new(store.clone());
-//! let key = InboxKey::new(MessageId::new_v7(), ConsumerName::new("notification")?);
-//! let parcel = String::from("P-1"); // local data the work borrows
-//!
-//! // The broker delivers the message twice; the work runs once.
-//! for delivery in 0..2 {
-//!     let outcome = inbox
-//!         .handle(&key, async |tx| {
-//!             tx.put(format!("notified/{}", key.message_id), parcel.as_bytes());
-//!             Ok::<_, InboxError>(())
-//!         })
-//!         .await?;
-//!     assert_eq!(outcome.is_duplicate(), delivery == 1);
-//! }
-//! assert_eq!(store.scan_prefix("notified/").len(), 1);
-//! assert_eq!(store.inbox_len(), 1);
-//! # Ok(())
-//! # }
-//! ```
 #![deny(missing_docs)]
 
 mod attempts;

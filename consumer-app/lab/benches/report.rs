@@ -1328,7 +1328,7 @@ fn main() {
                 eprintln!("a partial run (INBOX_BENCH_SECTIONS): docs/ left as it was");
                 return;
             }
-            // Into the workspace's docs/, for the README.
+            // Into the workspace's docs/, which docs/results.md quotes.
             let docs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs");
             let md = format!(
                 "# Benchmark\n\n\
