@@ -21,5 +21,18 @@ pub mod tools;
 
 pub use inbox_runtime::AppError;
 
+/// What the service's commands fail with: the runtime's errors, and the
+/// demo's proof not holding (a result, not a failure of any message, so it
+/// is no handler error).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The runtime, a store or the broker failed.
+    #[error(transparent)]
+    App(#[from] AppError),
+    /// The demo ran, and what it checks did not hold.
+    #[error("check failed: {0}")]
+    CheckFailed(String),
+}
+
 #[cfg(not(any(feature = "sqlx", feature = "diesel", feature = "memory")))]
 compile_error!("enable at least one store feature: sqlx, diesel or memory");

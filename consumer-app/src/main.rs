@@ -291,17 +291,48 @@ fn main() -> ExitCode {
     run_main(cli.global.log_format, run(cli))
 }
 
-async fn run(cli: Cli) -> Result<(), AppError> {
-    let global = cli.global;
+/// The demo's check failing is an error of the command, not of the runtime,
+/// so only the demo's arm speaks [`consumer_app::Error`].
+async fn run(cli: Cli) -> Result<(), consumer_app::Error> {
+    let Cli { global, command } = cli;
     tracing::info!(store = %global.store, database = %redact_url(&global.database_url),
         amqp = %redact_url(&global.amqp_url), schema = %global.schema, prefix = %global.prefix,
         "parcel-inbox starting");
+    match command {
+        Command::Demo {
+            events,
+            duplicate_rate,
+            keep,
+            drain_timeout_secs,
+            worker,
+        } => {
+            let summary = demo::run(DemoConfig {
+                store: global.store(),
+                amqp_url: global.amqp_url.clone(),
+                events,
+                duplicate_rate,
+                keep,
+                worker: worker.config(),
+                drain_timeout: Duration::from_secs(drain_timeout_secs),
+            })
+            .await?;
+            println!("{summary}");
+            Ok(())
+        }
+        command => Ok(run_command(Cli { global, command }).await?),
+    }
+}
+
+async fn run_command(cli: Cli) -> Result<(), AppError> {
+    let global = cli.global;
     let store = global.store();
     // One-shot commands try the database once: whoever runs them is waiting
     // for an answer, and a wrong URL should say so in seconds, with its cause.
     // Only the services, `consume` and `relay`, wait for their database to
     // come up.
     match cli.command {
+        // `run` takes it before it gets here.
+        Command::Demo { .. } => Err(AppError::Config("the demo is run by `run`".into())),
         Command::Migrate => with_store(&store, ONE_SHOT, Migrate).await,
         Command::Stats => with_store(&store, ONE_SHOT, PrintStats).await,
         Command::Partitions { ahead } => {
@@ -392,26 +423,6 @@ async fn run(cli: Cli) -> Result<(), AppError> {
         Command::Relay(args) => {
             let relay = args.relay(&global)?;
             with_outbox(&store, None, relay).await
-        }
-        Command::Demo {
-            events,
-            duplicate_rate,
-            keep,
-            drain_timeout_secs,
-            worker,
-        } => {
-            let summary = demo::run(DemoConfig {
-                store,
-                amqp_url: global.amqp_url.clone(),
-                events,
-                duplicate_rate,
-                keep,
-                worker: worker.config(),
-                drain_timeout: Duration::from_secs(drain_timeout_secs),
-            })
-            .await?;
-            println!("{summary}");
-            Ok(())
         }
     }
 }

@@ -18,7 +18,6 @@ use consumer_app::tools::publish::{Plan, publish};
 use inbox_api::{ConsumerName, InboxKey};
 use inbox_runtime::amqp::{Outgoing, connect};
 use inbox_runtime::message::header_text;
-use inbox_runtime::tally::get;
 use inbox_runtime::{BatchConfig, ServiceConfig, WorkerConfig};
 use lapin::options::BasicGetOptions;
 
@@ -119,13 +118,10 @@ async fn batched_exactly_once<S: ParcelStore>(store: S, names: Names) {
     ));
     let carrier = Arc::new(StubCarrier::default());
     let notifier = Arc::new(StubNotifier::default());
-    let consumers = consumers(
-        Downstreams {
-            carrier: carrier.clone(),
-            notifier: notifier.clone(),
-        },
-        &topology,
-    )
+    let consumers = consumers(Downstreams {
+        carrier: carrier.clone(),
+        notifier: notifier.clone(),
+    })
     .expect("consumers")
     .map(&faults);
     let service = with_handlers(
@@ -152,7 +148,7 @@ async fn batched_exactly_once<S: ParcelStore>(store: S, names: Names) {
             let n = tally.consumer(Role::Notification.consumer_name());
             let c = tally.consumer(Role::Carrier.consumer_name());
             n.finished() > total
-                && get(&c.processed) + get(&c.duplicates) >= total - 1 - copies_of(&plan, poison)
+                && c.processed() + c.duplicates() >= total - 1 - copies_of(&plan, poison)
                 && c.dead_lettered()
                     .get("retries_exhausted")
                     .copied()
@@ -165,25 +161,21 @@ async fn batched_exactly_once<S: ParcelStore>(store: S, names: Names) {
     service.join().await.expect("clean shutdown");
 
     let notification = tally.consumer(Role::Notification.consumer_name());
-    assert_eq!(get(&notification.processed), N);
-    assert_eq!(
-        get(&notification.duplicates),
-        copies,
-        "every copy discarded"
-    );
+    assert_eq!(notification.processed(), N);
+    assert_eq!(notification.duplicates(), copies, "every copy discarded");
     assert_eq!(
         notification.dead_lettered().get("missing_message_id"),
         Some(&1),
         "bad input dead-lettered before batching"
     );
-    let batches = get(&notification.batches);
+    let batches = notification.batches();
     assert!(
         batches > 0 && batches * 2 <= N,
         "batched: {batches} batches for {N} messages"
     );
 
     let carrier_tally = tally.consumer(Role::Carrier.consumer_name());
-    assert_eq!(get(&carrier_tally.processed), N - 1, "all but the poison");
+    assert_eq!(carrier_tally.processed(), N - 1, "all but the poison");
     assert_eq!(
         carrier_tally.dead_lettered().get("retries_exhausted"),
         Some(&(1 + copies_of(&plan, poison))),

@@ -23,7 +23,6 @@ use consumer_app::tools::publish::{Plan, publish};
 use inbox_api::{ConsumerName, InboxKey};
 use inbox_runtime::amqp::{Outgoing, connect};
 use inbox_runtime::message::{BadInputReason, header_text};
-use inbox_runtime::tally::get;
 use inbox_runtime::{QueueType, ServiceConfig, ServiceHandle, WorkerConfig};
 use lapin::options::BasicGetOptions;
 
@@ -131,13 +130,10 @@ async fn start_configured<S: ParcelStore>(
     }
     let carrier = Arc::new(StubCarrier::default());
     let notifier = Arc::new(StubNotifier::default());
-    let consumers = consumers(
-        Downstreams {
-            carrier: carrier.clone(),
-            notifier: notifier.clone(),
-        },
-        topology,
-    )
+    let consumers = consumers(Downstreams {
+        carrier: carrier.clone(),
+        notifier: notifier.clone(),
+    })
     .expect("consumers")
     .map(&faults);
     let service = with_handlers(
@@ -331,8 +327,8 @@ async fn duplicates_are_discarded_per_consumer<S: ParcelStore>(store: S, names: 
 
     for role in Role::PARCEL_CREATED {
         let t = tally.consumer(role.consumer_name());
-        assert_eq!(get(&t.processed), 60, "{role:?}");
-        assert_eq!(get(&t.duplicates), 30, "{role:?}: every copy discarded");
+        assert_eq!(t.processed(), 60, "{role:?}");
+        assert_eq!(t.duplicates(), 30, "{role:?}: every copy discarded");
         assert_eq!(t.dead_lettered_total(), 0, "{role:?}");
     }
     let stats = store.stats().await.expect("stats");
@@ -465,7 +461,7 @@ async fn bad_input_is_dead_lettered_with_reason<S: ParcelStore>(store: S, names:
         async || {
             Role::PARCEL_CREATED.iter().all(|r| {
                 let t = tally.consumer(r.consumer_name());
-                t.dead_lettered_total() >= 7 && get(&t.processed) >= 1
+                t.dead_lettered_total() >= 7 && t.processed() >= 1
             })
         },
     )
@@ -573,7 +569,10 @@ async fn retryable_failures_are_capped<S: ParcelStore>(store: S, names: Names) {
                 .consumer(Role::Carrier.consumer_name())
                 .dead_lettered_total()
                 >= 1
-                && get(&tally.consumer(Role::Notification.consumer_name()).processed) >= 5
+                && tally
+                    .consumer(Role::Notification.consumer_name())
+                    .processed()
+                    >= 5
         },
     )
     .await;
@@ -585,8 +584,8 @@ async fn retryable_failures_are_capped<S: ParcelStore>(store: S, names: Names) {
         vec![("retries_exhausted".to_owned(), 1)]
     );
     let max = u64::from(worker_config().max_deliveries);
-    assert_eq!(get(&carrier.requeued), max - 1, "requeued until the cap");
-    assert_eq!(get(&carrier.processed), 4);
+    assert_eq!(carrier.requeued(), max - 1, "requeued until the cap");
+    assert_eq!(carrier.processed(), 4);
     let stats = store.stats().await.expect("stats");
     assert_eq!(
         stats.carrier_assignments.rows, 4,
@@ -645,7 +644,7 @@ async fn poison_on_a_classic_queue_is_capped_by_the_ledger_and_replayed_once<S: 
     eventually(
         "the poison message dead-lettered on a classic queue",
         Duration::from_secs(60),
-        async || carrier.dead_lettered_total() >= 1 && get(&carrier.processed) >= 4,
+        async || carrier.dead_lettered_total() >= 1 && carrier.processed() >= 4,
     )
     .await;
     let max = worker_config().max_deliveries;
@@ -660,7 +659,7 @@ async fn poison_on_a_classic_queue_is_capped_by_the_ledger_and_replayed_once<S: 
         "an abandoned attempt was charged to its message"
     );
     assert_eq!(
-        get(&carrier.requeued),
+        carrier.requeued(),
         u64::from(max - 1),
         "rejected back to the queue until the cap"
     );
@@ -757,7 +756,7 @@ async fn poison_on_a_classic_queue_is_capped_by_the_ledger_and_replayed_once<S: 
     eventually(
         "the replayed message processed",
         Duration::from_secs(30),
-        async || get(&carrier.processed) >= 5,
+        async || carrier.processed() >= 5,
     )
     .await;
     // Time for a second copy to show, if one were coming.
@@ -765,11 +764,7 @@ async fn poison_on_a_classic_queue_is_capped_by_the_ledger_and_replayed_once<S: 
     run.service.shutdown();
     run.service.join().await.expect("clean shutdown");
     assert_exactly_once(&store.stats().await.expect("stats"), 5);
-    assert_eq!(
-        get(&carrier.processed),
-        5,
-        "processed once after the replay"
-    );
+    assert_eq!(carrier.processed(), 5, "processed once after the replay");
     assert_eq!(carrier.dead_lettered_total(), 1, "not dead-lettered again");
     for queue in [&carrier_queue, &dead_letter_queue] {
         assert_eq!(
@@ -851,7 +846,7 @@ async fn database_connections_killed_mid_work<S: ParcelStore>(
         async || {
             Role::PARCEL_CREATED
                 .iter()
-                .all(|r| get(&tally.consumer(r.consumer_name()).processed) >= N)
+                .all(|r| tally.consumer(r.consumer_name()).processed() >= N)
         },
     )
     .await;
@@ -861,7 +856,7 @@ async fn database_connections_killed_mid_work<S: ParcelStore>(
     // back uncharged (no in-process retry spent) and redelivered.
     let released: u64 = Role::PARCEL_CREATED
         .iter()
-        .map(|r| get(&tally.consumer(r.consumer_name()).released))
+        .map(|r| tally.consumer(r.consumer_name()).released())
         .sum();
     assert!(
         released >= 2 * concurrency,
@@ -869,7 +864,7 @@ async fn database_connections_killed_mid_work<S: ParcelStore>(
     );
     for role in Role::PARCEL_CREATED {
         assert_eq!(
-            get(&tally.consumer(role.consumer_name()).processed),
+            tally.consumer(role.consumer_name()).processed(),
             N,
             "{role:?}"
         );
@@ -971,8 +966,8 @@ async fn closed_connection_redelivers_exactly_once<S: ParcelStore>(store: S, nam
     let redelivered: u64 = Role::PARCEL_CREATED
         .iter()
         .map(|r| {
-            get(&tally.consumer(r.consumer_name()).redelivered_processed)
-                + get(&tally.consumer(r.consumer_name()).duplicates)
+            tally.consumer(r.consumer_name()).redelivered_processed()
+                + tally.consumer(r.consumer_name()).duplicates()
         })
         .sum();
     assert!(
@@ -982,7 +977,7 @@ async fn closed_connection_redelivers_exactly_once<S: ParcelStore>(store: S, nam
     );
     for role in Role::PARCEL_CREATED {
         assert_eq!(
-            get(&tally.consumer(role.consumer_name()).processed),
+            tally.consumer(role.consumer_name()).processed(),
             N,
             "{role:?}: processed once each"
         );
@@ -1040,7 +1035,7 @@ async fn waiting_acks_lost_with_the_connection_come_back_as_duplicates<S: Parcel
     eventually(
         "every delivery committed",
         Duration::from_secs(20),
-        async || counted(|c| get(&c.processed)) == [N, N],
+        async || counted(|c| c.processed()) == [N, N],
     )
     .await;
     close_connection(&pid).await;
@@ -1051,12 +1046,12 @@ async fn waiting_acks_lost_with_the_connection_come_back_as_duplicates<S: Parcel
     eventually(
         "every delivery back as a duplicate",
         Duration::from_secs(20),
-        async || counted(|c| get(&c.duplicates)) == [N, N],
+        async || counted(|c| c.duplicates()) == [N, N],
     )
     .await;
     run.service.shutdown();
     run.service.join().await.expect("clean shutdown");
-    assert_eq!(counted(|c| get(&c.processed)), [N, N], "{tally:?}");
+    assert_eq!(counted(|c| c.processed()), [N, N], "{tally:?}");
     let stats = store.stats().await.expect("stats");
     assert_exactly_once(&stats, N);
     let c = connect(AMQP_URL, "parcel-inbox test depth")
@@ -1143,7 +1138,7 @@ async fn graceful_shutdown_loses_nothing<S: ParcelStore>(store: S, names: Names)
     eventually("some work done", Duration::from_secs(20), async || {
         Role::PARCEL_CREATED
             .iter()
-            .all(|r| get(&tally.consumer(r.consumer_name()).processed) >= 4)
+            .all(|r| tally.consumer(r.consumer_name()).processed() >= 4)
     })
     .await;
     first.service.shutdown();
@@ -1153,7 +1148,7 @@ async fn graceful_shutdown_loses_nothing<S: ParcelStore>(store: S, names: Names)
         .expect("clean shutdown");
     let done_first: Vec<u64> = Role::PARCEL_CREATED
         .iter()
-        .map(|r| get(&tally.consumer(r.consumer_name()).processed))
+        .map(|r| tally.consumer(r.consumer_name()).processed())
         .collect();
     assert!(
         done_first.iter().all(|n| *n < 60),
@@ -1169,14 +1164,14 @@ async fn graceful_shutdown_loses_nothing<S: ParcelStore>(store: S, names: Names)
         Role::PARCEL_CREATED
             .iter()
             .zip(&done_first)
-            .all(|(r, before)| get(&tally2.consumer(r.consumer_name()).processed) + before >= 60)
+            .all(|(r, before)| tally2.consumer(r.consumer_name()).processed() + before >= 60)
     })
     .await;
     second.service.shutdown();
     second.service.join().await.expect("clean shutdown");
     for role in Role::PARCEL_CREATED {
         assert_eq!(
-            get(&tally2.consumer(role.consumer_name()).duplicates),
+            tally2.consumer(role.consumer_name()).duplicates(),
             0,
             "{role:?}: every committed delivery was acked before shutdown"
         );

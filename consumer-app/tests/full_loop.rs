@@ -22,7 +22,7 @@ use consumer_app::tools::faults::Faults;
 use consumer_app::tools::producer::{Producer, create_parcels, publish_copies};
 use inbox_api::{ConsumerName, InboxKey, MessageId};
 use inbox_runtime::message::follow_up_id;
-use inbox_runtime::tally::{Tally, get};
+use inbox_runtime::tally::Tally;
 use inbox_runtime::{ServiceConfig, WorkerConfig};
 
 const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -48,7 +48,7 @@ async fn until(what: &str, limit: Duration, mut done: impl AsyncFnMut() -> bool)
 }
 
 fn processed(tally: &Tally, role: Role) -> u64 {
-    get(&tally.consumer(role.consumer_name()).processed)
+    tally.consumer(role.consumer_name()).processed()
 }
 
 async fn the_chain_crosses_two_hops_exactly_once<S: ParcelStore>(store: S, prefix: &str) {
@@ -95,9 +95,7 @@ async fn the_chain_crosses_two_hops_exactly_once<S: ParcelStore>(store: S, prefi
             ..ServiceConfig::new(AMQP_URL, "")
         },
         &topology,
-        consumers(downstreams, &topology)
-            .expect("consumers")
-            .map(&faults),
+        consumers(downstreams).expect("consumers").map(&faults),
     )
     .spawn()
     .expect("service starts");
@@ -145,7 +143,7 @@ async fn the_chain_crosses_two_hops_exactly_once<S: ParcelStore>(store: S, prefi
         async || {
             Role::ALL
                 .iter()
-                .all(|r| get(&tally.consumer(r.consumer_name()).duplicates) >= N)
+                .all(|r| tally.consumer(r.consumer_name()).duplicates() >= N)
         },
     )
     .await;
@@ -177,7 +175,7 @@ async fn the_chain_crosses_two_hops_exactly_once<S: ParcelStore>(store: S, prefi
             "{role:?}\n{stats}"
         );
         let t = tally.consumer(role.consumer_name());
-        assert_eq!(get(&t.processed), N, "{role:?}");
+        assert_eq!(t.processed(), N, "{role:?}");
         assert_eq!(t.dead_lettered_total(), 0, "{role:?}");
     }
     // One carrier-assigned event per parcel, under the derived id, caused
@@ -201,7 +199,7 @@ async fn the_chain_crosses_two_hops_exactly_once<S: ParcelStore>(store: S, prefi
         faults.crashes(Role::CarrierAssignedNotification.consumer_name()),
         1
     );
-    let relayed = get(&producer.relay_tally().published);
+    let relayed = producer.relay_tally().published();
     assert!(relayed >= 2 * N, "the relay published {relayed}");
 
     producer.stop().await.expect("relay stops cleanly");

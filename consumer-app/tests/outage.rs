@@ -23,7 +23,7 @@ use consumer_app::parcel::store::{ParcelStore, Stats};
 use consumer_app::parcel::topology::Topology;
 use consumer_app::tools::publish::{Plan, publish};
 use inbox_runtime::amqp::{close_bounded, connect};
-use inbox_runtime::tally::{Tally, get};
+use inbox_runtime::tally::Tally;
 use inbox_runtime::{AvailabilityConfig, ServiceConfig, ServiceHandle, WorkerConfig};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use private_servers::{PrivatePostgres, PrivateRabbit, run};
@@ -250,7 +250,7 @@ async fn processed(tally: &Tally, n: u64, limit: Duration) {
     loop {
         let done = Role::PARCEL_CREATED
             .iter()
-            .all(|r| get(&tally.consumer(r.consumer_name()).processed) >= n);
+            .all(|r| tally.consumer(r.consumer_name()).processed() >= n);
         if done {
             return;
         }
@@ -360,7 +360,7 @@ async fn postgres_outage_longer_than_the_budget<S: ParcelStore>(
     nothing_dead_lettered(&tally);
     for role in Role::PARCEL_CREATED {
         assert_eq!(
-            get(&tally.consumer(role.consumer_name()).processed),
+            tally.consumer(role.consumer_name()).processed(),
             WARM + DURING,
             "{role:?}"
         );
@@ -393,7 +393,7 @@ async fn schema_dropped_mid_run_pauses_until_migrated<S: ParcelStore>(
     let tally = resumes_and_processes(service, BEFORE + AFTER).await;
     let released: u64 = Role::ALL
         .iter()
-        .map(|r| get(&tally.consumer(r.consumer_name()).released))
+        .map(|r| tally.consumer(r.consumer_name()).released())
         .sum();
     assert!(released > 0, "deliveries were handed back: {tally:?}");
     scenario.dead_letter_queues_are_empty().await;

@@ -13,7 +13,6 @@ use inbox_backend_memory::MemoryStore;
 use inbox_backend_sqlx::SqlxStore;
 use inbox_runtime::amqp::{connect, no_args};
 use inbox_runtime::relay::{Relay, RelayConfig, RelayHandle};
-use inbox_runtime::tally::get;
 use lapin::options::{
     BasicGetOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
     QueueDeclareOptions, QueueDeleteOptions,
@@ -267,14 +266,10 @@ async fn committed_messages_are_published_once_under_their_ids_and_marked() {
             .is_none()
     );
     assert_eq!(
-        (
-            get(&tally.published),
-            get(&tally.marked),
-            get(&tally.failed)
-        ),
+        (tally.published(), tally.marked(), tally.failed()),
         (20, 20, 0)
     );
-    assert!(get(&tally.batches) >= 3, "batches of at most 7");
+    assert!(tally.batches() >= 3, "batches of at most 7");
 
     broker.remove().await;
     drop_schema(&store).await;
@@ -309,10 +304,10 @@ async fn two_relays_share_the_messages_without_taking_one_twice() {
     .await;
     let mut marked = 0;
     for relay in relays {
-        assert_eq!(get(&relay.tally.failed), 0);
-        assert!(get(&relay.tally.batches) > 0, "both relays took batches");
-        assert_eq!(get(&relay.tally.published), get(&relay.tally.marked));
-        marked += get(&relay.tally.marked);
+        assert_eq!(relay.tally.failed(), 0);
+        assert!(relay.tally.batches() > 0, "both relays took batches");
+        assert_eq!(relay.tally.published(), relay.tally.marked());
+        marked += relay.tally.marked();
         stop(relay).await;
     }
     assert_eq!(marked, 200, "each message marked exactly once");
@@ -353,7 +348,7 @@ async fn nacked_messages_stay_pending_while_the_others_are_marked() {
     let tally = std::sync::Arc::clone(&relay.tally);
     wait_until(
         "the good ones are published and the refused ones failed",
-        async || get(&tally.published) == 6 && get(&tally.failed) >= 4,
+        async || tally.published() == 6 && tally.failed() >= 4,
     )
     .await;
     stop(relay).await;
@@ -402,11 +397,11 @@ async fn a_missing_exchange_fails_until_it_exists_then_the_same_ids_go_out() {
     .spawn();
     let tally = std::sync::Arc::clone(&relay.tally);
     wait_until("the publishes to a missing exchange fail", async || {
-        get(&tally.failed) >= 3
+        tally.failed() >= 3
     })
     .await;
     assert_eq!(store.pending_count().await.expect("count"), 3);
-    assert_eq!(get(&tally.published), 0);
+    assert_eq!(tally.published(), 0);
 
     // The exchange appears (bound to the good queue): once the leases run
     // out, the relay publishes the same messages, under the same ids.
@@ -589,10 +584,7 @@ async fn a_wake_up_starts_a_round_before_the_poll_interval() {
         wake.unbounded_send(()).expect("relay listening");
     }
     let woke = Instant::now();
-    wait_until("the woken relay publishes", async || {
-        get(&tally.published) == 3
-    })
-    .await;
+    wait_until("the woken relay publishes", async || tally.published() == 3).await;
     assert!(
         woke.elapsed() < Duration::from_secs(10),
         "{:?}",
@@ -612,7 +604,7 @@ async fn a_wake_up_starts_a_round_before_the_poll_interval() {
 async fn a_commit_notifies_a_listening_relay_on_the_sqlx_store() {
     let id = test_id();
     let (broker, store) = (Broker::declare(&id).await, sqlx_store(&id).await);
-    let wakeups = consumer_app::tools::stores::sqlx_wakeups(&store)
+    let wakeups = inbox_runtime::wakeups::sqlx_wakeups(&store)
         .await
         .expect("LISTEN on the outbox channel");
     let relay = Relay::new(
@@ -638,7 +630,7 @@ async fn a_commit_notifies_a_listening_relay_on_the_sqlx_store() {
     enqueue_committed(&store, &messages).await;
     let committed = Instant::now();
     wait_until("the notified relay publishes", async || {
-        get(&tally.published) == 3
+        tally.published() == 3
     })
     .await;
     assert!(
@@ -698,7 +690,7 @@ async fn the_relay_reconnects_after_the_broker_closes_its_connection() {
     let first: Vec<OutgoingMessage> = (0..3).map(|n| broker.message(&broker.good, n)).collect();
     enqueue_committed(&store, &first).await;
     wait_until("the first messages are published", async || {
-        get(&tally.published) == 3
+        tally.published() == 3
     })
     .await;
 
@@ -728,7 +720,7 @@ async fn the_relay_reconnects_after_the_broker_closes_its_connection() {
         store.pending_count().await.expect("count") == 0
     })
     .await;
-    assert_eq!(get(&tally.connections), 2, "reconnected once");
+    assert_eq!(tally.connections(), 2, "reconnected once");
     stop(relay).await;
     let got: BTreeSet<String> = broker.drain().await.into_iter().map(|m| m.0).collect();
     let ids: BTreeSet<String> = first
@@ -750,7 +742,7 @@ async fn a_commit_notifies_a_listening_relay_on_the_diesel_store() {
     let store = inbox_backend_diesel::DieselStore::connect(&database_url, migrated.schema(), 4)
         .await
         .expect("diesel store");
-    let wakeups = consumer_app::tools::stores::diesel_wakeups(&database_url, store.schema())
+    let wakeups = inbox_runtime::wakeups::diesel_wakeups(&database_url, store.schema())
         .await
         .expect("LISTEN on the outbox channel");
     let relay = Relay::new(
@@ -769,7 +761,7 @@ async fn a_commit_notifies_a_listening_relay_on_the_diesel_store() {
     let messages: Vec<OutgoingMessage> = (0..3).map(|n| broker.message(&broker.good, n)).collect();
     enqueue_committed(&store, &messages).await;
     wait_until("the notified relay publishes", async || {
-        get(&tally.published) == 3
+        tally.published() == 3
     })
     .await;
     stop(relay).await;
@@ -985,7 +977,7 @@ where
     enqueue_committed(&store, &messages).await;
     let committed = Instant::now();
     wait_until("the notified relay publishes", async || {
-        get(&tally.published) == 3
+        tally.published() == 3
     })
     .await;
     assert!(
@@ -1006,11 +998,11 @@ where
     let unnoticed: Vec<OutgoingMessage> = (3..6).map(|n| broker.message(&broker.good, n)).collect();
     enqueue_committed(&store, &unnoticed).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(get(&tally.published), 3, "nothing woke the relay yet");
+    assert_eq!(tally.published(), 3, "nothing woke the relay yet");
     proxy.restore();
     wait_until(
         "the listener's wake-up publishes the unnoticed commit",
-        async || get(&tally.published) == 6,
+        async || tally.published() == 6,
     )
     .await;
     assert_eq!(listeners(admin).await.len(), 1, "listening again");
@@ -1034,7 +1026,7 @@ async fn a_killed_sqlx_listener_reconnects_and_wakes_the_relay() {
     let listening = SqlxStore::connect(&proxy.url(), store.schema())
         .await
         .expect("the store through the proxy");
-    let wakeups = consumer_app::tools::stores::sqlx_wakeups(&listening)
+    let wakeups = inbox_runtime::wakeups::sqlx_wakeups(&listening)
         .await
         .expect("LISTEN on the outbox channel");
     a_killed_listener_reconnects_and_wakes_the_relay(
@@ -1060,7 +1052,7 @@ async fn a_killed_diesel_listener_reconnects_and_wakes_the_relay() {
         .await
         .expect("diesel store");
     let proxy = Proxy::start().await;
-    let wakeups = consumer_app::tools::stores::diesel_wakeups(&proxy.url(), store.schema())
+    let wakeups = inbox_runtime::wakeups::diesel_wakeups(&proxy.url(), store.schema())
         .await
         .expect("LISTEN on the outbox channel");
     let killed = a_killed_listener_reconnects_and_wakes_the_relay(
@@ -1123,7 +1115,7 @@ async fn a_message_the_broker_always_refuses_ends_dead_while_the_others_flow() {
     .spawn();
     let tally = std::sync::Arc::clone(&relay.tally);
     wait_until("every refused message is dead", async || {
-        get(&tally.dead) == refused as u64
+        tally.dead() == refused as u64
     })
     .await;
     wait_until("the good ones are published", async || {
@@ -1132,9 +1124,9 @@ async fn a_message_the_broker_always_refuses_ends_dead_while_the_others_flow() {
     .await;
     stop(relay).await;
 
-    assert_eq!(get(&tally.published), good.len() as u64);
+    assert_eq!(tally.published(), good.len() as u64);
     assert_eq!(
-        get(&tally.refused),
+        tally.refused(),
         3 * refused as u64,
         "three refusals each, no more"
     );
@@ -1265,7 +1257,7 @@ async fn a_broker_outage_and_a_lost_connection_charge_no_message() {
         .collect();
     enqueue_committed(&store, &messages).await;
     wait_until("the blocked broker confirms nothing", async || {
-        get(&tally.failed) >= 4
+        tally.failed() >= 4
     })
     .await;
     // The broker drops the connection while the relay waits for confirms.
@@ -1286,10 +1278,7 @@ async fn a_broker_outage_and_a_lost_connection_charge_no_message() {
     {
         let _ = ctl(&["close_connection", &pid, "relay test: connection lost"]);
     }
-    wait_until("the relay reconnects", async || {
-        get(&tally.connections) >= 2
-    })
-    .await;
+    wait_until("the relay reconnects", async || tally.connections() >= 2).await;
     ctl(&["set_vm_memory_high_watermark", "0.4"]);
     wait_until("every message goes out after the outage", async || {
         store.pending_count().await.expect("count") == 0
@@ -1297,8 +1286,8 @@ async fn a_broker_outage_and_a_lost_connection_charge_no_message() {
     .await;
     stop(relay).await;
 
-    assert_eq!(get(&tally.refused), 0, "nothing charged");
-    assert_eq!(get(&tally.dead), 0);
+    assert_eq!(tally.refused(), 0, "nothing charged");
+    assert_eq!(tally.dead(), 0);
     for message in &messages {
         let record = store
             .lookup_outgoing(&message.id())
@@ -1578,7 +1567,7 @@ async fn the_relay_takes_the_next_batches_while_a_mark_is_pending() {
     .await;
     let tally = std::sync::Arc::clone(&relay.tally);
     stop(relay).await;
-    assert_eq!((get(&tally.batches), get(&tally.marked)), (3, 15));
+    assert_eq!((tally.batches(), tally.marked()), (3, 15));
     for message in &messages {
         let record = store
             .lookup_outgoing(&message.id())
@@ -1653,7 +1642,7 @@ async fn a_closed_channel_fails_only_the_batch_it_carried() {
     // Of the broken batch, what the broker confirmed before the channel
     // closed is marked, after its own confirm; the rest stays pending,
     // charged nothing.
-    assert!(get(&tally.failed) >= 1, "the broken batch failed");
+    assert!(tally.failed() >= 1, "the broken batch failed");
     assert!(published(&messages[7]).await.published_at.is_none());
     for message in held {
         let record = published(message).await;
@@ -1686,8 +1675,8 @@ async fn a_closed_channel_fails_only_the_batch_it_carried() {
     })
     .await;
     stop(relay).await;
-    assert_eq!(get(&tally.connections), 1, "new channels, not connections");
-    assert_eq!(get(&tally.refused), 0);
+    assert_eq!(tally.connections(), 1, "new channels, not connections");
+    assert_eq!(tally.refused(), 0);
     let got: BTreeSet<String> = broker.drain().await.into_iter().map(|m| m.0).collect();
     let ids: BTreeSet<String> = messages.iter().map(|m| m.id().to_string()).collect();
     assert_eq!(got, ids);

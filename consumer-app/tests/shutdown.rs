@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use inbox_api::{ConsumerName, MessageId};
 use inbox_backend_memory::MemoryStore;
 use inbox_runtime::amqp::{Outgoing, Publisher, connect};
-use inbox_runtime::{AppError, Handler, Service, ServiceConfig, Topology, WorkerConfig};
+use inbox_runtime::{AppError, Context, Handler, Service, ServiceConfig, Topology, WorkerConfig};
 
 const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
@@ -34,8 +34,7 @@ impl<Tx: Send> Handler<Tx> for AlwaysFails {
 
     async fn handle(
         &self,
-        _tx: &mut Tx,
-        _message_id: MessageId,
+        _cx: &mut Context<'_, Tx>,
         _message: &Self::Message,
     ) -> Result<(), AppError> {
         self.attempts.fetch_add(1, Ordering::SeqCst);

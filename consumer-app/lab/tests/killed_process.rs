@@ -18,7 +18,6 @@ use consumer_app::parcel::store::{ParcelStore, Stats};
 use consumer_app::parcel::topology::Topology;
 use consumer_app::tools::publish::{Plan, publish};
 use inbox_runtime::amqp::connect;
-use inbox_runtime::tally::get;
 use inbox_runtime::{ServiceConfig, WorkerConfig};
 
 const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -351,7 +350,7 @@ async fn drained_exactly_once<S: ParcelStore>(
         .iter()
         .map(|r| {
             let t = tally.consumer(r.consumer_name());
-            get(&t.redelivered_processed) + get(&t.duplicates)
+            t.redelivered_processed() + t.duplicates()
         })
         .sum();
     let stats = store.stats().await.expect("stats");

@@ -48,12 +48,12 @@ pub enum AppError {
     #[error("handling timed out after {0:?}")]
     Timeout(Duration),
 
-    /// An injected fault abandoned this attempt mid-transaction, as if the
-    /// process had died there (demo and tests only; see `tools::faults`):
-    /// the transaction rolled back and the delivery goes straight back to
-    /// the broker, as a real crash would leave it.
-    #[error("injected crash of the first attempt of {0}")]
-    InjectedCrash(String),
+    /// The handler gave this attempt up without blaming the message (it is
+    /// shutting down, or a test stands in for a process dying mid-
+    /// transaction): the transaction rolled back and the delivery goes
+    /// straight back to the broker, uncharged, as a crash would leave it.
+    #[error("attempt abandoned: {0}")]
+    Abandoned(String),
 
     /// A non-transactional downstream call (an HTTP API, a mail sender)
     /// failed after the commit.
@@ -83,10 +83,6 @@ pub enum AppError {
     /// A service (PostgreSQL, RabbitMQ) stayed unreachable.
     #[error("{0}")]
     Unavailable(String),
-
-    /// The demo's or a run's proof did not hold.
-    #[error("check failed: {0}")]
-    CheckFailed(String),
 }
 
 impl AppError {
@@ -98,6 +94,20 @@ impl AppError {
         }
     }
 
+    /// A failure of the handler's own that may pass on a later attempt (a
+    /// downstream that timed out, a row another message has yet to write):
+    /// retried in process, then handed back, then dead-lettered as
+    /// `handler` when the poison count is spent.
+    pub fn transient(error: impl Into<inbox_api::BoxError>) -> Self {
+        Self::Inbox(InboxError::retryable_handler(error))
+    }
+
+    /// A failure of the handler's own that no attempt will mend (a rule of
+    /// the business the message breaks): dead-lettered as `handler` at once.
+    pub fn permanent(error: impl Into<inbox_api::BoxError>) -> Self {
+        Self::Inbox(InboxError::permanent_handler(error))
+    }
+
     /// Whether delivering the message again can succeed.
     pub fn is_retryable(&self) -> bool {
         match self {
@@ -106,10 +116,10 @@ impl AppError {
             Self::Broker { .. }
             | Self::NotConfirmed(_)
             | Self::Timeout(_)
-            | Self::InjectedCrash(_)
+            | Self::Abandoned(_)
             | Self::Io { .. }
             | Self::Unavailable(_) => true,
-            Self::BadInput(_) | Self::Config(_) | Self::CheckFailed(_) => false,
+            Self::BadInput(_) | Self::Config(_) => false,
         }
     }
 
@@ -123,7 +133,7 @@ impl AppError {
     /// on the same holder again, and it is not the message's fault.
     pub fn disposition(&self) -> ErrorDisposition {
         match self {
-            Self::InjectedCrash(_) => ErrorDisposition::Requeue,
+            Self::Abandoned(_) => ErrorDisposition::Requeue,
             Self::Inbox(error) if error.held_by_another() => ErrorDisposition::Requeue,
             error if error.is_store_unavailable() => ErrorDisposition::StoreUnavailable,
             error if error.is_retryable() => ErrorDisposition::Retry,
@@ -157,12 +167,11 @@ impl AppError {
             Self::Broker { .. } => "broker",
             Self::NotConfirmed(_) => "not_confirmed",
             Self::Timeout(_) => "timeout",
-            Self::InjectedCrash(_) => "injected_crash",
+            Self::Abandoned(_) => "abandoned",
             Self::Downstream { .. } => "downstream",
             Self::Config(_) => "config",
             Self::Io { .. } => "io",
             Self::Unavailable(_) => "unavailable",
-            Self::CheckFailed(_) => "check_failed",
         }
     }
 }
@@ -214,6 +223,15 @@ impl From<inbox_backend_sqlx::sqlx::Error> for AppError {
 impl From<inbox_backend_diesel::diesel::result::Error> for AppError {
     fn from(error: inbox_backend_diesel::diesel::result::Error) -> Self {
         Self::Inbox(inbox_backend_diesel::classify(error))
+    }
+}
+
+#[cfg(feature = "diesel")]
+impl From<inbox_backend_diesel::diesel_async::pooled_connection::deadpool::PoolError> for AppError {
+    fn from(
+        error: inbox_backend_diesel::diesel_async::pooled_connection::deadpool::PoolError,
+    ) -> Self {
+        Self::Inbox(inbox_backend_diesel::classify_pool(error))
     }
 }
 

@@ -9,11 +9,13 @@
 //! [`Handler::after_commit`] makes the call that cannot join it.
 
 use std::future::Future;
+use std::marker::PhantomData;
 
-use inbox_api::{ConsumerName, MessageId};
+use inbox_api::ConsumerName;
 use serde::de::DeserializeOwned;
 
 use crate::AppError;
+use crate::context::{Context, Event};
 
 /// One consumer's business code, over the store's transaction type `Tx`.
 ///
@@ -44,12 +46,12 @@ pub trait Handler<Tx>: Send + Sync + 'static {
         Ok(())
     }
 
-    /// The business work, inside the inbox transaction `tx`: its writes
-    /// commit together with the claim or not at all.
+    /// The business work, inside the inbox transaction (`cx` dereferences to
+    /// it): its writes, and the events it publishes through
+    /// [`Context::publish`], commit together with the claim or not at all.
     fn handle(
         &self,
-        tx: &mut Tx,
-        message_id: MessageId,
+        cx: &mut Context<'_, Tx>,
         message: &Self::Message,
     ) -> impl Future<Output = Result<Self::Intent, AppError>> + Send;
 
@@ -75,8 +77,99 @@ pub trait Handler<Tx>: Send + Sync + 'static {
     /// # Errors
     /// What is missing, classified like any store error (a missing table
     /// or a privilege is the store's failure, not a message's).
-    fn check(&self, tx: &mut Tx) -> impl Future<Output = Result<(), AppError>> + Send {
-        let _ = tx;
+    fn check(&self, cx: &mut Context<'_, Tx>) -> impl Future<Output = Result<(), AppError>> + Send {
+        let _ = cx;
         async { Ok(()) }
+    }
+}
+
+/// A plain async function that handles one message type: what
+/// [`handler_fn`] takes, so that `async fn(Context<'_, Tx>, M) -> Result<(),
+/// AppError>` is a handler as an axum handler is a function.
+///
+/// Implemented for every such function; a user never implements it.
+pub trait HandlerFn<'a, Tx: 'a, M>: Send + Sync + 'static {
+    /// The function's future.
+    type Future: Future<Output = Result<(), AppError>> + Send + 'a;
+
+    /// Calls the function.
+    fn call(&self, cx: Context<'a, Tx>, message: M) -> Self::Future;
+}
+
+impl<'a, Tx: 'a, M, F, Fut> HandlerFn<'a, Tx, M> for F
+where
+    F: Fn(Context<'a, Tx>, M) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), AppError>> + Send + 'a,
+{
+    type Future = Fut;
+
+    fn call(&self, cx: Context<'a, Tx>, message: M) -> Fut {
+        self(cx, message)
+    }
+}
+
+/// A function as a [`Handler`]: [`handler_fn`]'s result.
+pub struct FnHandler<F, M> {
+    name: ConsumerName,
+    f: F,
+    message: PhantomData<fn() -> M>,
+}
+
+/// The consumer `name` running `f` on every message of type `M` (taken by
+/// its [`Event::TYPE`]).
+///
+/// ```
+/// use inbox_runtime::prelude::*;
+///
+/// #[derive(Clone, serde::Serialize, serde::Deserialize)]
+/// struct OrderPlaced { order: u64 }
+/// impl Event for OrderPlaced { const TYPE: &'static str = "order.placed"; }
+///
+/// async fn bill<Tx>(cx: Context<'_, Tx>, placed: OrderPlaced) -> Result<(), AppError> {
+///     tracing::info!(order = placed.order, message_id = %cx.message_id(), "billed");
+///     Ok(())
+/// }
+///
+/// fn billing<S: ServiceStore>() -> Result<impl Handler<S::Transaction>, AppError> {
+///     handler_fn("billing", bill::<S::Transaction>)
+/// }
+/// ```
+///
+/// # Errors
+/// [`AppError::Inbox`] when `name` is not a valid consumer name.
+pub fn handler_fn<Tx, M, F>(name: &str, f: F) -> Result<FnHandler<F, M>, AppError>
+where
+    F: for<'a> HandlerFn<'a, Tx, M>,
+{
+    Ok(FnHandler {
+        name: ConsumerName::new(name)?,
+        f,
+        message: PhantomData,
+    })
+}
+
+impl<Tx, M, F> Handler<Tx> for FnHandler<F, M>
+where
+    Tx: Send,
+    M: Event + DeserializeOwned + Clone + Send + Sync + 'static,
+    F: for<'a> HandlerFn<'a, Tx, M>,
+{
+    type Message = M;
+    type Intent = ();
+
+    fn name(&self) -> &ConsumerName {
+        &self.name
+    }
+
+    fn message_type(&self) -> &str {
+        M::TYPE
+    }
+
+    fn handle(
+        &self,
+        cx: &mut Context<'_, Tx>,
+        message: &M,
+    ) -> impl Future<Output = Result<(), AppError>> + Send {
+        self.f.call(cx.reborrow(), message.clone())
     }
 }

@@ -1,3 +1,7 @@
+#![doc = include_str!("../README.md")]
+//!
+//! # How it is built
+//!
 //! The generic RabbitMQ runtime: delivery → key → [`inbox_api::Inbox`] →
 //! settle. It knows no domain: a user writes a [`Handler`] per consumer and
 //! wires it in with [`Service`]; everything else is here.
@@ -18,22 +22,30 @@
 //! once here, a new consumer gets all of it by implementing [`Handler`]
 //! (`examples/orders.rs` is a service of two, in under 60 lines).
 //!
-//! - [`handler`]: the trait a consumer implements.
+//! - [`handler`]: the trait a consumer implements, and [`handler_fn`],
+//!   which makes a plain async function one.
+//! - [`context`]: what a handler gets: the transaction, the message's id,
+//!   and [`Context::publish`], the outbox one call away.
 //! - [`service`]: [`Service`], the builder that runs handlers on queues.
 //! - [`settle`]: the one decision of what happens after an attempt.
 //! - [`availability`]: the store circuit, which pauses consumption during a
 //!   store outage, and the start-up check of the store.
-//! - [`relay`]: [`Relay`], the outbox's publisher (confirms, stable ids).
+//! - [`relay`]: [`Relay`], the outbox's publisher (confirms, stable ids),
+//!   started beside the consumers by [`Service::with_relay`] with its
+//!   [`wakeups`].
 //! - [`replay`]: moving dead letters back to their queue after a fix.
 //! - [`config`], [`topology`], [`message`]: settings, queue names, decoding.
 //! - [`amqp`], [`backoff`], [`shutdown`], [`telemetry`], [`tally`],
 //!   [`redact`], [`error`]: plumbing.
 //! - `http` (feature `http`): `/metrics`, `/live` and `/ready`.
 
+#![deny(missing_docs)]
+
 pub mod amqp;
 pub mod availability;
 pub mod backoff;
 pub mod config;
+pub mod context;
 pub mod error;
 pub mod handler;
 #[cfg(feature = "http")]
@@ -48,6 +60,7 @@ pub mod shutdown;
 pub mod tally;
 pub mod telemetry;
 pub mod topology;
+pub mod wakeups;
 
 mod ack;
 mod worker;
@@ -72,13 +85,15 @@ pub use inbox_backend_diesel as diesel_store;
 pub use inbox_backend_memory as memory_store;
 
 pub use config::{AvailabilityConfig, BatchConfig, CleanupConfig, ServiceConfig, WorkerConfig};
+pub use context::{Context, Event};
 pub use error::AppError;
-pub use handler::Handler;
+pub use handler::{FnHandler, Handler, HandlerFn, handler_fn};
 pub use relay::{Relay, RelayConfig, RelayHandle};
 pub use service::{Service, ServiceHandle};
 pub use settle::{Deliveries, ErrorDisposition, Outcome, Settle, SettlePolicy};
 pub use tally::{ConsumerTally, Tally};
 pub use topology::{QueueType, Topology};
+pub use wakeups::OutboxWakeups;
 
 /// A store the runtime can run on: transactions with savepoints (batched
 /// mode), row counts for the `inbox_rows` gauge, an attempt ledger (the
@@ -92,4 +107,20 @@ pub trait ServiceStore:
 impl<S> ServiceStore for S where
     S: InboxStore<Transaction: BatchTransaction> + InboxStats + AttemptLedger + Clone
 {
+}
+
+/// What a service on the runtime names, in one `use`.
+pub mod prelude {
+    pub use crate::{
+        AppError, Context, Event, Handler, RelayConfig, Service, ServiceConfig, ServiceHandle,
+        ServiceStore, Topology, handler_fn,
+    };
+    pub use inbox_api::{ConsumerName, MessageId};
+
+    #[cfg(feature = "diesel")]
+    pub use crate::diesel_store::{DieselStore, DieselTransaction};
+    #[cfg(feature = "memory")]
+    pub use crate::memory_store::{MemoryStore, MemoryTransaction};
+    #[cfg(feature = "sqlx")]
+    pub use crate::sqlx_store::{SqlxStore, SqlxTransaction};
 }

@@ -58,7 +58,7 @@
 use std::fmt;
 use std::num::NonZeroU32;
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures::FutureExt;
@@ -227,26 +227,65 @@ impl fmt::Debug for RelayConfig {
     }
 }
 
-/// What a relay did so far (read with [`crate::tally::get`]); the
+/// What a relay did so far (read through its methods); the
 /// metrics say the same to a dashboard, these to a test or a summary line.
 #[derive(Debug, Default)]
 pub struct RelayTally {
     /// Connections to the broker opened (more than one: it reconnected).
-    pub connections: AtomicU64,
+    pub(crate) connections: AtomicU64,
     /// Non-empty batches taken.
-    pub batches: AtomicU64,
+    pub(crate) batches: AtomicU64,
     /// Messages the broker confirmed.
-    pub published: AtomicU64,
+    pub(crate) published: AtomicU64,
     /// Rows this relay's marks changed (a mark after a lost answer changes
     /// none).
-    pub marked: AtomicU64,
+    pub(crate) marked: AtomicU64,
     /// Messages the broker did not confirm.
-    pub failed: AtomicU64,
+    pub(crate) failed: AtomicU64,
     /// Refusals charged to their message (nack, returned): the part of
     /// `failed` that counts toward the dead-letter limit.
-    pub refused: AtomicU64,
+    pub(crate) refused: AtomicU64,
     /// Messages dead-lettered in the outbox.
-    pub dead: AtomicU64,
+    pub(crate) dead: AtomicU64,
+}
+
+impl RelayTally {
+    /// Connections to the broker opened (more than one: it reconnected).
+    pub fn connections(&self) -> u64 {
+        self.connections.load(Ordering::Relaxed)
+    }
+
+    /// Non-empty batches taken.
+    pub fn batches(&self) -> u64 {
+        self.batches.load(Ordering::Relaxed)
+    }
+
+    /// Messages the broker confirmed.
+    pub fn published(&self) -> u64 {
+        self.published.load(Ordering::Relaxed)
+    }
+
+    /// Rows this relay's marks changed (a mark after a lost answer changes
+    /// none).
+    pub fn marked(&self) -> u64 {
+        self.marked.load(Ordering::Relaxed)
+    }
+
+    /// Messages the broker did not confirm.
+    pub fn failed(&self) -> u64 {
+        self.failed.load(Ordering::Relaxed)
+    }
+
+    /// Refusals charged to their message (nack, returned): the part of
+    /// `failed` that counts toward the dead-letter limit.
+    pub fn refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
+    }
+
+    /// Messages dead-lettered in the outbox.
+    pub fn dead(&self) -> u64 {
+        self.dead.load(Ordering::Relaxed)
+    }
 }
 
 /// Publishes an [`OutboxStore`]'s pending messages until shutdown.

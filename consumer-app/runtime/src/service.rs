@@ -36,25 +36,31 @@ use std::time::Duration;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use inbox_api::metrics as names;
-use inbox_api::{AttemptLedger, AttemptLedgerExt, Inbox, InboxStats, InboxStore, InboxStoreExt};
+use inbox_api::{
+    AttemptLedger, AttemptLedgerExt, Inbox, InboxStats, InboxStore, InboxStoreExt, MessageId,
+    OutboxStore,
+};
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
 };
 use lapin::{Channel, Connection};
 use tokio::sync::{Semaphore, watch};
-use tokio::task::JoinSet;
+use tokio::task::{JoinHandle, JoinSet};
 
 use crate::ack::{AckTracker, collect};
 use crate::amqp::{close_bounded, close_channel_bounded, connect_with_backoff, no_args};
 use crate::availability::{StoreCheck, StoreChecks, StoreCircuit, check_store};
 use crate::backoff::RECONNECT;
 use crate::config::{CleanupConfig, ServiceConfig};
+use crate::context::Context;
 use crate::error::chain;
 use crate::handler::Handler;
+use crate::relay::{Relay, RelayConfig, RelayTally};
 use crate::shutdown::stopped;
 use crate::tally::{ConsumerTally, Tally};
 use crate::telemetry::{MetricNames, Running};
 use crate::topology::Topology;
+use crate::wakeups::OutboxWakeups;
 use crate::worker::Worker;
 use crate::{AppError, ServiceStore};
 
@@ -66,7 +72,15 @@ pub struct Service<S: ServiceStore> {
     topology: Topology,
     metric_names: MetricNames,
     consumers: Vec<Box<dyn Consume<S>>>,
+    relay: Option<StartRelay<S>>,
 }
+
+/// A task of the service's: the consumers' supervisor, or the relay.
+type Task = JoinHandle<Result<(), AppError>>;
+
+/// Starts the service's relay on its store, stopping with `shutdown`.
+type StartRelay<S> =
+    Box<dyn FnOnce(S, watch::Receiver<bool>) -> Result<(Arc<RelayTally>, Task), AppError> + Send>;
 
 impl<S: ServiceStore> Service<S> {
     /// A service on `store` that declares `topology` on every (re)connect,
@@ -78,7 +92,53 @@ impl<S: ServiceStore> Service<S> {
             topology,
             metric_names: MetricNames::default(),
             consumers: Vec::new(),
+            relay: None,
         }
+    }
+
+    /// Runs the outbox relay beside the consumers, with the default
+    /// [`RelayConfig`] on the service's broker: what the handlers publish
+    /// with [`Context::publish`] goes out, with publisher confirms, after
+    /// their transactions commit. Its wake-ups ([`OutboxWakeups`]) start
+    /// with it; it stops with the service, and [`ServiceHandle::join`]
+    /// waits for both.
+    #[must_use]
+    pub fn with_relay(self) -> Self
+    where
+        S: OutboxStore + OutboxWakeups + Send + Sync + 'static,
+    {
+        let config = RelayConfig::new(
+            self.config.amqp_url.clone(),
+            format!("{} relay", self.config.connection_name),
+        );
+        self.relay(config)
+    }
+
+    /// [`Service::with_relay`] with settings of its own. The topology's
+    /// exchange is added to [`RelayConfig::exchanges`], so that the relay
+    /// can publish before any consumer of the events has declared it.
+    #[must_use]
+    pub fn relay(mut self, mut config: RelayConfig) -> Self
+    where
+        S: OutboxStore + OutboxWakeups + Send + Sync + 'static,
+    {
+        let exchange = self.topology.exchange().to_owned();
+        if !config.exchanges.contains(&exchange) {
+            config.exchanges.push(exchange);
+        }
+        self.relay = Some(Box::new(move |store: S, shutdown| {
+            let relay = Relay::new(store.clone(), config)?;
+            let tally = relay.tally();
+            let task = tokio::spawn(async move {
+                let relay = match store.wakeups().await {
+                    Some(wakeups) => relay.wake_on(wakeups),
+                    None => relay,
+                };
+                relay.run(shutdown).await
+            });
+            Ok((tally, task))
+        }));
+        self
     }
 
     /// Runs `handler` on the deliveries of `queue` (one of the topology's),
@@ -91,6 +151,7 @@ impl<S: ServiceStore> Service<S> {
     ) -> Self {
         self.consumers.push(Box::new(Registered {
             queue: queue.into(),
+            exchange: Arc::from(self.topology.exchange()),
             handler: Arc::new(handler),
             tally: Arc::default(),
             metric_names: MetricNames::default(),
@@ -126,6 +187,10 @@ impl<S: ServiceStore> Service<S> {
             consumer.count_into(shared, self.metric_names);
         }
         let (shutdown, shutdown_rx) = watch::channel(false);
+        let relay = match self.relay.take() {
+            Some(start) => Some(start(self.store.clone(), shutdown_rx.clone())?),
+            None => None,
+        };
         let (sessions_tx, sessions) = watch::channel(0_u64);
         let (broker_tx, broker) = watch::channel(false);
         let (alive, running) = Running::new();
@@ -183,6 +248,7 @@ impl<S: ServiceStore> Service<S> {
             availability,
             task,
             tally,
+            relay,
         })
     }
 }
@@ -215,6 +281,9 @@ trait Consume<S: ServiceStore>: Send + Sync {
 
 struct Registered<H> {
     queue: String,
+    /// Where the handler's [`Context::publish`](crate::Context::publish)
+    /// sends: the topology's exchange.
+    exchange: Arc<str>,
     handler: Arc<H>,
     tally: Arc<ConsumerTally>,
     metric_names: MetricNames,
@@ -235,7 +304,10 @@ where
     }
 
     fn store_check(&self) -> Arc<dyn StoreCheck<S::Transaction>> {
-        Arc::new(HandlerCheck(Arc::clone(&self.handler)))
+        Arc::new(HandlerCheck {
+            handler: Arc::clone(&self.handler),
+            exchange: Arc::clone(&self.exchange),
+        })
     }
 
     fn open<'a>(
@@ -261,6 +333,7 @@ where
             let worker = Worker {
                 inbox: Arc::clone(inbox),
                 handler: Arc::clone(&self.handler),
+                exchange: Arc::clone(&self.exchange),
                 queue: self.queue.clone(),
                 config: config.worker.clone(),
                 metric_names: self.metric_names,
@@ -277,11 +350,18 @@ where
 }
 
 /// A handler as a [`StoreCheck`].
-struct HandlerCheck<H>(Arc<H>);
+struct HandlerCheck<H> {
+    handler: Arc<H>,
+    exchange: Arc<str>,
+}
 
-impl<Tx, H: Handler<Tx>> StoreCheck<Tx> for HandlerCheck<H> {
+impl<Tx: Send, H: Handler<Tx>> StoreCheck<Tx> for HandlerCheck<H> {
     fn check<'a>(&'a self, tx: &'a mut Tx) -> BoxFuture<'a, Result<(), AppError>> {
-        Box::pin(self.0.check(tx))
+        Box::pin(async move {
+            // A message of its own, which the rollback forgets.
+            let mut cx = Context::new(tx, MessageId::new_v7(), self.handler.name(), &self.exchange);
+            self.handler.check(&mut cx).await
+        })
     }
 }
 
@@ -292,9 +372,11 @@ pub struct ServiceHandle {
     broker: watch::Receiver<bool>,
     running: Running,
     availability: watch::Receiver<bool>,
-    task: tokio::task::JoinHandle<Result<(), AppError>>,
+    task: Task,
     /// What the message path did, per consumer.
     pub tally: Arc<Tally>,
+    /// The relay's counters and task, when it runs beside the consumers.
+    relay: Option<(Arc<RelayTally>, Task)>,
 }
 
 impl ServiceHandle {
@@ -324,6 +406,29 @@ impl ServiceHandle {
             })?
             .map_err(|_| AppError::Unavailable("service stopped".into()))?;
         Ok(())
+    }
+
+    /// Waits until every consumer consumes (its channels open on a
+    /// connection to the broker), or `timeout` passes: what a test or a
+    /// start-up script waits for before it publishes.
+    ///
+    /// # Errors
+    /// [`AppError::Unavailable`] on timeout, or when the service stopped.
+    pub async fn wait_ready(&self, timeout: Duration) -> Result<(), AppError> {
+        let mut broker = self.broker.clone();
+        tokio::time::timeout(timeout, broker.wait_for(|up| *up))
+            .await
+            .map_err(|_| {
+                AppError::Unavailable(format!("the consumers did not start within {timeout:?}"))
+            })?
+            .map_err(|_| AppError::Unavailable("service stopped".into()))?;
+        Ok(())
+    }
+
+    /// The counters of the relay started by [`Service::with_relay`], if
+    /// any.
+    pub fn relay(&self) -> Option<&RelayTally> {
+        self.relay.as_ref().map(|(tally, _)| &**tally)
     }
 
     /// True while the consumers consume on an open connection (false
@@ -362,12 +467,24 @@ impl ServiceHandle {
     /// # Errors
     /// The service's error, or a panic turned into one.
     pub async fn join(self) -> Result<(), AppError> {
-        match self.task.await {
-            Ok(result) => result,
-            Err(error) => Err(AppError::Unavailable(format!(
-                "service task failed: {error}"
-            ))),
-        }
+        let service = joined(self.task, "service").await;
+        // The relay watches the same shutdown (and the service's end sets
+        // it), so it is ending too.
+        let relay = match self.relay {
+            Some((_, task)) => joined(task, "relay").await,
+            None => Ok(()),
+        };
+        service.and(relay)
+    }
+}
+
+/// A task's result, a panic turned into an error.
+async fn joined(task: JoinHandle<Result<(), AppError>>, what: &str) -> Result<(), AppError> {
+    match task.await {
+        Ok(result) => result,
+        Err(error) => Err(AppError::Unavailable(format!(
+            "{what} task failed: {error}"
+        ))),
     }
 }
 

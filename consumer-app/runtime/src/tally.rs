@@ -1,7 +1,8 @@
 //! In-process counters of what the message path did, per consumer.
 //!
 //! The Prometheus metrics are the operational view; these are what demos
-//! and tests read back to prove their claims without scraping.
+//! and tests read back to prove their claims without scraping. Read through
+//! methods: the atomics are the runtime's to write.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,30 +12,75 @@ use std::sync::{Arc, LazyLock, Mutex};
 #[derive(Debug, Default)]
 pub struct ConsumerTally {
     /// Deliveries whose work committed.
-    pub processed: AtomicU64,
+    pub(crate) processed: AtomicU64,
     /// Deliveries recognised as duplicates and acknowledged.
-    pub duplicates: AtomicU64,
+    pub(crate) duplicates: AtomicU64,
     /// Deliveries requeued for a later redelivery.
-    pub requeued: AtomicU64,
+    pub(crate) requeued: AtomicU64,
     /// Attempts that failed with a retryable error and were retried in
     /// process.
-    pub retried: AtomicU64,
+    pub(crate) retried: AtomicU64,
     /// Deliveries handed back uncharged because the store, not the message,
     /// failed (an outage, an unusable schema), or because consumption
     /// paused while the broker had already sent them.
-    pub released: AtomicU64,
+    pub(crate) released: AtomicU64,
     /// Redelivered deliveries (the broker's `redelivered` flag) that
     /// committed: work that a crash or a lost connection made run again.
-    pub redelivered_processed: AtomicU64,
+    pub(crate) redelivered_processed: AtomicU64,
     /// Downstream calls that failed after commit.
-    pub downstream_failed: AtomicU64,
+    pub(crate) downstream_failed: AtomicU64,
     /// Batches committed in batched mode (each with one or more
     /// messages).
-    pub batches: AtomicU64,
+    pub(crate) batches: AtomicU64,
     dead_lettered: Mutex<BTreeMap<String, u64>>,
 }
 
 impl ConsumerTally {
+    /// Deliveries whose work committed.
+    pub fn processed(&self) -> u64 {
+        self.processed.load(Ordering::Relaxed)
+    }
+
+    /// Deliveries recognised as duplicates and acknowledged.
+    pub fn duplicates(&self) -> u64 {
+        self.duplicates.load(Ordering::Relaxed)
+    }
+
+    /// Deliveries requeued for a later redelivery.
+    pub fn requeued(&self) -> u64 {
+        self.requeued.load(Ordering::Relaxed)
+    }
+
+    /// Attempts that failed with a retryable error and were retried in
+    /// process.
+    pub fn retried(&self) -> u64 {
+        self.retried.load(Ordering::Relaxed)
+    }
+
+    /// Deliveries handed back uncharged because the store, not the message,
+    /// failed (an outage, an unusable schema), or because consumption
+    /// paused while the broker had already sent them.
+    pub fn released(&self) -> u64 {
+        self.released.load(Ordering::Relaxed)
+    }
+
+    /// Redelivered deliveries (the broker's `redelivered` flag) that
+    /// committed: work that a crash or a lost connection made run again.
+    pub fn redelivered_processed(&self) -> u64 {
+        self.redelivered_processed.load(Ordering::Relaxed)
+    }
+
+    /// Downstream calls that failed after commit.
+    pub fn downstream_failed(&self) -> u64 {
+        self.downstream_failed.load(Ordering::Relaxed)
+    }
+
+    /// Batches committed in batched mode (each with one or more
+    /// messages).
+    pub fn batches(&self) -> u64 {
+        self.batches.load(Ordering::Relaxed)
+    }
+
     /// Counts a dead-lettered delivery under `reason`.
     pub fn dead_letter(&self, reason: &str) {
         *self
@@ -61,9 +107,7 @@ impl ConsumerTally {
     /// Processed plus duplicates plus dead-lettered: deliveries finished
     /// with an ack.
     pub fn finished(&self) -> u64 {
-        self.processed.load(Ordering::Relaxed)
-            + self.duplicates.load(Ordering::Relaxed)
-            + self.dead_lettered_total()
+        self.processed() + self.duplicates() + self.dead_lettered_total()
     }
 }
 
@@ -107,12 +151,7 @@ impl Tally {
     }
 }
 
-/// Reads a counter.
-pub fn get(counter: &AtomicU64) -> u64 {
-    counter.load(Ordering::Relaxed)
-}
-
 /// Adds one to a counter.
-pub fn bump(counter: &AtomicU64) {
+pub(crate) fn bump(counter: &AtomicU64) {
     counter.fetch_add(1, Ordering::Relaxed);
 }

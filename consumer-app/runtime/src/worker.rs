@@ -3,8 +3,8 @@
 //!
 //! ```text
 //! deliveries ─► decode (size, message_id, type, JSON, validate) ──bad──► dead-letter(reason)
-//!   └► per message: Inbox::handle(key = (message_id, consumer), async |tx| handler.handle(tx, message))
-//!      batched:     Inbox::handle_batch(keys, async |tx, i| handler.handle(tx, message[i]))   one COMMIT
+//!   └► per message: Inbox::handle(key = (message_id, consumer), async |tx| handler.handle(cx(tx), message))
+//!      batched:     Inbox::handle_batch(keys, async |tx, i| handler.handle(cx(tx), message[i]))   one COMMIT
 //!        each message's outcome ─► (its own failure, retries spent: AttemptLedger::record_failure)
 //!          ─► SettlePolicy::decide(outcome, attempt, broker and ledger counts)
 //!          Ack        ─► after-commit call (if processed) ─► ack, coalesced with others into one
@@ -70,6 +70,7 @@ use crate::amqp::Publisher;
 use crate::availability::StoreCircuit;
 use crate::backoff::jittered;
 use crate::config::WorkerConfig;
+use crate::context::Context;
 use crate::error::chain;
 use crate::handler::Handler;
 use crate::message::{RawMessage, decode, delivery_count, long_string, truncate};
@@ -84,6 +85,8 @@ use crate::{AppError, ServiceStore};
 pub(crate) struct Worker<S, H> {
     pub(crate) inbox: Arc<Inbox<S>>,
     pub(crate) handler: Arc<H>,
+    /// Where the handler's events go (the topology's exchange).
+    pub(crate) exchange: Arc<str>,
     pub(crate) queue: String,
     pub(crate) config: WorkerConfig,
     pub(crate) metric_names: MetricNames,
@@ -102,6 +105,7 @@ impl<S, H> Clone for Worker<S, H> {
         Self {
             inbox: Arc::clone(&self.inbox),
             handler: Arc::clone(&self.handler),
+            exchange: Arc::clone(&self.exchange),
             queue: self.queue.clone(),
             config: self.config.clone(),
             metric_names: self.metric_names,
@@ -417,11 +421,13 @@ where
         batched: bool,
     ) -> Results<H::Intent> {
         let handler = &self.handler;
+        let exchange: &str = &self.exchange;
         let timeout = self.config.handle_timeout;
         if let (false, [i]) = (batched, open) {
             let item = &items[*i];
             let work = self.inbox.handle(&item.key, async |tx| {
-                handler.handle(tx, item.message_id, &item.message).await
+                let mut cx = Context::new(tx, item.message_id, &item.key.consumer, exchange);
+                handler.handle(&mut cx, &item.message).await
             });
             let result = match tokio::time::timeout(timeout, work).await {
                 Ok(result) => result,
@@ -433,7 +439,8 @@ where
             open.iter().map(|&i| (items[i].key.clone(), i)).collect();
         let work = self.inbox.handle_batch(batch, async |tx, &i: &usize| {
             let item = &items[i];
-            handler.handle(tx, item.message_id, &item.message).await
+            let mut cx = Context::new(tx, item.message_id, &item.key.consumer, exchange);
+            handler.handle(&mut cx, &item.message).await
         });
         match tokio::time::timeout(timeout, work).await {
             Ok(results) => results.into_iter().map(|(_, i, r)| (i, r)).collect(),

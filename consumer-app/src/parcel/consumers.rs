@@ -5,7 +5,7 @@
 //! two hops, each exactly once in effect.
 //!
 //! Neither contains any idempotency code. The runtime wraps each call in
-//! `Inbox::handle(&InboxKey::new(message_id, consumer.name()), async |tx| consumer.handle(tx, …))`,
+//! `Inbox::handle(&InboxKey::new(message_id, consumer.name()), async |tx| consumer.handle(&mut Context::new(tx, …), …))`,
 //! so the consumer's writes share the claim's transaction, and a redelivered
 //! message never reaches it. After the commit, the runtime hands the
 //! returned intent to [`Handler::after_commit`] for the call that cannot
@@ -15,16 +15,15 @@
 
 use std::sync::Arc;
 
-use inbox_api::{ConsumerName, EnqueueOutcome, MessageId};
+use inbox_api::{ConsumerName, MessageId};
 
 use crate::parcel::downstream::{CarrierApi, NotificationSender};
 use crate::parcel::effects::{CarrierAssignment, Notification, NotificationKind, ParcelEffects};
 use crate::parcel::events::{
-    self, CARRIER_ASSIGNED_TYPE, CarrierAssignedEvent, EVENT_TYPE, ParcelCreatedEvent,
+    CARRIER_ASSIGNED_TYPE, CarrierAssignedEvent, EVENT_TYPE, ParcelCreatedEvent,
 };
 use crate::parcel::role::Role;
-use inbox_runtime::message::follow_up_id;
-use inbox_runtime::{AppError, Handler};
+use inbox_runtime::{AppError, Context, Handler};
 
 /// An event a notification is sent for: what differs between the two
 /// notification consumers (which consumer, which type, which text).
@@ -155,20 +154,13 @@ impl<T: ParcelEffects, E: Notifies> Handler<T> for NotifyingConsumer<E> {
     /// Its own write of a probe event, in the check's rolled-back
     /// transaction: the table, its columns, the role's privileges (the
     /// sequence's too) exactly as a message needs them.
-    async fn check(&self, tx: &mut T) -> Result<(), AppError> {
-        self.handle(tx, MessageId::new_v7(), &E::probe())
-            .await
-            .map(drop)
+    async fn check(&self, cx: &mut Context<'_, T>) -> Result<(), AppError> {
+        self.handle(cx, &E::probe()).await.map(drop)
     }
 
-    async fn handle(
-        &self,
-        tx: &mut T,
-        message_id: MessageId,
-        event: &E,
-    ) -> Result<Notification, AppError> {
-        let notification = event.notification(message_id);
-        tx.record_notification(&notification).await?;
+    async fn handle(&self, cx: &mut Context<'_, T>, event: &E) -> Result<Notification, AppError> {
+        let notification = event.notification(cx.message_id());
+        cx.record_notification(&notification).await?;
         Ok(notification)
     }
 
@@ -183,26 +175,21 @@ impl<T: ParcelEffects, E: Notifies> Handler<T> for NotifyingConsumer<E> {
 pub struct CarrierAssignmentConsumer {
     name: ConsumerName,
     carrier: Arc<dyn CarrierApi>,
-    exchange: String,
 }
 
 impl CarrierAssignmentConsumer {
     /// The carriers slots are spread over.
     pub const CARRIERS: [&'static str; 3] = ["swiftpost", "rollerfreight", "bluevan"];
 
-    /// A consumer booking through `carrier` after commit, and enqueueing
-    /// its carrier-assigned events to `exchange`.
+    /// A consumer booking through `carrier` after commit, and publishing
+    /// its carrier-assigned events through the outbox.
     ///
     /// # Errors
     /// Never in practice: the name is a valid constant.
-    pub fn new(
-        carrier: Arc<dyn CarrierApi>,
-        exchange: impl Into<String>,
-    ) -> Result<Self, AppError> {
+    pub fn new(carrier: Arc<dyn CarrierApi>) -> Result<Self, AppError> {
         Ok(Self {
             name: ConsumerName::new(Role::Carrier.consumer_name())?,
             carrier,
-            exchange: exchange.into(),
         })
     }
 
@@ -245,18 +232,18 @@ impl<T: ParcelEffects> Handler<T> for CarrierAssignmentConsumer {
     /// Its own write of a probe event, in the check's rolled-back
     /// transaction: the table, its columns, the role's privileges (the
     /// sequence's too) exactly as a message needs them.
-    async fn check(&self, tx: &mut T) -> Result<(), AppError> {
-        self.handle(tx, MessageId::new_v7(), &ParcelCreatedEvent::probe())
+    async fn check(&self, cx: &mut Context<'_, T>) -> Result<(), AppError> {
+        self.handle(cx, &ParcelCreatedEvent::probe())
             .await
             .map(drop)
     }
 
     async fn handle(
         &self,
-        tx: &mut T,
-        message_id: MessageId,
+        cx: &mut Context<'_, T>,
         event: &ParcelCreatedEvent,
     ) -> Result<CarrierAssignment, AppError> {
+        let message_id = cx.message_id();
         let (carrier, slot) = Self::pick(event);
         let assignment = CarrierAssignment {
             message_id,
@@ -264,7 +251,7 @@ impl<T: ParcelEffects> Handler<T> for CarrierAssignmentConsumer {
             carrier,
             slot,
         };
-        tx.reserve_carrier_slot(&assignment).await?;
+        cx.reserve_carrier_slot(&assignment).await?;
         // The follow-up, in the same transaction: published iff the
         // reservation commits, under an id every re-run derives again.
         let assigned = CarrierAssignedEvent {
@@ -274,15 +261,7 @@ impl<T: ParcelEffects> Handler<T> for CarrierAssignmentConsumer {
             carrier: assignment.carrier.clone(),
             slot: assignment.slot.clone(),
         };
-        let id = follow_up_id(&message_id, &self.name, CARRIER_ASSIGNED_TYPE);
-        let outgoing =
-            events::carrier_assigned_outgoing(id, &self.exchange, &message_id, &assigned)?;
-        if tx.enqueue(&outgoing).await? == EnqueueOutcome::AlreadyEnqueued {
-            // Only a message processed twice gets here, which the claim
-            // in front rules out: worth a line if it ever happens.
-            tracing::warn!(%message_id, follow_up = %id,
-                "the carrier-assigned event was enqueued before; the first copy stands");
-        }
+        cx.publish(&assigned).await?;
         Ok(assignment)
     }
 

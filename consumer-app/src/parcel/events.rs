@@ -103,13 +103,6 @@ pub const CARRIER_ASSIGNED_TYPE: &str = "parcel.carrier-assigned";
 /// The routing key carrier-assigned events are published with.
 pub const CARRIER_ASSIGNED_ROUTING_KEY: &str = "parcel.carrier-assigned";
 
-/// The header naming the message that caused this one (its id).
-pub const CAUSATION_HEADER: &str = "causation_id";
-
-/// The header naming the message that started the chain: the
-/// `parcel.created` event's id, on every message it led to.
-pub const CORRELATION_HEADER: &str = "correlation_id";
-
 /// A carrier slot was reserved for a parcel: what the carrier consumer
 /// tells the rest of the system, in the same transaction as its
 /// reservation. It carries the parcel's label fields too, so that its
@@ -156,29 +149,11 @@ impl CarrierAssignedEvent {
     }
 }
 
-/// The outbox row announcing `event` to `exchange`, under `id` (the
-/// carrier consumer's [`inbox_runtime::message::follow_up_id`] of
-/// `cause`), with `cause` as its causation and correlation id.
-///
-/// # Errors
-/// [`AppError::Inbox`] when the exchange name is not one the broker takes.
-pub fn carrier_assigned_outgoing(
-    id: MessageId,
-    exchange: &str,
-    cause: &MessageId,
-    event: &CarrierAssignedEvent,
-) -> Result<OutgoingMessage, AppError> {
-    let body = serde_json::to_vec(event)
-        .map_err(|e| AppError::Config(format!("cannot serialise the event: {e}")))?;
-    Ok(OutgoingMessage::new(
-        id,
-        exchange,
-        CARRIER_ASSIGNED_ROUTING_KEY,
-        CARRIER_ASSIGNED_TYPE,
-        body,
-    )?
-    .with_header(CAUSATION_HEADER, cause.to_string())?
-    .with_header(CORRELATION_HEADER, cause.to_string())?)
+// The carrier consumer publishes it with `Context::publish`, which takes
+// the type and the routing key from here.
+impl inbox_runtime::Event for CarrierAssignedEvent {
+    const TYPE: &'static str = CARRIER_ASSIGNED_TYPE;
+    const ROUTING_KEY: &'static str = CARRIER_ASSIGNED_ROUTING_KEY;
 }
 
 /// Turns a raw delivery into a message id and a [`ParcelCreatedEvent`], or

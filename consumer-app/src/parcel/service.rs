@@ -59,17 +59,14 @@ pub trait Wrap {
 }
 
 /// The consumers, calling `downstreams` after commit; the carrier consumer
-/// enqueues to `topology`'s exchange.
+/// publishes to the exchange of the topology it runs on.
 ///
 /// # Errors
 /// Never in practice: the names are valid constants.
-pub fn consumers(
-    downstreams: Downstreams,
-    topology: &Topology,
-) -> Result<ParcelConsumers, AppError> {
+pub fn consumers(downstreams: Downstreams) -> Result<ParcelConsumers, AppError> {
     Ok(Consumers {
         notification: NotificationConsumer::new(downstreams.notifier.clone())?,
-        carrier: CarrierAssignmentConsumer::new(downstreams.carrier, topology.exchange())?,
+        carrier: CarrierAssignmentConsumer::new(downstreams.carrier)?,
         carrier_assigned: CarrierAssignedNotificationConsumer::new(downstreams.notifier)?,
     })
 }
@@ -108,5 +105,5 @@ pub fn spawn<S: ParcelStore>(
     topology: &Topology,
     downstreams: Downstreams,
 ) -> Result<ServiceHandle, AppError> {
-    with_handlers(store, config, topology, consumers(downstreams, topology)?).spawn()
+    with_handlers(store, config, topology, consumers(downstreams)?).spawn()
 }

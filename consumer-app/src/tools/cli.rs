@@ -27,7 +27,6 @@ use crate::tools::logging::LogFormat;
 use crate::tools::stores::{StoreConfig, WithOutbox, WithStore};
 use inbox_runtime::http::{self as telemetry, Health, install_recorder};
 use inbox_runtime::relay::{Relay, RelayConfig};
-use inbox_runtime::tally::get;
 use inbox_runtime::{
     AppError, AvailabilityConfig, BatchConfig, CleanupConfig, QueueType, ServiceConfig,
     ServiceHandle, WorkerConfig,
@@ -882,9 +881,9 @@ impl WithOutbox for RelayCommand {
         stop_metrics.send_replace(true);
         println!(
             "relay stopped: {} published, {} failed, in {} batches",
-            get(&tally.published),
-            get(&tally.failed),
-            get(&tally.batches)
+            tally.published(),
+            tally.failed(),
+            tally.batches()
         );
         result
     }
@@ -999,9 +998,9 @@ impl WithStore for ApiCommand {
                 let result = relay.join().await;
                 println!(
                     "relay stopped: {} published, {} failed, in {} batches",
-                    get(&tally.published),
-                    get(&tally.failed),
-                    get(&tally.batches)
+                    tally.published(),
+                    tally.failed(),
+                    tally.batches()
                 );
                 result
             }
@@ -1049,9 +1048,9 @@ pub async fn wait_for_signal() {
 /// up, and turns its result into the exit status: on error, the whole
 /// cause chain on stderr and a failure status. Every binary of the service
 /// and of its lab starts and ends this way.
-pub fn run_main(
+pub fn run_main<E: std::error::Error>(
     log_format: LogFormat,
-    body: impl Future<Output = Result<(), AppError>>,
+    body: impl Future<Output = Result<(), E>>,
 ) -> ExitCode {
     crate::tools::logging::init_logging(log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()

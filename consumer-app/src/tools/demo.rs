@@ -28,6 +28,7 @@ use inbox_api::{ConsumerName, InboxKey, MessageId};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::Error;
 use crate::parcel::downstream::{Downstreams, StubCarrier, StubNotifier};
 use crate::parcel::events::{CARRIER_ASSIGNED_TYPE, ParcelCreatedEvent, created_message_id};
 use crate::parcel::role::Role;
@@ -39,7 +40,7 @@ use crate::tools::producer::{Producer, create_parcels, publish_copies};
 use crate::tools::stores::{StoreConfig, WithStore, with_store};
 use inbox_runtime::amqp::{close_bounded, connect};
 use inbox_runtime::message::follow_up_id;
-use inbox_runtime::tally::{Tally, get};
+use inbox_runtime::tally::Tally;
 use inbox_runtime::{AppError, ServiceConfig, WorkerConfig};
 
 /// Settings of a demo run.
@@ -81,12 +82,14 @@ impl std::fmt::Debug for DemoConfig {
 /// Runs the demo; returns its printed summary.
 ///
 /// # Errors
-/// [`AppError::CheckFailed`] (with the summary) when a check fails; any
+/// [`Error::CheckFailed`] (with the summary) when a check fails; any
 /// infrastructure error otherwise.
-pub async fn run(mut config: DemoConfig) -> Result<String, AppError> {
+pub async fn run(mut config: DemoConfig) -> Result<String, Error> {
     let run_id = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
     config.store.schema = format!("parcel_demo_{run_id}");
-    with_store(&config.store.clone(), Some(5), Demo { config, run_id }).await
+    with_store(&config.store.clone(), Some(5), Demo { config, run_id })
+        .await?
+        .map_err(Error::CheckFailed)
 }
 
 struct Demo {
@@ -95,9 +98,10 @@ struct Demo {
 }
 
 impl WithStore for Demo {
-    type Output = String;
+    /// The summary, or the failed checks with it.
+    type Output = Result<String, String>;
 
-    async fn run<S: ParcelStore>(self, store: S) -> Result<String, AppError> {
+    async fn run<S: ParcelStore>(self, store: S) -> Result<Result<String, String>, AppError> {
         let topology = Topology::new(format!("demo-{}.", self.run_id));
         store.migrate_all().await?;
         let outcome = self.exercise(&store, &topology).await;
@@ -124,7 +128,7 @@ impl Demo {
         &self,
         store: &S,
         topology: &Topology,
-    ) -> Result<String, AppError> {
+    ) -> Result<Result<String, String>, AppError> {
         let cfg = &self.config;
         let parcels = parcels(cfg.events, &format!("P{}", self.run_id));
         if parcels.is_empty() {
@@ -152,13 +156,10 @@ impl Demo {
 
         let carrier = Arc::new(StubCarrier::default());
         let notifier = Arc::new(StubNotifier::default());
-        let consumers = consumers(
-            Downstreams {
-                carrier: carrier.clone(),
-                notifier: notifier.clone(),
-            },
-            topology,
-        )?
+        let consumers = consumers(Downstreams {
+            carrier: carrier.clone(),
+            notifier: notifier.clone(),
+        })?
         .map(&faults);
         let service = with_handlers(
             store.clone(),
@@ -233,7 +234,7 @@ impl Demo {
             retried: retry.len() as u64,
             retried_200,
             copies: k,
-            relay_marked: get(&relay.marked),
+            relay_marked: relay.marked(),
             pending: store.pending_count().await?,
             carrier_assigned_events,
             tally: &tally,
@@ -247,12 +248,9 @@ impl Demo {
         };
         let (summary, failures) = report.render();
         if failures.is_empty() {
-            Ok(summary)
+            Ok(Ok(summary))
         } else {
-            Err(AppError::CheckFailed(format!(
-                "{}\n{summary}",
-                failures.join("; ")
-            )))
+            Ok(Err(format!("{}\n{summary}", failures.join("; "))))
         }
     }
 }
@@ -376,11 +374,11 @@ impl Report<'_> {
                 out,
                 "{:<36} processed {} | duplicates discarded {} | injected crashes {} | redelivered+processed {} | requeued {} | dead-lettered {}",
                 role.consumer_name(),
-                get(&t.processed),
-                get(&t.duplicates),
+                t.processed(),
+                t.duplicates(),
                 self.faults.crashes(role.consumer_name()),
-                get(&t.redelivered_processed),
-                get(&t.requeued),
+                t.redelivered_processed(),
+                t.requeued(),
                 t.dead_lettered_total()
             );
         }
@@ -469,7 +467,7 @@ impl Report<'_> {
             );
         }
         for role in Role::ALL {
-            let dups = get(&self.tally.consumer(role.consumer_name()).duplicates);
+            let dups = self.tally.consumer(role.consumer_name()).duplicates();
             check(
                 &mut out,
                 dups == self.copies,
@@ -485,12 +483,12 @@ impl Report<'_> {
             let crashes = self.faults.crashes(role.consumer_name());
             check(
                 &mut out,
-                crashes == 1 && get(&t.redelivered_processed) >= 1,
+                crashes == 1 && t.redelivered_processed() >= 1,
                 format!(
                     "{}: the crashed first attempt rolled back and its redelivery was processed ({} crash, {} redelivered+processed)",
                     role.consumer_name(),
                     crashes,
-                    get(&t.redelivered_processed)
+                    t.redelivered_processed()
                 ),
             );
         }

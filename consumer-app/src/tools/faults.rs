@@ -13,14 +13,14 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use inbox_api::{ConsumerName, InboxError, InboxKey, MessageId};
+use inbox_api::{ConsumerName, InboxError, InboxKey};
 use tokio::sync::watch;
 
 use crate::parcel::downstream::Downstreams;
 use crate::parcel::service::{Wrap, consumers, with_handlers};
 use crate::parcel::store::ParcelStore;
 use crate::parcel::topology::Topology;
-use inbox_runtime::{AppError, Handler, ServiceConfig, ServiceHandle};
+use inbox_runtime::{AppError, Context, Handler, ServiceConfig, ServiceHandle};
 
 /// Every consumer of [`crate::parcel::service::Consumers`] wrapped in the
 /// same faults.
@@ -86,7 +86,7 @@ impl Faults {
         topology: &Topology,
         downstreams: Downstreams,
     ) -> Result<ServiceHandle, AppError> {
-        let consumers = consumers(downstreams, topology)?.map(self);
+        let consumers = consumers(downstreams)?.map(self);
         with_handlers(store, config, topology, consumers).spawn()
     }
 
@@ -132,7 +132,7 @@ impl Faults {
     /// Called inside the transaction after the work's writes.
     ///
     /// # Errors
-    /// [`AppError::InjectedCrash`] once per key set by
+    /// [`AppError::Abandoned`] once per key set by
     /// [`Faults::crash_first_attempt`]; a retryable error for every key set
     /// by [`Faults::fail_always`].
     pub async fn before_commit(&self, key: &InboxKey) -> Result<(), AppError> {
@@ -154,7 +154,9 @@ impl Faults {
             // broker delivers it again.
             tracing::warn!(message_id = %key.message_id, consumer = %key.consumer,
                 what = %key, "injected crash mid-transaction; handing the delivery back to the broker");
-            return Err(AppError::InjectedCrash(key.to_string()));
+            return Err(AppError::Abandoned(format!(
+                "injected crash of the first attempt of {key}"
+            )));
         }
         if lock(&self.fail_always).contains(key) {
             return Err(AppError::Inbox(InboxError::retryable_handler(format!(
@@ -196,12 +198,11 @@ impl<Tx: Send, H: Handler<Tx>> Handler<Tx> for Faulty<H> {
 
     async fn handle(
         &self,
-        tx: &mut Tx,
-        message_id: MessageId,
+        cx: &mut Context<'_, Tx>,
         message: &Self::Message,
     ) -> Result<Self::Intent, AppError> {
-        let intent = self.inner.handle(tx, message_id, message).await?;
-        let key = InboxKey::new(message_id, self.inner.name().clone());
+        let intent = self.inner.handle(cx, message).await?;
+        let key = InboxKey::new(cx.message_id(), self.inner.name().clone());
         self.faults.before_commit(&key).await?;
         Ok(intent)
     }
@@ -210,13 +211,15 @@ impl<Tx: Send, H: Handler<Tx>> Handler<Tx> for Faulty<H> {
         self.inner.after_commit(intent).await
     }
 
-    async fn check(&self, tx: &mut Tx) -> Result<(), AppError> {
-        self.inner.check(tx).await
+    async fn check(&self, cx: &mut Context<'_, Tx>) -> Result<(), AppError> {
+        self.inner.check(cx).await
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use inbox_api::MessageId;
+
     use super::*;
 
     fn key(consumer: &str) -> InboxKey {
@@ -233,7 +236,7 @@ mod tests {
         faults.crash_first_attempt(k.clone());
         assert!(matches!(
             faults.before_commit(&k).await,
-            Err(AppError::InjectedCrash(_))
+            Err(AppError::Abandoned(_))
         ));
         assert!(faults.before_commit(&k).await.is_ok());
         assert_eq!(faults.crashes("c1"), 1);

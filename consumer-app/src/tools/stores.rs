@@ -141,7 +141,7 @@ pub async fn with_outbox<W: WithOutbox>(
         StoreKind::Sqlx => {
             let store = open_sqlx(config, attempts).await?;
             let wakeups = match task.listens() {
-                true => sqlx_wakeups(&store).await,
+                true => inbox_runtime::wakeups::sqlx_wakeups(&store).await,
                 false => None,
             };
             task.run(store, wakeups).await
@@ -150,7 +150,10 @@ pub async fn with_outbox<W: WithOutbox>(
         StoreKind::Diesel => {
             let store = open_diesel(config, attempts).await?;
             let wakeups = match task.listens() {
-                true => diesel_wakeups(&config.database_url, store.schema()).await,
+                true => {
+                    inbox_runtime::wakeups::diesel_wakeups(&config.database_url, store.schema())
+                        .await
+                }
                 false => None,
             };
             task.run(store, wakeups).await
@@ -167,93 +170,6 @@ pub async fn with_outbox<W: WithOutbox>(
         other => Err(AppError::Config(format!(
             "store {other} is not compiled in"
         ))),
-    }
-}
-
-/// The sqlx store's outbox notifications as wake-ups, or `None` (polling
-/// only) when LISTEN fails.
-///
-/// After a lost listener connection (or any listener error) it LISTENs
-/// again on a new one, with backoff
-/// ([`inbox_runtime::backoff::RECONNECT`]), and then wakes the
-/// relay once: a commit made while it was disconnected notified nobody, and
-/// that round publishes it (as diesel's `OutboxListener` does). sqlx's own
-/// reconnect (`PgListener`'s `eager_reconnect`) is off: it would reconnect
-/// silently, so those commits would wait for the poll interval.
-#[cfg(feature = "sqlx")]
-pub async fn sqlx_wakeups(store: &inbox_backend_sqlx::SqlxStore) -> Option<BoxStream<'static, ()>> {
-    use futures::StreamExt;
-
-    use inbox_runtime::backoff::RECONNECT;
-    let listen = async |store: &inbox_backend_sqlx::SqlxStore| {
-        let mut listener = store.listen_outbox().await?;
-        listener.eager_reconnect(false);
-        Ok::<_, inbox_api::InboxError>(listener)
-    };
-    match listen(store).await {
-        Ok(listener) => Some(
-            futures::stream::unfold(
-                (store.clone(), listener),
-                move |(store, mut listener)| async move {
-                    match listener.try_recv().await {
-                        Ok(Some(_)) => return Some(((), (store, listener))),
-                        Ok(None) => {
-                            tracing::warn!("outbox LISTEN connection lost; listening again")
-                        }
-                        Err(error) => {
-                            tracing::warn!(error = %error, "outbox LISTEN failed; listening again");
-                        }
-                    }
-                    drop(listener);
-                    let mut attempt = 0_u32;
-                    loop {
-                        tokio::time::sleep(RECONNECT.delay(attempt)).await;
-                        match listen(&store).await {
-                            Ok(listener) => {
-                                tracing::info!("outbox LISTEN again; waking the relay once");
-                                return Some(((), (store, listener)));
-                            }
-                            Err(error) => tracing::debug!(
-                                error = %inbox_runtime::error::chain(&error),
-                                attempt, "outbox LISTEN failed again"
-                            ),
-                        }
-                        attempt = attempt.saturating_add(1);
-                    }
-                },
-            )
-            .boxed(),
-        ),
-        Err(error) => {
-            tracing::warn!(error = %inbox_runtime::error::chain(&error),
-                "LISTEN on the outbox channel failed; the relay polls only");
-            None
-        }
-    }
-}
-
-/// The diesel store's outbox notifications as wake-ups, through a
-/// connection of their own, or `None` (polling only) when LISTEN fails.
-/// The listener reconnects by itself after a lost connection (and wakes
-/// the relay once then).
-#[cfg(feature = "diesel")]
-pub async fn diesel_wakeups(
-    url: &str,
-    schema: &inbox_backend_diesel::SchemaName,
-) -> Option<BoxStream<'static, ()>> {
-    use futures::StreamExt;
-    match inbox_backend_diesel::OutboxListener::connect(url, schema).await {
-        Ok(listener) => Some(
-            futures::stream::unfold(listener, |mut listener| async move {
-                listener.next().await.map(|()| ((), listener))
-            })
-            .boxed(),
-        ),
-        Err(error) => {
-            tracing::warn!(error = %inbox_runtime::error::chain(&error),
-                "LISTEN on the outbox channel failed; the relay polls only");
-            None
-        }
     }
 }
 

@@ -38,7 +38,7 @@ use inbox_api::{ConsumerName, Inbox, InboxError, InboxKey, MessageId};
 use inbox_backend_sqlx::{SqlxStore, SqlxTransaction, classify};
 use inbox_runtime::amqp::{Outgoing, Publisher, close_bounded, connect};
 use inbox_runtime::{
-    AppError, BatchConfig, Handler, Service, ServiceConfig, ServiceHandle, WorkerConfig,
+    AppError, BatchConfig, Context, Handler, Service, ServiceConfig, ServiceHandle, WorkerConfig,
 };
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
@@ -247,16 +247,14 @@ impl Handler<SqlxTransaction> for BusinessWrite {
 
     async fn handle(
         &self,
-        tx: &mut SqlxTransaction,
-        id: MessageId,
+        cx: &mut Context<'_, SqlxTransaction>,
         payload: &String,
     ) -> Result<(), AppError> {
         inbox_backend_sqlx::sqlx::query(crate::BUSINESS)
-            .bind(id.as_uuid())
+            .bind(cx.message_id().as_uuid())
             .bind(payload)
-            .execute(tx.conn())
-            .await
-            .map_err(classify)?;
+            .execute(cx.conn())
+            .await?;
         Ok(())
     }
 }

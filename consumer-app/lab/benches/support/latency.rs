@@ -29,10 +29,10 @@ use consumer_app::parcel::service::spawn;
 use consumer_app::parcel::store::ParcelStore as _;
 use consumer_app::parcel::topology::Topology;
 use consumer_app::tools::http::post_json;
-use consumer_app::tools::stores::sqlx_wakeups;
 use inbox_backend_sqlx::sqlx;
 use inbox_runtime::amqp::{close_bounded, connect};
 use inbox_runtime::relay::{Relay, RelayConfig};
+use inbox_runtime::wakeups::sqlx_wakeups;
 use inbox_runtime::{ServiceConfig, WorkerConfig};
 use tokio::sync::Mutex;
 

@@ -31,7 +31,6 @@ use inbox_api::{
 };
 use inbox_runtime::amqp::{close_bounded, connect, no_args};
 use inbox_runtime::relay::{Relay, RelayConfig};
-use inbox_runtime::tally::get;
 use lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
     QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
@@ -293,7 +292,7 @@ async fn relayed<S: OutboxStore + Clone + 'static>(
     let limit = Duration::from_secs(30 + n / 100);
     let started = Instant::now();
     let handle = relay.spawn();
-    while get(&handle.tally.marked) < n {
+    while handle.tally.marked() < n {
         if started.elapsed() > limit {
             handle.shutdown();
             let _ = handle.join().await;
