@@ -20,7 +20,7 @@
 //! relay's one connection): lapin hands a `basic.return` to whichever
 //! confirm on the channel resolves next, so only a batch alone on its
 //! channel can tell its returned (unroutable) messages from its published
-//! ones ([`attribute_returns`]), and a channel that closes fails only the
+//! ones (`attribute_returns`), and a channel that closes fails only the
 //! batch it carried.
 //!
 //! The guarantee is at-least-once publishing under a stable id: a message is

@@ -7,7 +7,7 @@
 //! redelivered by the broker (the inbox makes that safe), and the service
 //! reconnects with backoff.
 //!
-//! The store is checked before anything is consumed ([`check_store`]): a
+//! The store is checked before anything is consumed (`check_store`): a
 //! schema that is missing, not migrated or not this role's to use refuses
 //! the start with that error (run the migrations); a store that cannot be
 //! reached yet is waited for. PostgreSQL going away mid-run, or the schema
