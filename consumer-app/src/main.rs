@@ -14,7 +14,7 @@ use consumer_app::tools::dead::{
     ListDead, ListDeadOutgoing, RequeueDeadOutgoing, replay_dead_letters, role_of,
 };
 use consumer_app::tools::demo::{self, DemoConfig};
-use consumer_app::tools::publish::{Plan, publish};
+use consumer_app::tools::publish::{Plan, publish_within};
 use consumer_app::tools::stores::{WithOutbox, WithStore, with_outbox, with_store};
 use futures::stream::BoxStream;
 use inbox_api::{ConsumerName, MessageId, OutboxStore};
@@ -363,8 +363,14 @@ async fn run_command(cli: Cli) -> Result<(), AppError> {
         } => {
             let role = role_of(&consumer)?;
             let topology = global.topology();
-            let replayed =
-                replay_dead_letters(&global.amqp_url, &topology, role, &message_ids).await?;
+            let replayed = replay_dead_letters(
+                &global.amqp_url,
+                global.amqp_connect_timeout(),
+                &topology,
+                role,
+                &message_ids,
+            )
+            .await?;
             println!(
                 "replayed {} message(s) from {} to {}; {} left in the dead-letter queue",
                 replayed.moved,
@@ -402,7 +408,14 @@ async fn run_command(cli: Cli) -> Result<(), AppError> {
             quiet,
         } => {
             let plan = Plan::new(count, duplicate_rate, seed, "P")?;
-            publish(&global.amqp_url, &global.topology(), &plan.messages, !quiet).await?;
+            publish_within(
+                &global.amqp_url,
+                global.amqp_connect_timeout(),
+                &global.topology(),
+                &plan.messages,
+                !quiet,
+            )
+            .await?;
             println!(
                 "published {} messages ({} distinct events, {} copies) to {}",
                 plan.messages.len(),

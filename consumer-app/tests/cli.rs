@@ -1,7 +1,8 @@
 //! The production binary's command line: fault injection is not on it (the
 //! lab's `parcel-lab-consume` has the fault flags), and nothing else of it
 //! went away; one-shot commands fail fast on a database that refuses. Needs
-//! no service: every case fails or answers in parsing, or meets a closed port.
+//! no service: every case fails or answers in parsing, or meets a closed port
+//! or a silent listener of the test's own.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -416,4 +417,119 @@ fn flags_without_effect_are_refused_by_name_and_reason() {
     let text = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(1), "{text}");
     assert!(text.to_lowercase().contains("connection refused"), "{text}");
+}
+
+/// A listener of the test's own that accepts every connection and never
+/// says a word: a hung broker, or a load balancer with no backend. Returns
+/// its port; the connections stay open until the test process ends.
+fn silent_listener() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a silent listener");
+    let port = listener.local_addr().expect("its address").port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming().flatten() {
+            held.push(stream);
+        }
+    });
+    port
+}
+
+#[test]
+fn a_silent_broker_is_named_within_the_timeout_and_sigterm_ends_consume() {
+    use std::io::{BufRead, BufReader};
+
+    let port = silent_listener();
+    let amqp = format!("--amqp-url=amqp://guest:guest@127.0.0.1:{port}/%2f");
+    let started = Instant::now();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
+        .args([
+            "--store=memory",
+            &amqp,
+            "--amqp-connect-timeout-secs=1",
+            "consume",
+            "--metrics-addr=off",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run parcel-inbox consume");
+    let stderr = child.stderr.take().expect("stderr");
+    let (lines_tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = lines_tx.send(line);
+        }
+    });
+    let address = format!("127.0.0.1:{port}");
+    let mut seen = Vec::new();
+    let warned_after = loop {
+        let line = lines
+            .recv_timeout(Duration::from_secs(10).saturating_sub(started.elapsed()))
+            .unwrap_or_else(|_| {
+                let _ = child.kill();
+                panic!(
+                    "no warning naming {address} within 10 s:\n{}",
+                    seen.join("\n")
+                )
+            });
+        let names_it = line.contains(&address) && line.contains("no AMQP answer within 1s");
+        seen.push(line);
+        if names_it {
+            break started.elapsed();
+        }
+    };
+    assert!(
+        seen.iter().all(|line| !line.contains("guest:guest")),
+        "the password is redacted:\n{}",
+        seen.join("\n")
+    );
+
+    // SIGTERM while it is connecting again: it ends at once, cleanly.
+    let term = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("send SIGTERM");
+    assert!(term.success());
+    let signalled = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("poll parcel-inbox") {
+            break status;
+        }
+        if signalled.elapsed() > Duration::from_secs(5) {
+            let _ = child.kill();
+            panic!("consume still running 5 s after SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "SIGTERM is a clean stop (warned after {warned_after:?})"
+    );
+}
+
+#[test]
+fn a_one_shot_command_fails_with_the_cause_on_a_silent_broker() {
+    let port = silent_listener();
+    let amqp = format!("--amqp-url=amqp://guest:guest@127.0.0.1:{port}/%2f");
+    let (code, text, took) = parcel_inbox_within(
+        &[
+            &amqp,
+            "--amqp-connect-timeout-secs=1",
+            "publish",
+            "--count=1",
+            "--quiet",
+        ],
+        Duration::from_secs(15),
+    );
+    assert!(
+        code.is_some(),
+        "publish still running after {took:?}:\n{text}"
+    );
+    assert_ne!(code, Some(0), "publish must fail:\n{text}");
+    assert!(
+        text.contains(&format!("127.0.0.1:{port}")) && text.contains("no AMQP answer within 1s"),
+        "publish must name the address and the cause:\n{text}"
+    );
+    assert!(took < Duration::from_secs(10), "it took {took:?}:\n{text}");
 }

@@ -310,7 +310,6 @@ async fn drained_exactly_once<S: ParcelStore>(
     let service = spawn(
         store.clone(),
         ServiceConfig {
-            amqp_url: AMQP_URL.to_owned(),
             worker: WorkerConfig {
                 prefetch: 16,
                 concurrency: 4,
@@ -320,10 +319,9 @@ async fn drained_exactly_once<S: ParcelStore>(
                 max_body_bytes: 1024,
                 ..WorkerConfig::default()
             },
-            connection_name: format!("parcel-lab test kill {id}"),
             cleanup: None,
             gauge_interval: None,
-            availability: Default::default(),
+            ..ServiceConfig::new(AMQP_URL, format!("parcel-lab test kill {id}"))
         },
         topology,
         consumer_app::parcel::downstream::Downstreams {

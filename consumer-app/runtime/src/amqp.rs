@@ -4,6 +4,7 @@
 //! not take is an error here, never a silent loss.
 
 use std::collections::VecDeque;
+use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::FieldTable;
@@ -17,39 +18,101 @@ use crate::backoff::RECONNECT;
 use crate::redact::redact_url;
 use crate::shutdown::bounded;
 
+/// How long a connection (TCP, TLS and the AMQP handshake) or a channel
+/// may take to open before it counts as failed, unless a configuration says
+/// otherwise: a broker that accepts the TCP connection and never speaks (a
+/// hung node, a load balancer with no healthy backend, a port-forward to
+/// nothing) would otherwise hold the caller for ever, unlogged. A healthy
+/// broker answers in milliseconds; 5 s leaves room for a loaded one.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Opens one connection, named so that `rabbitmqctl list_connections
-/// user_provided_name` shows which instance it is.
+/// user_provided_name` shows which instance it is, within
+/// [`CONNECT_TIMEOUT`].
 ///
 /// # Errors
-/// [`AppError::Broker`] when the broker cannot be reached or refuses.
+/// [`AppError::Broker`] when the broker cannot be reached or refuses;
+/// [`AppError::Unavailable`] when it does not answer in time.
 pub async fn connect(url: &str, name: &str) -> Result<Connection, AppError> {
-    let properties = ConnectionProperties::default().with_connection_name(name.into());
-    Connection::connect(url, properties)
-        .await
-        .map_err(|e| AppError::broker(format!("connect to {}", redact_url(url)), e))
+    connect_within(url, name, CONNECT_TIMEOUT).await
 }
 
-/// Connects, retrying with [`RECONNECT`]'s jittered backoff until it
-/// works, `attempts` run out (`None`: forever) or `shutdown` turns true.
+/// [`connect`] within `timeout`.
+///
+/// # Errors
+/// As [`connect`].
+pub async fn connect_within(
+    url: &str,
+    name: &str,
+    timeout: Duration,
+) -> Result<Connection, AppError> {
+    let properties = ConnectionProperties::default().with_connection_name(name.into());
+    match tokio::time::timeout(timeout, Connection::connect(url, properties)).await {
+        Ok(connected) => {
+            connected.map_err(|e| AppError::broker(format!("connect to {}", redact_url(url)), e))
+        }
+        Err(_) => Err(AppError::Unavailable(format!(
+            "connect to {}: no AMQP answer within {timeout:?} (something accepts the \
+             connection but does not speak AMQP, or the broker is hung)",
+            redact_url(url)
+        ))),
+    }
+}
+
+/// Opens a channel on `connection` within [`CONNECT_TIMEOUT`]; `what`
+/// names it in the error.
+///
+/// # Errors
+/// [`AppError::Broker`] when the broker refuses; [`AppError::Unavailable`]
+/// when it does not answer in time.
+pub async fn open_channel(connection: &Connection, what: &str) -> Result<Channel, AppError> {
+    match tokio::time::timeout(CONNECT_TIMEOUT, connection.create_channel()).await {
+        Ok(opened) => opened.map_err(|e| AppError::broker(format!("open {what}"), e)),
+        Err(_) => Err(AppError::Unavailable(format!(
+            "open {what}: no answer from the broker within {CONNECT_TIMEOUT:?}"
+        ))),
+    }
+}
+
+/// Connects, each attempt within `timeout`, retrying with [`RECONNECT`]'s
+/// jittered backoff until it works, `attempts` run out (`None`: forever) or
+/// `shutdown` turns true, which ends an attempt in progress too. Each
+/// failure's cause goes to `last_error` (for a readiness check that says
+/// why), and `None` once connected.
 ///
 /// # Errors
 /// The last connection error, or [`AppError::Unavailable`] on shutdown.
 pub async fn connect_with_backoff(
     url: &str,
     name: &str,
+    timeout: Duration,
     attempts: Option<u32>,
     shutdown: &mut watch::Receiver<bool>,
+    last_error: Option<&watch::Sender<Option<String>>>,
 ) -> Result<Connection, AppError> {
+    let report = |error: Option<String>| {
+        if let Some(last_error) = last_error {
+            last_error.send_replace(error);
+        }
+    };
     let mut attempt = 0;
     loop {
-        match connect(url, name).await {
+        let connected = tokio::select! {
+            connected = connect_within(url, name, timeout) => connected,
+            _ = shutdown.wait_for(|stop| *stop) => {
+                return Err(AppError::Unavailable("shutdown while connecting to RabbitMQ".into()));
+            }
+        };
+        match connected {
             Ok(connection) => {
+                report(None);
                 if attempt > 0 {
                     tracing::info!(url = %redact_url(url), attempt, "connected to RabbitMQ");
                 }
                 return Ok(connection);
             }
             Err(error) => {
+                report(Some(crate::error::chain(&error)));
                 attempt += 1;
                 if attempts.is_some_and(|max| attempt >= max) {
                     return Err(error);
@@ -133,10 +196,7 @@ impl Publisher {
         exchange: &str,
         routing_key: &str,
     ) -> Result<Self, AppError> {
-        let channel = connection
-            .create_channel()
-            .await
-            .map_err(|e| AppError::broker("open publisher channel", e))?;
+        let channel = open_channel(connection, "publisher channel").await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await

@@ -210,6 +210,9 @@ pub struct ServiceConfig {
     pub gauge_interval: Option<Duration>,
     /// When a store outage pauses consumption, and how the store is probed.
     pub availability: AvailabilityConfig,
+    /// How long a connection to the broker may take to open (TCP, TLS,
+    /// AMQP handshake) before the attempt counts as failed and is retried.
+    pub connect_timeout: Duration,
 }
 
 impl ServiceConfig {
@@ -224,6 +227,7 @@ impl ServiceConfig {
             cleanup: Some(CleanupConfig::default()),
             gauge_interval: None,
             availability: AvailabilityConfig::default(),
+            connect_timeout: crate::amqp::CONNECT_TIMEOUT,
         }
     }
 }
@@ -237,6 +241,7 @@ impl std::fmt::Debug for ServiceConfig {
             .field("cleanup", &self.cleanup)
             .field("gauge_interval", &self.gauge_interval)
             .field("availability", &self.availability)
+            .field("connect_timeout", &self.connect_timeout)
             .finish()
     }
 }

@@ -89,7 +89,7 @@ pub use context::{Context, Event};
 pub use error::AppError;
 pub use handler::{FnHandler, Handler, HandlerFn, handler_fn};
 pub use relay::{Relay, RelayConfig, RelayHandle};
-pub use service::{Service, ServiceHandle};
+pub use service::{BrokerReadiness, Service, ServiceHandle};
 pub use settle::{Deliveries, ErrorDisposition, Outcome, Settle, SettlePolicy};
 pub use tally::{ConsumerTally, Tally};
 pub use topology::{QueueType, Topology};

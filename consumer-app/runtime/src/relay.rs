@@ -76,7 +76,9 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use crate::amqp::{close_bounded, close_channel_bounded, connect_with_backoff};
+use crate::amqp::{
+    CONNECT_TIMEOUT, close_bounded, close_channel_bounded, connect_with_backoff, open_channel,
+};
 use crate::backoff::Backoff;
 use crate::error::chain;
 use crate::redact::redact_url;
@@ -139,6 +141,9 @@ pub struct RelayConfig {
     /// Empty by default: the relay knows no domain, and an exchange of
     /// another kind must be declared by its owner.
     pub exchanges: Vec<String>,
+    /// How long a connection to the broker may take to open (TCP, TLS,
+    /// AMQP handshake) before the attempt counts as failed and is retried.
+    pub connect_timeout: Duration,
     /// Background purge of published rows (`None`: off): every `interval`,
     /// the rows published longer than `retention` ago go, `batch_size` per
     /// transaction ([`purge_published_once`]). Published rows serve only
@@ -179,6 +184,7 @@ impl RelayConfig {
             mandatory: true,
             retry: PublishRetry::default(),
             exchanges: Vec::new(),
+            connect_timeout: CONNECT_TIMEOUT,
             purge: Some(CleanupConfig::default()),
         }
     }
@@ -222,6 +228,7 @@ impl fmt::Debug for RelayConfig {
             .field("mandatory", &self.mandatory)
             .field("retry", &self.retry)
             .field("exchanges", &self.exchanges)
+            .field("connect_timeout", &self.connect_timeout)
             .field("purge", &self.purge)
             .finish()
     }
@@ -533,8 +540,10 @@ impl<S: OutboxStore + Clone + 'static> Relay<S> {
         let connection = connect_with_backoff(
             &self.config.amqp_url,
             &self.config.connection_name,
+            self.config.connect_timeout,
             None,
             shutdown,
+            None,
         )
         .await?;
         bump(&self.tally.connections);
@@ -1008,10 +1017,7 @@ impl PublishFailure {
 }
 
 async fn open_confirm_channel(connection: &Connection) -> Result<Channel, AppError> {
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(|e| AppError::broker("open the relay's channel", e))?;
+    let channel = open_channel(connection, "the relay's channel").await?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
         .await

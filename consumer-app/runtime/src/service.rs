@@ -48,7 +48,9 @@ use tokio::sync::{Semaphore, watch};
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::ack::{AckTracker, collect};
-use crate::amqp::{close_bounded, close_channel_bounded, connect_with_backoff, no_args};
+use crate::amqp::{
+    close_bounded, close_channel_bounded, connect_with_backoff, no_args, open_channel,
+};
 use crate::availability::{StoreCheck, StoreChecks, StoreCircuit, check_store};
 use crate::backoff::RECONNECT;
 use crate::config::{CleanupConfig, ServiceConfig};
@@ -193,6 +195,7 @@ impl<S: ServiceStore> Service<S> {
         };
         let (sessions_tx, sessions) = watch::channel(0_u64);
         let (broker_tx, broker) = watch::channel(false);
+        let (broker_error_tx, broker_error) = watch::channel(None);
         let (alive, running) = Running::new();
         let config = self.config;
         let store = self.store;
@@ -207,6 +210,7 @@ impl<S: ServiceStore> Service<S> {
             consumers: self.consumers,
             sessions: sessions_tx,
             broker: broker_tx,
+            broker_error: broker_error_tx,
             circuit: Arc::clone(&circuit),
             checks: Arc::clone(&checks),
         };
@@ -244,6 +248,7 @@ impl<S: ServiceStore> Service<S> {
             shutdown,
             sessions,
             broker,
+            broker_error,
             running,
             availability,
             task,
@@ -318,14 +323,8 @@ where
         circuit: &'a Arc<StoreCircuit>,
     ) -> BoxFuture<'a, Result<QueueLoop, AppError>> {
         Box::pin(async move {
-            let channel = connection
-                .create_channel()
-                .await
-                .map_err(|e| AppError::broker("open consumer channel", e))?;
-            let dead_letter_channel = connection
-                .create_channel()
-                .await
-                .map_err(|e| AppError::broker("open dead-letter channel", e))?;
+            let channel = open_channel(connection, "consumer channel").await?;
+            let dead_letter_channel = open_channel(connection, "dead-letter channel").await?;
             dead_letter_channel
                 .confirm_select(ConfirmSelectOptions::default())
                 .await
@@ -370,6 +369,7 @@ pub struct ServiceHandle {
     shutdown: watch::Sender<bool>,
     sessions: watch::Receiver<u64>,
     broker: watch::Receiver<bool>,
+    broker_error: watch::Receiver<Option<String>>,
     running: Running,
     availability: watch::Receiver<bool>,
     task: Task,
@@ -431,6 +431,15 @@ impl ServiceHandle {
         self.relay.as_ref().map(|(tally, _)| &**tally)
     }
 
+    /// Whether the consumers consume, and if not, why: what a readiness
+    /// check answers.
+    pub fn broker_readiness(&self) -> BrokerReadiness {
+        BrokerReadiness {
+            connected: self.broker.clone(),
+            last_error: self.broker_error.clone(),
+        }
+    }
+
     /// True while the consumers consume on an open connection (false
     /// while connecting, reconnecting, or stopped): for readiness.
     pub fn broker_connected(&self) -> watch::Receiver<bool> {
@@ -478,6 +487,31 @@ impl ServiceHandle {
     }
 }
 
+/// The broker side of a service's readiness: consuming, or why not.
+#[derive(Clone, Debug)]
+pub struct BrokerReadiness {
+    connected: watch::Receiver<bool>,
+    last_error: watch::Receiver<Option<String>>,
+}
+
+impl BrokerReadiness {
+    /// `Ok` while the consumers consume; otherwise what the service is
+    /// doing and the cause of the last failure (the broker's address
+    /// redacted), so that a 503 says why.
+    ///
+    /// # Errors
+    /// The reason it is not consuming.
+    pub fn status(&self) -> Result<(), String> {
+        if *self.connected.borrow() {
+            return Ok(());
+        }
+        match &*self.last_error.borrow() {
+            Some(error) => Err(format!("not consuming, reconnecting: {error}")),
+            None => Err("not consuming yet (connecting)".to_owned()),
+        }
+    }
+}
+
 /// A task's result, a panic turned into an error.
 async fn joined(task: JoinHandle<Result<(), AppError>>, what: &str) -> Result<(), AppError> {
     match task.await {
@@ -512,6 +546,8 @@ struct Supervisor<S: ServiceStore> {
     sessions: watch::Sender<u64>,
     /// True while a session consumes (see [`ServiceHandle::broker_connected`]).
     broker: watch::Sender<bool>,
+    /// Why the last connection attempt or session failed, for readiness.
+    broker_error: watch::Sender<Option<String>>,
     circuit: Arc<StoreCircuit>,
     checks: StoreChecks<S::Transaction>,
 }
@@ -551,8 +587,10 @@ impl<S: ServiceStore> Supervisor<S> {
             let connection = match connect_with_backoff(
                 &self.config.amqp_url,
                 &self.config.connection_name,
+                self.config.connect_timeout,
                 None,
                 &mut shutdown,
+                Some(&self.broker_error),
             )
             .await
             {
@@ -562,6 +600,9 @@ impl<S: ServiceStore> Supervisor<S> {
             };
             let result = self.session(&connection, shutdown.clone()).await;
             self.broker.send_replace(false);
+            if let Err(error) = &result {
+                self.broker_error.send_replace(Some(chain(error)));
+            }
             close_bounded(&connection, "service closing").await;
             match result {
                 Ok(()) => {
@@ -585,10 +626,7 @@ impl<S: ServiceStore> Supervisor<S> {
         connection: &Connection,
         shutdown: watch::Receiver<bool>,
     ) -> Result<(), AppError> {
-        let channel = connection
-            .create_channel()
-            .await
-            .map_err(|e| AppError::broker("open channel", e))?;
+        let channel = open_channel(connection, "channel").await?;
         self.topology.declare(&channel).await?;
         close_channel_bounded(&channel, "topology declared").await;
 

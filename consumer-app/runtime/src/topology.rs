@@ -229,10 +229,7 @@ impl Topology {
                     ))
                 })??;
         let delete = async {
-            let channel = connection
-                .create_channel()
-                .await
-                .map_err(|e| AppError::broker("open channel", e))?;
+            let channel = crate::amqp::open_channel(&connection, "channel").await?;
             self.delete(&channel).await
         };
         let result = match tokio::time::timeout(TEARDOWN_LIMIT, delete).await {

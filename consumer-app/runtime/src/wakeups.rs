@@ -58,8 +58,15 @@ pub async fn sqlx_wakeups(store: &inbox_backend_sqlx::SqlxStore) -> Option<BoxSt
     use futures::StreamExt;
 
     use crate::backoff::RECONNECT;
+    // Bounded like every connect of the runtime: a server that accepts and
+    // stays silent must not hold the relay (and its shutdown) for ever.
     let listen = async |store: &inbox_backend_sqlx::SqlxStore| {
-        let mut listener = store.listen_outbox().await?;
+        let limit = crate::amqp::CONNECT_TIMEOUT;
+        let mut listener = tokio::time::timeout(limit, store.listen_outbox())
+            .await
+            .map_err(|_| inbox_api::InboxError::Connection {
+                source: format!("LISTEN: no answer from PostgreSQL within {limit:?}").into(),
+            })??;
         listener.eager_reconnect(false);
         Ok::<_, inbox_api::InboxError>(listener)
     };

@@ -57,6 +57,18 @@ pub struct Global {
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
     )]
     pub amqp_url: String,
+    /// Seconds a connection to RabbitMQ may take to open (TCP, AMQP
+    /// handshake) or a channel to open before the attempt fails: a broker
+    /// that accepts and never answers is retried (services) or reported
+    /// (one-shot commands), not waited on for ever.
+    #[arg(
+        long,
+        env = "AMQP_CONNECT_TIMEOUT_SECS",
+        global = true,
+        default_value_t = inbox_runtime::amqp::CONNECT_TIMEOUT.as_secs(),
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub amqp_connect_timeout_secs: u64,
     /// PostgreSQL schema of the inbox and the app's tables (search_path).
     #[arg(
         long,
@@ -107,6 +119,11 @@ impl Global {
     /// The RabbitMQ names and queue type these flags say.
     pub fn topology(&self) -> Topology {
         Topology::new(&self.prefix).with_queue_type(self.queue_type)
+    }
+
+    /// `--amqp-connect-timeout-secs`.
+    pub fn amqp_connect_timeout(&self) -> Duration {
+        Duration::from_secs(self.amqp_connect_timeout_secs)
     }
 }
 
@@ -224,7 +241,7 @@ impl Global {
         }
         if !uses.broker {
             idle.push(Idle::new(
-                &["amqp_url"],
+                &["amqp_url", "amqp_connect_timeout_secs"],
                 format!("`{command}` does not connect to RabbitMQ"),
             ));
         }
@@ -512,6 +529,7 @@ impl ConsumeArgs {
                     threshold: self.store_outage_threshold.max(1),
                     ..AvailabilityConfig::default()
                 },
+                connect_timeout: global.amqp_connect_timeout(),
             },
             topology: global.topology(),
             metrics_addr,
@@ -641,11 +659,10 @@ impl<P: Spawner> Consume<P> {
             // (an idle service's circuit has seen no error to open on).
             let health = Health::new()
                 .live_while(service.running())
-                .ready_while(
-                    "broker",
-                    service.broker_connected(),
-                    "not consuming (connecting or reconnecting)",
-                )
+                .ready_when("broker", {
+                    let broker = service.broker_readiness();
+                    move || std::future::ready(broker.status())
+                })
                 .ready_while(
                     "store",
                     service.store_availability(),
@@ -810,6 +827,7 @@ impl RelaySettings {
                 secs => Some(self.purge.config(Duration::from_secs(secs))?),
             },
             exchanges: vec![global.topology().exchange()],
+            connect_timeout: global.amqp_connect_timeout(),
             ..RelayConfig::new(global.amqp_url.clone(), connection_name)
         };
         config.check()?;

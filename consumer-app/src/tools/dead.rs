@@ -20,6 +20,7 @@
 
 use std::fmt::Write as _;
 use std::num::NonZeroU32;
+use std::time::Duration;
 
 use futures::stream::BoxStream;
 use inbox_api::{AttemptRecord, ConsumerName, MessageId, OutboxRecord, OutboxStore};
@@ -28,7 +29,7 @@ use crate::parcel::role::Role;
 use crate::parcel::store::{ParcelStore, StoreKind};
 use crate::parcel::topology::Topology;
 use crate::tools::stores::{WithOutbox, WithStore};
-use inbox_runtime::amqp::connect;
+use inbox_runtime::amqp::{connect_within, open_channel};
 use inbox_runtime::replay::{Replayed, replay};
 use inbox_runtime::{AppError, message::truncate};
 
@@ -114,15 +115,13 @@ pub fn role_of(name: &str) -> Result<Role, AppError> {
 /// Broker errors.
 pub async fn replay_dead_letters(
     amqp_url: &str,
+    connect_timeout: Duration,
     topology: &Topology,
     role: Role,
     ids: &[String],
 ) -> Result<Replayed, AppError> {
-    let connection = connect(amqp_url, "parcel-inbox replay").await?;
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(|e| AppError::broker("open a channel", e))?;
+    let connection = connect_within(amqp_url, "parcel-inbox replay", connect_timeout).await?;
+    let channel = open_channel(&connection, "a channel").await?;
     channel
         .confirm_select(lapin::options::ConfirmSelectOptions::default())
         .await

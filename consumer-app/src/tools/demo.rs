@@ -38,7 +38,7 @@ use crate::parcel::topology::Topology;
 use crate::tools::faults::Faults;
 use crate::tools::producer::{Producer, create_parcels, publish_copies};
 use crate::tools::stores::{StoreConfig, WithStore, with_store};
-use inbox_runtime::amqp::{close_bounded, connect};
+use inbox_runtime::amqp::{close_bounded, connect, open_channel};
 use inbox_runtime::message::follow_up_id;
 use inbox_runtime::tally::Tally;
 use inbox_runtime::{AppError, ServiceConfig, WorkerConfig};
@@ -311,10 +311,7 @@ async fn wait_for(tally: &Tally, timeout: Duration, done: impl Fn(&Tally, Role) 
 /// Ready messages left in each queue and dead-letter queue.
 async fn queue_depths(amqp_url: &str, topology: &Topology) -> Result<Vec<(String, u32)>, AppError> {
     let connection = connect(amqp_url, "parcel-inbox demo inspect").await?;
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(|e| AppError::broker("open channel", e))?;
+    let channel = open_channel(&connection, "channel").await?;
     let mut depths = Vec::new();
     for role in Role::ALL {
         for queue in [topology.queue(role), topology.dead_letter_queue(role)] {

@@ -4,7 +4,7 @@
 //! and body again. The inbox must drop each copy, for each consumer.
 
 use std::io::{IsTerminal, Write};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use inbox_api::MessageId;
 use rand::rngs::StdRng;
@@ -13,7 +13,7 @@ use rand::{Rng, SeedableRng};
 use crate::parcel::events::{ParcelCreatedEvent, ROUTING_KEY, outgoing};
 use crate::parcel::topology::Topology;
 use inbox_runtime::AppError;
-use inbox_runtime::amqp::{Outgoing, Publisher, close_bounded, connect};
+use inbox_runtime::amqp::{CONNECT_TIMEOUT, Outgoing, Publisher, close_bounded, connect_within};
 
 /// What will be published.
 #[derive(Clone, Debug)]
@@ -90,7 +90,22 @@ pub async fn publish(
     messages: &[Outgoing],
     progress: bool,
 ) -> Result<(), AppError> {
-    let connection = connect(amqp_url, "parcel-inbox publisher").await?;
+    publish_within(amqp_url, CONNECT_TIMEOUT, topology, messages, progress).await
+}
+
+/// [`publish`], the connection and its channel each opened within
+/// `connect_timeout`.
+///
+/// # Errors
+/// As [`publish`].
+pub async fn publish_within(
+    amqp_url: &str,
+    connect_timeout: Duration,
+    topology: &Topology,
+    messages: &[Outgoing],
+    progress: bool,
+) -> Result<(), AppError> {
+    let connection = connect_within(amqp_url, "parcel-inbox publisher", connect_timeout).await?;
     let publisher = Publisher::new(&connection, &topology.exchange(), ROUTING_KEY).await?;
     topology.declare(publisher.channel()).await?;
     let total = messages.len();
