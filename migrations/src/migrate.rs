@@ -91,6 +91,11 @@ pub static MIGRATIONS: &[Migration] = &[
         description: "outbox take plans by its batch",
         sql: include_str!("../20261207000002_outbox_take_plans_by_its_batch.sql"),
     },
+    Migration {
+        version: 20261208000001,
+        description: "functions keep their schema",
+        sql: include_str!("../20261208000001_functions_keep_their_schema.sql"),
+    },
 ];
 
 /// The ledger: one row per applied migration, in the store's schema.
@@ -102,11 +107,21 @@ pub const LEDGER_TABLE: &str = "inbox_schema_migrations";
 /// key works.
 pub const ADVISORY_LOCK_KEY: i64 = 0x1b0c_d1e5;
 
-/// Opens the runner's transaction. Without a lock timeout: the sessions'
-/// own ([`crate::SessionTimeouts`]) would fail a runner that waits a few
-/// seconds on another instance's migration (the advisory lock) or on a
-/// consumer's lock on a table it alters; a migration should wait its turn.
-const BEGIN: &str = "BEGIN; SET LOCAL lock_timeout = 0";
+/// Opens the runner's transaction on `schema`. Without a lock timeout: the
+/// sessions' own ([`crate::SessionTimeouts`]) would fail a runner that
+/// waits a few seconds on another instance's migration (the advisory lock)
+/// or on a consumer's lock on a table it alters; a migration should wait
+/// its turn. With the schema as `search_path` for this transaction only:
+/// the migration files name their objects unqualified, so they run on any
+/// connection (a user's pool, PgBouncer in transaction mode) and create
+/// everything in `schema`, and the connection's own `search_path` is back
+/// when the transaction ends.
+fn begin(schema: &SchemaName) -> String {
+    format!(
+        "BEGIN; SET LOCAL lock_timeout = 0; SET LOCAL search_path TO {}",
+        schema.quoted()
+    )
+}
 
 /// What the runner needs from a driver: a connection it may use for one
 /// transaction. Every statement it sends is parameterless.
@@ -127,13 +142,13 @@ pub trait MigrationConnection: Send {
 /// in one transaction, serialised against other runners. Returns the
 /// versions applied (empty when up to date).
 ///
-/// The connection's `search_path` must name `schema`. Close the connection
+/// Any connection will do: the runner sets `search_path` to `schema` for
+/// its own transaction only. Close the connection
 /// afterwards if this future may have been dropped midway: it would still
 /// be inside the transaction.
 ///
 /// # Errors
-/// [`InboxError::InvalidArgument`] when the connection does not use
-/// `schema`; [`InboxError::Schema`] when an applied migration's file
+/// [`InboxError::Schema`] when an applied migration's file
 /// changed; the driver's errors otherwise.
 pub async fn migrate<C: MigrationConnection>(
     conn: &mut C,
@@ -156,7 +171,7 @@ pub async fn migrate_with_layout<C: MigrationConnection>(
     schema: &SchemaName,
     layout: Layout,
 ) -> Result<Vec<i64>, InboxError> {
-    conn.execute(BEGIN).await?;
+    conn.execute(&begin(schema)).await?;
     match apply(conn, schema, layout).await {
         Ok(applied) => {
             conn.execute("COMMIT").await?;
@@ -402,7 +417,13 @@ mod tests {
                     && [" DROP ", " RENAME ", " ALTER COLUMN ", " TYPE "]
                         .iter()
                         .all(|clause| !words.contains(clause));
+                // A function's own setting, set again to the same value.
+                let sets_a_function = words.starts_with("ALTER FUNCTION ")
+                    && words.contains(" SET ")
+                    && !words.contains(" RENAME ")
+                    && !words.contains(" OWNER ");
                 let ok = upper.starts_with("COMMENT ON ")
+                    || sets_a_function
                     || upper.starts_with("CREATE OR REPLACE ")
                     || (upper.starts_with("CREATE ") && upper.contains(" IF NOT EXISTS "))
                     || adds_columns;
