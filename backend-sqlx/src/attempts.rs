@@ -7,14 +7,14 @@ use std::num::NonZeroU32;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use inbox_api::{AttemptLedger, AttemptRecord, ConsumerName, InboxError, InboxKey, LastError};
-use inbox_postgres::{AttemptColumns, attempt_record, sql};
+use inbox_postgres::{AttemptColumns, attempt_record};
 
 use crate::{SqlxStore, classify};
 
 #[async_trait]
 impl AttemptLedger for SqlxStore {
     async fn record_failure(&self, key: &InboxKey, error: &LastError) -> Result<u32, InboxError> {
-        let attempts: i32 = sqlx::query_scalar(sql::RECORD_FAILURE)
+        let attempts: i32 = sqlx::query_scalar(&self.statements.record_failure)
             .bind(key.message_id.as_uuid())
             .bind(key.consumer.as_str())
             .bind(error.as_str())
@@ -30,7 +30,7 @@ impl AttemptLedger for SqlxStore {
         reason: &str,
         error: &LastError,
     ) -> Result<(), InboxError> {
-        sqlx::query(sql::MARK_DEAD)
+        sqlx::query(&self.statements.mark_dead)
             .bind(key.message_id.as_uuid())
             .bind(key.consumer.as_str())
             .bind(error.as_str())
@@ -42,7 +42,7 @@ impl AttemptLedger for SqlxStore {
     }
 
     async fn attempts(&self, key: &InboxKey) -> Result<Option<AttemptRecord>, InboxError> {
-        let row = sqlx::query_as::<_, AttemptColumns>(sql::LOOKUP_ATTEMPTS)
+        let row = sqlx::query_as::<_, AttemptColumns>(&self.statements.lookup_attempts)
             .bind(key.message_id.as_uuid())
             .bind(key.consumer.as_str())
             .fetch_optional(&self.pool)
@@ -56,7 +56,7 @@ impl AttemptLedger for SqlxStore {
         consumer: Option<&ConsumerName>,
         limit: NonZeroU32,
     ) -> Result<Vec<AttemptRecord>, InboxError> {
-        let rows = sqlx::query_as::<_, AttemptColumns>(sql::DEAD_MESSAGES)
+        let rows = sqlx::query_as::<_, AttemptColumns>(&self.statements.dead_messages)
             .bind(consumer.map(ConsumerName::as_str))
             .bind(i64::from(limit.get()))
             .fetch_all(&self.pool)
@@ -70,7 +70,12 @@ impl AttemptLedger for SqlxStore {
         cutoff: DateTime<Utc>,
         limit: NonZeroU32,
     ) -> Result<u64, InboxError> {
-        self.purge_batch(sql::PURGE_ATTEMPTS_BATCH, cutoff, limit, "attempts")
-            .await
+        self.purge_batch(
+            &self.statements.purge_attempts_batch,
+            cutoff,
+            limit,
+            "attempts",
+        )
+        .await
     }
 }
