@@ -14,13 +14,16 @@ use crate::{SqlxStore, classify};
 #[async_trait]
 impl AttemptLedger for SqlxStore {
     async fn record_failure(&self, key: &InboxKey, error: &LastError) -> Result<u32, InboxError> {
+        let mut one = self.one_statement().await?;
         let attempts: i32 = sqlx::query_scalar(&self.statements.record_failure)
             .bind(key.message_id.as_uuid())
             .bind(key.consumer.as_str())
             .bind(error.as_str())
-            .fetch_one(&self.pool)
+            .persistent(self.persistent())
+            .fetch_one(one.conn())
             .await
             .map_err(classify)?;
+        one.done().await?;
         Ok(inbox_postgres::attempt_count(attempts))
     }
 
@@ -30,24 +33,30 @@ impl AttemptLedger for SqlxStore {
         reason: &str,
         error: &LastError,
     ) -> Result<(), InboxError> {
+        let mut one = self.one_statement().await?;
         sqlx::query(&self.statements.mark_dead)
             .bind(key.message_id.as_uuid())
             .bind(key.consumer.as_str())
             .bind(error.as_str())
             .bind(reason)
-            .execute(&self.pool)
+            .persistent(self.persistent())
+            .execute(one.conn())
             .await
             .map_err(classify)?;
+        one.done().await?;
         Ok(())
     }
 
     async fn attempts(&self, key: &InboxKey) -> Result<Option<AttemptRecord>, InboxError> {
+        let mut one = self.one_statement().await?;
         let row = sqlx::query_as::<_, AttemptColumns>(&self.statements.lookup_attempts)
             .bind(key.message_id.as_uuid())
             .bind(key.consumer.as_str())
-            .fetch_optional(&self.pool)
+            .persistent(self.persistent())
+            .fetch_optional(one.conn())
             .await
             .map_err(classify)?;
+        one.done().await?;
         row.map(attempt_record).transpose()
     }
 
@@ -56,12 +65,15 @@ impl AttemptLedger for SqlxStore {
         consumer: Option<&ConsumerName>,
         limit: NonZeroU32,
     ) -> Result<Vec<AttemptRecord>, InboxError> {
+        let mut one = self.one_statement().await?;
         let rows = sqlx::query_as::<_, AttemptColumns>(&self.statements.dead_messages)
             .bind(consumer.map(ConsumerName::as_str))
             .bind(i64::from(limit.get()))
-            .fetch_all(&self.pool)
+            .persistent(self.persistent())
+            .fetch_all(one.conn())
             .await
             .map_err(classify)?;
+        one.done().await?;
         rows.into_iter().map(attempt_record).collect()
     }
 

@@ -434,15 +434,85 @@ impl SqlxStore {
         limit: NonZeroU32,
         table: &'static str,
     ) -> Result<u64, InboxError> {
+        let mut one = self.one_statement().await?;
         let deleted = sqlx::query(statement)
             .bind(cutoff)
             .bind(i64::from(limit.get()))
-            .execute(&self.pool)
+            .persistent(self.persistent())
+            .execute(one.conn())
             .await
             .map_err(classify)?
             .rows_affected();
+        one.done().await?;
         tracing::debug!(schema = %self.schema, table, %cutoff, limit, deleted, "purge batch");
         Ok(deleted)
+    }
+}
+
+impl SqlxStore {
+    /// Whether statements are prepared under a name and kept (session
+    /// pooling), or sent unnamed (transaction pooling: a named statement
+    /// would outlive the server session it was prepared on, and collide
+    /// with another client's of the same name there).
+    pub(crate) fn persistent(&self) -> bool {
+        self.pooling == Pooling::Session
+    }
+
+    /// A connection for one statement outside the consumer's transactions
+    /// (a lookup, the relay's take, a ledger upsert). Through a
+    /// transaction-mode pooler the statement runs inside a transaction of
+    /// its own: sqlx sends an unnamed statement's parse and its execution
+    /// as two exchanges, and outside a transaction the pooler may hand them
+    /// to two different server sessions.
+    pub(crate) async fn one_statement(&self) -> Result<OneStatement, InboxError> {
+        let mut conn = self.pool.acquire().await.map_err(classify)?;
+        let wrapped = self.pooling == Pooling::Transaction;
+        if wrapped {
+            let begin = std::borrow::Cow::Owned(self.begin.to_string());
+            PgTransactionManager::begin(&mut conn, Some(begin))
+                .await
+                .map_err(classify)?;
+        }
+        Ok(OneStatement {
+            conn,
+            open: wrapped,
+        })
+    }
+}
+
+/// A pooled connection for one statement: see [`SqlxStore::one_statement`].
+pub(crate) struct OneStatement {
+    conn: PoolConnection<Postgres>,
+    /// Inside a transaction of its own that [`OneStatement::done`] has not
+    /// committed yet.
+    open: bool,
+}
+
+impl OneStatement {
+    /// The connection to run the statement on.
+    pub(crate) fn conn(&mut self) -> &mut PgConnection {
+        &mut self.conn
+    }
+
+    /// Commits the statement's own transaction, if it has one.
+    pub(crate) async fn done(mut self) -> Result<(), InboxError> {
+        if self.open {
+            PgTransactionManager::commit(&mut self.conn)
+                .await
+                .map_err(classify)?;
+            self.open = false;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for OneStatement {
+    fn drop(&mut self) {
+        // Failed or cancelled inside its own transaction: closed rather
+        // than handed back to the pool mid-transaction.
+        if self.open {
+            self.conn.close_on_drop();
+        }
     }
 }
 
@@ -461,7 +531,10 @@ impl MigrationConnection for Migrating<'_> {
     }
 
     async fn query_ledger(&mut self, sql: &str) -> Result<Vec<(i64, i64)>, InboxError> {
+        // Unnamed: the runner may run through a transaction-mode pooler,
+        // where a named statement would outlive its server session.
         sqlx::query_as(sql)
+            .persistent(false)
             .fetch_all(&mut *self.0)
             .await
             .map_err(classify)
@@ -469,6 +542,7 @@ impl MigrationConnection for Migrating<'_> {
 
     async fn query_text(&mut self, sql: &str) -> Result<Option<String>, InboxError> {
         sqlx::query_scalar(sql)
+            .persistent(false)
             .fetch_one(&mut *self.0)
             .await
             .map_err(classify)
@@ -492,16 +566,20 @@ impl InboxStore for SqlxStore {
             claims: Claims::new(),
             layout: self.layout,
             statements: Arc::clone(&self.statements),
+            persistent: self.persistent(),
         })
     }
 
     async fn lookup(&self, key: &InboxKey) -> Result<Option<InboxRecord>, InboxError> {
+        let mut one = self.one_statement().await?;
         let row = sqlx::query(&self.statements.lookup)
             .bind(key.message_id.as_uuid())
             .bind(key.consumer.as_str())
-            .fetch_optional(&self.pool)
+            .persistent(self.persistent())
+            .fetch_optional(one.conn())
             .await
             .map_err(classify)?;
+        one.done().await?;
         row.map(|row| {
             Ok(InboxRecord {
                 key: key.clone(),
@@ -539,14 +617,17 @@ impl InboxStore for SqlxStore {
                 inbox_postgres::drop_expired_partitions(&mut Migrating(&mut conn), cutoff).await?
             }
         };
+        let mut one = self.one_statement().await?;
         let (deleted, last): (i64, Option<DateTime<Utc>>) =
             sqlx::query_as(&self.statements.purge_batch)
                 .bind(cutoff)
                 .bind(from)
                 .bind(i64::from(limit.get()))
-                .fetch_one(&self.pool)
+                .persistent(self.persistent())
+                .fetch_one(one.conn())
                 .await
                 .map_err(classify)?;
+        one.done().await?;
         tracing::debug!(schema = %self.schema, %cutoff, ?from, limit, deleted, "inbox purge batch");
         Ok(PurgedBatch::new(
             dropped + u64::try_from(deleted).unwrap_or(0),
@@ -558,10 +639,13 @@ impl InboxStore for SqlxStore {
 #[async_trait]
 impl InboxStats for SqlxStore {
     async fn processed_counts(&self) -> Result<BTreeMap<String, u64>, InboxError> {
+        let mut one = self.one_statement().await?;
         let rows: Vec<(String, i64)> = sqlx::query_as(&self.statements.processed_counts)
-            .fetch_all(&self.pool)
+            .persistent(self.persistent())
+            .fetch_all(one.conn())
             .await
             .map_err(classify)?;
+        one.done().await?;
         Ok(rows
             .into_iter()
             .map(|(consumer, n)| (consumer, u64::try_from(n).unwrap_or(0)))
@@ -601,6 +685,9 @@ pub struct SqlxTransaction {
     layout: Layout,
     /// The store's statements.
     statements: Arc<Statements>,
+    /// Whether its statements are prepared and kept
+    /// ([`SqlxStore::persistent`]).
+    persistent: bool,
 }
 
 impl std::fmt::Debug for SqlxTransaction {
@@ -703,6 +790,7 @@ impl InboxTransaction for SqlxTransaction {
         let inserted = sqlx::query(&statements.claim)
             .bind(key.message_id.as_uuid())
             .bind(key.consumer.as_str())
+            .persistent(self.persistent)
             .execute(self.conn())
             .await
             .map_err(|error| {
@@ -736,6 +824,7 @@ impl BatchTransaction for SqlxTransaction {
         let inserted: Vec<(sqlx::types::Uuid, String)> = sqlx::query_as(&statements.claim_batch)
             .bind(ids)
             .bind(consumers)
+            .persistent(self.persistent)
             .fetch_all(self.conn())
             .await
             .map_err(|error| {
@@ -759,6 +848,7 @@ impl BatchTransaction for SqlxTransaction {
         sqlx::query(&statements.unclaim)
             .bind(key.message_id.as_uuid())
             .bind(key.consumer.as_str())
+            .persistent(self.persistent)
             .execute(self.conn())
             .await
             .map_err(classify)?;
