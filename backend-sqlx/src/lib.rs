@@ -82,6 +82,7 @@
 
 mod attempts;
 mod error;
+pub mod migrations;
 mod outbox;
 
 use std::collections::BTreeMap;

@@ -364,3 +364,83 @@ async fn listen_goes_through_the_direct_url_or_is_refused() {
     assert_eq!(notified.channel(), schema_of(&store).outbox_channel());
     println!("woken {:?} after commit", started.elapsed());
 }
+
+/// A pool of the application's own whose `search_path` is `app` (its own
+/// tables and sqlx's ledger live there, one per test, so concurrent runs
+/// never share a ledger).
+async fn app_pool(app: &str) -> sqlx::PgPool {
+    let admin = common::admin_pool().await;
+    sqlx::query(&format!("CREATE SCHEMA {app}"))
+        .execute(&admin)
+        .await
+        .expect("the application's schema");
+    let options: sqlx::postgres::PgConnectOptions =
+        common::database_url().parse().expect("database url");
+    PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(options.options([("search_path", app)]))
+        .await
+        .unwrap_or_else(|error| common::unreachable_database(&error))
+}
+
+/// The inbox's migrations run by the application's own sqlx `Migrator`
+/// land in the inbox's schema, and the library's runner then finds nothing
+/// to do; a schema the runner migrated first is accepted by the
+/// `Migrator`. Either way the store works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_users_migrator_and_the_runner_recognise_each_other() {
+    let app = common::unique_schema(common::TEST_PREFIX);
+    let pool = app_pool(&app).await;
+
+    // The application's tool first, then the runner.
+    let inbox = common::unique_schema(common::TEST_PREFIX);
+    let migrator = inbox_backend_sqlx::migrations::migrator(&inbox)
+        .await
+        .expect("the inbox migrator");
+    migrator.run(&pool).await.expect("run in the user's tool");
+    let store = SqlxStore::new(pool.clone(), &inbox).expect("any pool");
+    assert_eq!(store.migrate().await.expect("runner"), Vec::<i64>::new());
+    let in_inbox: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+        .bind(format!("\"{inbox}\".outbox_messages"))
+        .fetch_one(&pool)
+        .await
+        .expect("regclass");
+    assert!(in_inbox.is_some(), "the tables are in the inbox's schema");
+    let in_app: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+        .bind(format!("\"{app}\".inbox_messages"))
+        .fetch_one(&pool)
+        .await
+        .expect("regclass");
+    assert!(
+        in_app.is_none(),
+        "nothing of the inbox in the application's schema"
+    );
+    claim_once(&store).await;
+
+    // The runner first, then the application's tool (in another
+    // application schema, so with a ledger of its own).
+    let app = common::unique_schema(common::TEST_PREFIX);
+    let pool = app_pool(&app).await;
+    let inbox = common::unique_schema(common::TEST_PREFIX);
+    let store = SqlxStore::new(pool.clone(), &inbox).expect("any pool");
+    assert!(!store.migrate().await.expect("runner").is_empty());
+    inbox_backend_sqlx::migrations::migrator(&inbox)
+        .await
+        .expect("the inbox migrator")
+        .run(&pool)
+        .await
+        .expect("the tool accepts a schema the runner migrated");
+    assert_eq!(store.migrate().await.expect("again"), Vec::<i64>::new());
+    claim_once(&store).await;
+}
+
+/// One fresh claim, committed, then a duplicate.
+async fn claim_once(store: &SqlxStore) {
+    let key = InboxKey::new(MessageId::new_v7(), ConsumerName::new("c").expect("valid"));
+    let mut tx = store.begin().await.expect("begin");
+    assert_eq!(tx.claim(&key).await.expect("claim"), Claim::Fresh);
+    tx.commit().await.expect("commit");
+    let mut tx = store.begin().await.expect("begin");
+    assert_eq!(tx.claim(&key).await.expect("claim"), Claim::Duplicate);
+    tx.rollback().await.expect("rollback");
+}

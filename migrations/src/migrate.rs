@@ -36,6 +36,39 @@ pub struct Migration {
 }
 
 impl Migration {
+    /// The migration as an application's own migration tool runs it (sqlx's
+    /// `Migrator`, diesel's migration harness), inside the tool's
+    /// transaction for that migration, on any connection: it creates
+    /// `schema` if needed, puts `schema` first in `search_path` for this
+    /// transaction only (so the file's objects land there, while the tool's
+    /// own ledger table, named unqualified, still resolves where the tool
+    /// keeps it), runs the file, and records the migration in this crate's
+    /// ledger ([`LEDGER_TABLE`]) too. That last step is what makes a
+    /// database migrated by the tool recognised by [`migrate`] (which then
+    /// has nothing to do), and the files are idempotent, so a database
+    /// migrated by [`migrate`] first is recognised by the tool (which
+    /// re-applies them harmlessly).
+    ///
+    /// Must run inside a transaction (both tools' default): outside one
+    /// the `search_path` would stay for the session.
+    pub fn sql_in(&self, schema: &SchemaName) -> String {
+        format!(
+            "CREATE SCHEMA IF NOT EXISTS {quoted};\n\
+             SELECT set_config('search_path', {prefix} || current_setting('search_path'), true);\n\
+             {ledger};\n\
+             {sql}\n;\n\
+             INSERT INTO {LEDGER_TABLE} (version, description, checksum) \
+             VALUES ({version}, '{description}', {checksum}) ON CONFLICT (version) DO NOTHING;\n",
+            quoted = schema.quoted(),
+            prefix = SchemaName::literal_of(&format!("{}, ", schema.quoted())),
+            ledger = LEDGER_DDL,
+            sql = self.sql,
+            version = self.version,
+            description = self.description,
+            checksum = self.checksum(),
+        )
+    }
+
     /// FNV-1a over the file: detects an edited migration, nothing more (not
     /// a security property, so no cryptographic hash is needed).
     pub fn checksum(&self) -> i64 {
@@ -100,6 +133,14 @@ pub static MIGRATIONS: &[Migration] = &[
 
 /// The ledger: one row per applied migration, in the store's schema.
 pub const LEDGER_TABLE: &str = "inbox_schema_migrations";
+
+/// Creates the ledger ([`LEDGER_TABLE`]) in the current schema if needed.
+const LEDGER_DDL: &str = "CREATE TABLE IF NOT EXISTS inbox_schema_migrations (
+             version     BIGINT      PRIMARY KEY,
+             description TEXT        NOT NULL,
+             checksum    BIGINT      NOT NULL,
+             applied_at  TIMESTAMPTZ NOT NULL DEFAULT now()
+         )";
 
 /// Serialises concurrent runners (several instances starting at once) on
 /// one transaction-scoped advisory lock, released by COMMIT, ROLLBACK or a
@@ -226,15 +267,7 @@ async fn apply<C: MigrationConnection>(
             ),
         });
     }
-    conn.execute(&format!(
-        "CREATE TABLE IF NOT EXISTS {LEDGER_TABLE} (
-             version     BIGINT      PRIMARY KEY,
-             description TEXT        NOT NULL,
-             checksum    BIGINT      NOT NULL,
-             applied_at  TIMESTAMPTZ NOT NULL DEFAULT now()
-         )"
-    ))
-    .await?;
+    conn.execute(LEDGER_DDL).await?;
     ensure_layout(conn, schema, layout).await?;
     let applied = conn
         .query_ledger(&format!("SELECT version, checksum FROM {LEDGER_TABLE}"))
@@ -460,6 +493,23 @@ mod tests {
         let err = pending(&edited, &schema()).expect_err("edited");
         assert!(matches!(err, InboxError::Schema { .. }), "{err:?}");
         assert!(!err.is_retryable());
+    }
+
+    #[test]
+    fn a_migration_for_a_users_tool_lands_in_the_schema_and_the_ledger() {
+        let schema = SchemaName::new("app_inbox").expect("valid");
+        let text = MIGRATIONS[0].sql_in(&schema);
+        assert!(text.starts_with("CREATE SCHEMA IF NOT EXISTS \"app_inbox\";\n"));
+        assert!(text.contains(
+            "SELECT set_config('search_path', '\"app_inbox\", ' || current_setting('search_path'), true);"
+        ));
+        assert!(text.contains(MIGRATIONS[0].sql));
+        assert!(text.ends_with(&format!(
+            "VALUES ({}, 'create inbox messages', {}) ON CONFLICT (version) DO NOTHING;\n",
+            MIGRATIONS[0].version,
+            MIGRATIONS[0].checksum()
+        )));
+        assert!(LEDGER_DDL.contains(LEDGER_TABLE));
     }
 
     #[test]

@@ -93,11 +93,24 @@ impl SessionTimeouts {
     /// Set `client_check_interval` to `None` for a server before
     /// PostgreSQL 14, which refuses that setting (and so every BEGIN).
     pub fn begin_statement(&self) -> String {
-        let mut text = String::from("BEGIN");
-        for (name, value) in self.settings() {
-            text.push_str(&format!("; SET LOCAL {name} = {value}"));
+        let set = self.set_local_statements();
+        if set.is_empty() {
+            "BEGIN".to_owned()
+        } else {
+            format!("BEGIN; {set}")
         }
-        text
+    }
+
+    /// The settings as `SET LOCAL` statements, `; `-separated (empty when
+    /// there are none), for a driver that sends its own `BEGIN` text
+    /// before them ([`SessionTimeouts::begin_statement`] is the plain
+    /// case).
+    pub fn set_local_statements(&self) -> String {
+        self.settings()
+            .into_iter()
+            .map(|(name, value)| format!("SET LOCAL {name} = {value}"))
+            .collect::<Vec<_>>()
+            .join("; ")
     }
 
     /// The settings as `SET` statements, for a driver that applies them
