@@ -220,15 +220,20 @@ impl SqlxStore {
     ///
     /// # Errors
     /// [`InboxError::InvalidArgument`] for a bad schema name.
+    ///
+    /// A bound the pool's connections already set at startup (a pool built
+    /// from [`SqlxStore::connect_options_with`]) is left to them, so the
+    /// value chosen there holds inside the transactions too.
     pub fn new(pool: PgPool, schema: &str) -> Result<Self, InboxError> {
         let schema = SchemaName::new(schema)?;
         let layout = Layout::Table;
+        let timeouts = unset_at_startup(&pool, SessionTimeouts::default());
         Ok(Self {
             pool,
             statements: Arc::new(Statements::new(&schema, layout)),
             schema: Arc::new(schema),
             layout,
-            begin: SessionTimeouts::default().begin_statement().into(),
+            begin: timeouts.begin_statement().into(),
             pooling: Pooling::Session,
             listen_url: None,
         })
@@ -448,6 +453,24 @@ impl SqlxStore {
         tracing::debug!(schema = %self.schema, table, %cutoff, limit, deleted, "purge batch");
         Ok(deleted)
     }
+}
+
+/// `timeouts` without the settings `pool`'s connections set as startup
+/// parameters (`-c name=value`).
+fn unset_at_startup(pool: &PgPool, mut timeouts: SessionTimeouts) -> SessionTimeouts {
+    let options = pool.connect_options();
+    let startup = options.get_options().unwrap_or_default();
+    let set = |name: &str| startup.contains(&format!("-c {name}="));
+    if set("lock_timeout") {
+        timeouts.lock_timeout = None;
+    }
+    if set("idle_in_transaction_session_timeout") {
+        timeouts.idle_in_transaction = None;
+    }
+    if set("client_connection_check_interval") {
+        timeouts.client_check_interval = None;
+    }
+    timeouts
 }
 
 impl SqlxStore {
@@ -908,6 +931,26 @@ mod tests {
         )
         .expect("valid options");
         assert_eq!(bare.get_options(), Some("-c search_path=inbox_a"));
+    }
+
+    #[tokio::test]
+    async fn transactions_set_the_bounds_a_pool_does_not_set_at_startup() {
+        let url = "postgres://u@localhost/db";
+        let plain: PgConnectOptions = url.parse().expect("url");
+        let store = SqlxStore::new(PgPoolOptions::new().connect_lazy_with(plain), "inbox")
+            .expect("any pool");
+        assert_eq!(&*store.begin, SessionTimeouts::default().begin_statement());
+
+        let configured = SessionTimeouts {
+            lock_timeout: Some(std::time::Duration::ZERO),
+            ..SessionTimeouts::default()
+        };
+        let options = SqlxStore::connect_options_with(url, "inbox", &configured).expect("options");
+        let store = SqlxStore::new(PgPoolOptions::new().connect_lazy_with(options), "inbox")
+            .expect("any pool");
+        assert_eq!(&*store.begin, "BEGIN", "the startup settings hold");
+        let store = store.with_session_timeouts(&SessionTimeouts::SERVER_DEFAULTS);
+        assert_eq!(&*store.begin, "BEGIN");
     }
 
     #[test]

@@ -98,11 +98,14 @@ mod tests {
 
     #[test]
     fn files_are_named_for_sqlx_and_hold_the_schema() {
-        let files = files("parcels").expect("valid");
-        assert_eq!(files.len(), MIGRATIONS.len());
-        assert_eq!(files[0].0, "20261202000001_inbox_create_inbox_messages.sql");
+        let listed = files("parcels").expect("valid");
+        assert_eq!(listed.len(), MIGRATIONS.len());
+        assert_eq!(
+            listed[0].0,
+            "20261202000001_inbox_create_inbox_messages.sql"
+        );
         assert!(
-            files[0]
+            listed[0]
                 .1
                 .starts_with("CREATE SCHEMA IF NOT EXISTS \"parcels\";")
         );
