@@ -1,3 +1,7 @@
+#![doc = include_str!("../README.md")]
+//!
+//! # The crate
+//!
 //! The Inbox pattern on PostgreSQL through [diesel-async] and a [deadpool]
 //! pool: exactly-once *effects* for at-least-once consumers.
 //!

@@ -603,11 +603,9 @@ impl DieselStore {
     pub(crate) async fn checkout(&self) -> Result<Checkout, InboxError> {
         let mut conn = self.connection().await?;
         let open = self.pooling == Pooling::Transaction;
-        if open {
-            if let Err(error) = conn.batch_execute(&self.begin_text()).await {
-                drop(Object::take(conn));
-                return Err(classify(error));
-            }
+        if open && let Err(error) = conn.batch_execute(&self.begin_text()).await {
+            drop(Object::take(conn));
+            return Err(classify(error));
         }
         Ok(Checkout {
             conn: Some(conn),
@@ -708,10 +706,10 @@ impl std::ops::DerefMut for Checkout {
 
 impl Drop for Checkout {
     fn drop(&mut self) {
-        if self.open {
-            if let Some(conn) = self.conn.take() {
-                drop(Object::take(conn));
-            }
+        if self.open
+            && let Some(conn) = self.conn.take()
+        {
+            drop(Object::take(conn));
         }
     }
 }
@@ -729,7 +727,7 @@ impl InboxStore for DieselStore {
     }
 
     /// BEGIN and the claim pipelined in one round trip
-    /// ([`DieselTransaction::begin_claim`]); retried on another connection
+    /// (the transaction's `begin_claim`); retried on another connection
     /// when a pooled one turns out to be dead at BEGIN, as
     /// [`InboxStore::begin`] is (the claim wrote nothing then).
     async fn begin_claim(

@@ -1,3 +1,7 @@
+#![doc = include_str!("../README.md")]
+//!
+//! # The crate
+//!
 //! The Inbox pattern on PostgreSQL through sqlx.
 //!
 //! [`SqlxStore`] keeps the inbox in the table `inbox_messages` of one schema
@@ -14,8 +18,7 @@
 //! use inbox_backend_sqlx::{SqlxStore, classify};
 //!
 //! # async fn on_delivery(header_id: &str, parcel: &str) -> Result<(), InboxError> {
-//! // One schema per application; the pool's connections find it through
-//! // search_path.
+//! // One schema for the inbox; every statement names it.
 //! let store = SqlxStore::connect("postgres://postgres@127.0.0.1:5432/app", "parcels").await?;
 //! store.migrate().await?;
 //! let inbox = Inbox::new(store);
@@ -65,8 +68,10 @@
 //! - **Attempt ledger**: [`SqlxStore`] implements
 //!   [`inbox_api::AttemptLedger`], each failure one upsert on the pool, in
 //!   its own transaction, outside the consumer's (which has rolled back).
-//! - **Time bounds**: every connection of [`SqlxStore::connect_options`]
-//!   sets [`SessionTimeouts`] at startup: a claim of a key a frozen holder
+//! - **Time bounds**: every transaction sets [`SessionTimeouts`] with
+//!   `SET LOCAL` right after `BEGIN`, in the same round trip (and every
+//!   connection of [`SqlxStore::connect_options`] sets them at startup
+//!   too): a claim of a key a frozen holder
 //!   keeps gives up after `lock_timeout` ([`InboxError::LockTimeout`]), the
 //!   server ends a session idle inside a transaction, and a transaction
 //!   dropped mid-statement closes its connection so the server stops the

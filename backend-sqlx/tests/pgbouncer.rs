@@ -444,3 +444,94 @@ async fn claim_once(store: &SqlxStore) {
     assert_eq!(tx.claim(&key).await.expect("claim"), Claim::Duplicate);
     tx.rollback().await.expect("rollback");
 }
+
+/// Median of `samples`, in microseconds.
+fn median_micros(mut samples: Vec<Duration>) -> u128 {
+    samples.sort();
+    samples[samples.len() / 2].as_micros()
+}
+
+/// `rounds` messages through `store`: BEGIN (with the store's bounds),
+/// a fresh claim, COMMIT; returns the median time per message.
+async fn per_message(store: &SqlxStore, rounds: usize) -> u128 {
+    let mut samples = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let key = InboxKey::new(MessageId::new_v7(), ConsumerName::new("m").expect("valid"));
+        let started = Instant::now();
+        let mut tx = store.begin().await.expect("begin");
+        assert_eq!(tx.claim(&key).await.expect("claim"), Claim::Fresh);
+        tx.commit().await.expect("commit");
+        samples.push(started.elapsed());
+    }
+    median_micros(samples)
+}
+
+/// The measurements quoted in docs/postgres.md and the pull request (run
+/// with `--release -- --ignored --nocapture per_transaction_cost`): the
+/// per-transaction cost of the bounds' `SET LOCAL` (median of an empty
+/// transaction with and without them), and the per-message cost (BEGIN,
+/// claim, COMMIT) directly and through PgBouncer. One connection each,
+/// no concurrency: latency, not throughput.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement, not a check: run by hand"]
+async fn per_transaction_cost() {
+    use inbox_backend_sqlx::SessionTimeouts;
+    const ROUNDS: usize = 3000;
+    let _ = harness().await;
+    let direct_pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&common::database_url())
+        .await
+        .unwrap_or_else(|error| common::unreachable_database(&error));
+    let schema = common::unique_schema(common::TEST_PREFIX);
+    let bounded = SqlxStore::new(direct_pool, &schema).expect("any pool");
+    bounded.migrate().await.expect("migrate");
+    let bare = bounded
+        .clone()
+        .with_session_timeouts(&SessionTimeouts::SERVER_DEFAULTS);
+    for (name, store) in [("warm-up", &bounded), ("warm-up", &bare)] {
+        let _ = (name, per_message(store, 200).await);
+    }
+    let empty = |store: SqlxStore| async move {
+        let mut samples = Vec::with_capacity(ROUNDS);
+        for _ in 0..ROUNDS {
+            let started = Instant::now();
+            let tx = store.begin().await.expect("begin");
+            tx.commit().await.expect("commit");
+            samples.push(started.elapsed());
+        }
+        median_micros(samples)
+    };
+    let with_bounds = empty(bounded.clone()).await;
+    let without = empty(bare.clone()).await;
+    let with_bounds_again = empty(bounded.clone()).await;
+    println!(
+        "empty transaction, median of {ROUNDS}: with SET LOCAL bounds {with_bounds} µs \
+         (again {with_bounds_again} µs), bare BEGIN {without} µs"
+    );
+
+    let direct = per_message(&bounded, ROUNDS).await;
+    let bouncer = bouncer_store(1).await;
+    let _ = per_message(&bouncer, 200).await;
+    let through = per_message(&bouncer, ROUNDS).await;
+    println!(
+        "per message (BEGIN+bounds, claim, COMMIT), median of {ROUNDS}: direct {direct} µs, \
+         through PgBouncer (transaction mode, unnamed statements) {through} µs"
+    );
+    let mut lookups = Vec::with_capacity(ROUNDS);
+    let key = InboxKey::new(MessageId::new_v7(), ConsumerName::new("m").expect("valid"));
+    for store in [&bounded, &bouncer] {
+        let mut samples = Vec::with_capacity(ROUNDS);
+        for _ in 0..ROUNDS {
+            let started = Instant::now();
+            let _ = store.lookup(&key).await.expect("lookup");
+            samples.push(started.elapsed());
+        }
+        lookups.push(median_micros(samples));
+    }
+    println!(
+        "a statement outside a transaction (lookup), median of {ROUNDS}: direct {} µs, \
+         through PgBouncer (in a transaction of its own) {} µs",
+        lookups[0], lookups[1]
+    );
+}

@@ -1,3 +1,7 @@
+#![doc = include_str!("../README.md")]
+//!
+//! # The crate
+//!
 //! The PostgreSQL layer of the Inbox pattern that every driver shares.
 //!
 //! The sqlx and diesel backends differ only in how they send a statement
