@@ -151,10 +151,13 @@ impl SqlxStore {
     /// time bounds `timeouts`: both are set at connect time, as startup
     /// parameters, so they cost no round trip per transaction.
     ///
-    /// Setting the schema per connection, instead of naming it in every
-    /// statement, keeps the statements constant (so they are prepared once
-    /// per connection) and the migrations schema-agnostic, and no text ever
-    /// reaches SQL by string formatting. The timeouts bound what a frozen
+    /// The store itself needs neither: its statements name the schema and
+    /// its transactions set the bounds ([`SqlxStore::new`]). The schema as
+    /// `search_path` is for the consumer's own unqualified tables in that
+    /// schema; a bound set here holds inside the store's transactions too
+    /// (the store then leaves it alone). Not for PgBouncer in transaction
+    /// mode, which refuses startup `options`: use
+    /// [`SqlxStore::pool_options`] there. The timeouts bound what a frozen
     /// holder of a claim can do to everyone else (see [`SessionTimeouts`]);
     /// `client_connection_check_interval` is also what stops a statement
     /// whose transaction was dropped (see [`SqlxTransaction`]). Tune the
