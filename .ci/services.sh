@@ -86,7 +86,7 @@ ensure_rabbitmq() {
 # PgBouncer answering its admin console proves the port is PgBouncer's, and
 # its pool_mode that it is the transaction-mode one the tests need.
 bouncer_mode() {
-  psql -h 127.0.0.1 -p 6432 -U postgres -d pgbouncer -Atqc 'SHOW CONFIG' 2>/dev/null \
+  PGCONNECT_TIMEOUT=3 psql -h 127.0.0.1 -p 6432 -U postgres -d pgbouncer -Atqc 'SHOW CONFIG' 2>/dev/null \
     | awk -F'|' '$1 == "pool_mode" { print $2 }'
 }
 port_taken() { (exec 3<>/dev/tcp/127.0.0.1/6432) 2>/dev/null; }
