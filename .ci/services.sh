@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Makes sure PostgreSQL (127.0.0.1:5432, user postgres, trust auth, database
-# `test`) and RabbitMQ (127.0.0.1:5672, guest/guest) are running.
+# `test`), PgBouncer in transaction mode in front of it (127.0.0.1:6432,
+# .ci/pgbouncer.ini) and RabbitMQ (127.0.0.1:5672, guest/guest) are running.
 #
 # Idempotent and quiet when both are up. On a fresh Debian machine it installs
 # them with apt, sets trust auth, and starts them (no systemd needed). Fails
@@ -82,5 +83,47 @@ ensure_rabbitmq() {
   wait_until 90 "RabbitMQ on 127.0.0.1:5672" rabbit_up
 }
 
+# PgBouncer answering its admin console proves the port is PgBouncer's, and
+# its pool_mode that it is the transaction-mode one the tests need.
+bouncer_mode() {
+  PGCONNECT_TIMEOUT=3 psql -h 127.0.0.1 -p 6432 -U postgres -d pgbouncer -Atqc 'SHOW CONFIG' 2>/dev/null \
+    | awk -F'|' '$1 == "pool_mode" { print $2 }'
+}
+port_taken() { (exec 3<>/dev/tcp/127.0.0.1/6432) 2>/dev/null; }
+
+bouncer_ready() { [ "$(bouncer_mode)" = transaction ]; }
+
+ensure_pgbouncer() {
+  if bouncer_ready; then
+    return 0
+  fi
+  if ! command -v pgbouncer >/dev/null && [ ! -x /usr/sbin/pgbouncer ]; then
+    apt_install pgbouncer
+    # Debian's package starts its own PgBouncer (session mode, port 6432)
+    # where an init system runs; ours takes its place.
+    as_root systemctl stop pgbouncer >/dev/null 2>&1 || as_root service pgbouncer stop >/dev/null 2>&1 || true
+  fi
+  if port_taken; then
+    die "127.0.0.1:6432 is taken by something that is not PgBouncer in transaction mode (pool_mode '$(bouncer_mode || true)'): stop it, the PgBouncer tests need that port"
+  fi
+  local bin config
+  bin=$(command -v pgbouncer || echo /usr/sbin/pgbouncer)
+  config="$(pwd)/.ci/pgbouncer.ini"
+  log "starting PgBouncer (transaction mode) on 127.0.0.1:6432"
+  # PgBouncer refuses to run as root; the postgres user exists wherever
+  # PostgreSQL was installed from Debian's packages.
+  if [ "$(id -u)" -eq 0 ]; then
+    # A copy the postgres user can read, wherever the checkout is.
+    install -m 0644 "$config" /tmp/inbox-ci-pgbouncer.ini
+    touch /tmp/inbox-ci-pgbouncer.log && chown postgres /tmp/inbox-ci-pgbouncer.log
+    su postgres -s /bin/sh -c "$bin -d /tmp/inbox-ci-pgbouncer.ini" >&2 \
+      || die "PgBouncer would not start (see /tmp/inbox-ci-pgbouncer.log)"
+  else
+    "$bin" -d "$config" >&2 || die "PgBouncer would not start (see /tmp/inbox-ci-pgbouncer.log)"
+  fi
+  wait_until 30 "PgBouncer (transaction mode) on 127.0.0.1:6432" bouncer_ready
+}
+
 ensure_postgres
+ensure_pgbouncer
 ensure_rabbitmq

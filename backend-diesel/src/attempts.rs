@@ -11,13 +11,12 @@ use diesel::sql_types::{BigInt, Integer, Nullable, Text, Timestamptz, Uuid};
 use diesel::{OptionalExtension, QueryableByName};
 use diesel_async::RunQueryDsl;
 use inbox_api::{AttemptLedger, AttemptRecord, ConsumerName, InboxError, InboxKey, LastError};
-use inbox_postgres::{AttemptColumns, attempt_record, sql};
+use inbox_postgres::{AttemptColumns, attempt_record};
 
 use crate::DieselStore;
-use crate::error::classify_pool;
 use crate::transaction::refine;
 
-/// The count [`sql::RECORD_FAILURE`] returns.
+/// The count [`inbox_postgres::sql::RECORD_FAILURE`] returns.
 #[derive(QueryableByName)]
 struct Count {
     #[diesel(sql_type = Integer)]
@@ -64,13 +63,14 @@ impl Row {
 #[async_trait]
 impl AttemptLedger for DieselStore {
     async fn record_failure(&self, key: &InboxKey, error: &LastError) -> Result<u32, InboxError> {
-        let mut conn = self.pool().get().await.map_err(classify_pool)?;
-        let counted = diesel::sql_query(sql::RECORD_FAILURE)
+        let mut conn = self.checkout().await?;
+        let counted = diesel::sql_query(&self.statements().record_failure)
             .bind::<Uuid, _>(key.message_id.as_uuid())
             .bind::<Text, _>(key.consumer.as_str())
             .bind::<Text, _>(error.as_str())
             .get_result::<Count>(&mut *conn)
             .await;
+        let counted = conn.finish(counted).await;
         match counted {
             Ok(count) => Ok(inbox_postgres::attempt_count(count.attempts)),
             Err(error) => Err(refine(&mut conn, error).await),
@@ -83,14 +83,15 @@ impl AttemptLedger for DieselStore {
         reason: &str,
         error: &LastError,
     ) -> Result<(), InboxError> {
-        let mut conn = self.pool().get().await.map_err(classify_pool)?;
-        let marked = diesel::sql_query(sql::MARK_DEAD)
+        let mut conn = self.checkout().await?;
+        let marked = diesel::sql_query(&self.statements().mark_dead)
             .bind::<Uuid, _>(key.message_id.as_uuid())
             .bind::<Text, _>(key.consumer.as_str())
             .bind::<Text, _>(error.as_str())
             .bind::<Text, _>(reason)
             .execute(&mut *conn)
             .await;
+        let marked = conn.finish(marked).await;
         match marked {
             Ok(_) => Ok(()),
             Err(error) => Err(refine(&mut conn, error).await),
@@ -98,13 +99,14 @@ impl AttemptLedger for DieselStore {
     }
 
     async fn attempts(&self, key: &InboxKey) -> Result<Option<AttemptRecord>, InboxError> {
-        let mut conn = self.pool().get().await.map_err(classify_pool)?;
-        let row = diesel::sql_query(sql::LOOKUP_ATTEMPTS)
+        let mut conn = self.checkout().await?;
+        let row = diesel::sql_query(&self.statements().lookup_attempts)
             .bind::<Uuid, _>(key.message_id.as_uuid())
             .bind::<Text, _>(key.consumer.as_str())
             .get_result::<Row>(&mut *conn)
             .await
             .optional();
+        let row = conn.finish(row).await;
         match row {
             Ok(row) => row.map(Row::record).transpose(),
             Err(error) => Err(refine(&mut conn, error).await),
@@ -116,12 +118,13 @@ impl AttemptLedger for DieselStore {
         consumer: Option<&ConsumerName>,
         limit: NonZeroU32,
     ) -> Result<Vec<AttemptRecord>, InboxError> {
-        let mut conn = self.pool().get().await.map_err(classify_pool)?;
-        let rows = diesel::sql_query(sql::DEAD_MESSAGES)
+        let mut conn = self.checkout().await?;
+        let rows = diesel::sql_query(&self.statements().dead_messages)
             .bind::<Nullable<Text>, _>(consumer.map(ConsumerName::as_str))
             .bind::<BigInt, _>(i64::from(limit.get()))
             .load::<Row>(&mut *conn)
             .await;
+        let rows = conn.finish(rows).await;
         match rows {
             Ok(rows) => rows.into_iter().map(Row::record).collect(),
             Err(error) => Err(refine(&mut conn, error).await),
@@ -133,7 +136,12 @@ impl AttemptLedger for DieselStore {
         cutoff: DateTime<Utc>,
         limit: NonZeroU32,
     ) -> Result<u64, InboxError> {
-        self.purge_batch(sql::PURGE_ATTEMPTS_BATCH, cutoff, limit, "attempts")
-            .await
+        self.purge_batch(
+            &self.statements().purge_attempts_batch,
+            cutoff,
+            limit,
+            "attempts",
+        )
+        .await
     }
 }

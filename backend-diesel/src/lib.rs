@@ -1,3 +1,7 @@
+#![doc = include_str!("../README.md")]
+//!
+//! # The crate
+//!
 //! The Inbox pattern on PostgreSQL through [diesel-async] and a [deadpool]
 //! pool: exactly-once *effects* for at-least-once consumers.
 //!
@@ -97,6 +101,7 @@ mod attempts;
 mod error;
 mod listen;
 mod migrate;
+mod migrations;
 mod outbox;
 pub mod schema;
 mod statements;
@@ -113,10 +118,14 @@ pub use diesel_async::AsyncPgConnection;
 pub use error::{classify, classify_connection, classify_pool};
 /// The inbox table's layouts, shared with the sqlx backend.
 pub use inbox_postgres::Layout;
+/// How the pool reaches PostgreSQL (directly or through PgBouncer in
+/// transaction mode), shared with the sqlx backend.
+pub use inbox_postgres::Pooling;
 /// The schema-name rules, shared with the sqlx backend.
 pub use inbox_postgres::SchemaName;
 /// The time bounds of every inbox session, shared with the sqlx backend.
 pub use inbox_postgres::SessionTimeouts;
 pub use listen::{LISTENER_APPLICATION_NAME, OutboxListener};
+pub use migrations::InboxMigrations;
 pub use store::{DieselPool, DieselStore, DieselStoreBuilder, PooledConnection};
 pub use transaction::DieselTransaction;

@@ -17,11 +17,11 @@ use inbox_api::{
     EnqueueOutcome, InboxError, LeaseId, MessageId, OutboxLease, OutboxRecord, OutboxStore,
     OutboxTransaction, OutgoingMessage, PublishRetry, Refused,
 };
-use inbox_postgres::{OutboxColumns, OutboxRow, sql};
+use inbox_postgres::{OutboxColumns, OutboxRow};
 
-use crate::error::classify_pool;
 use crate::statements::{DeadOutgoing, Enqueue, LookupOutgoing, TakePending};
-use crate::transaction::{Pooled, refine};
+use crate::store::Checkout;
+use crate::transaction::refine;
 use crate::{DieselStore, DieselTransaction};
 
 /// The rows a statement affected, as the trait counts them.
@@ -31,15 +31,19 @@ fn affected(rows: usize) -> u64 {
 
 impl DieselStore {
     /// A pooled connection for one statement of the relay.
-    async fn relay_connection(&self) -> Result<Pooled, InboxError> {
-        self.pool().get().await.map_err(classify_pool)
+    async fn relay_connection(&self) -> Result<Checkout, InboxError> {
+        self.checkout().await
     }
 }
 
 #[async_trait]
 impl OutboxTransaction for DieselTransaction {
     async fn enqueue(&mut self, message: &OutgoingMessage) -> Result<EnqueueOutcome, InboxError> {
-        match Enqueue::of(message).execute(self.conn()).await {
+        let statements = self.statements();
+        match Enqueue::of(&statements.enqueue, message)
+            .execute(self.conn())
+            .await
+        {
             Ok(rows) => inbox_postgres::enqueued(affected(rows)),
             Err(error) => Err(refine(self.conn(), error).await),
         }
@@ -55,12 +59,14 @@ impl OutboxStore for DieselStore {
     ) -> Result<OutboxLease, InboxError> {
         let id = LeaseId::new();
         let take = TakePending {
+            sql: &self.statements().take_pending,
             lease_millis: inbox_postgres::lease_millis(lease),
             lease_id: *id.as_uuid(),
             limit: i64::from(limit.get()),
         };
         let mut conn = self.relay_connection().await?;
-        match take.load::<OutboxColumns>(&mut *conn).await {
+        let taken = take.load::<OutboxColumns>(&mut *conn).await;
+        match conn.finish(taken).await {
             Ok(rows) => inbox_postgres::lease_from_rows(id, lease, rows),
             Err(error) => Err(refine(&mut conn, error).await),
         }
@@ -68,10 +74,11 @@ impl OutboxStore for DieselStore {
 
     async fn mark_published(&self, ids: &[MessageId]) -> Result<u64, InboxError> {
         let mut conn = self.relay_connection().await?;
-        let marked = diesel::sql_query(sql::MARK_PUBLISHED)
+        let marked = diesel::sql_query(&self.statements().mark_published)
             .bind::<Array<Uuid>, _>(inbox_postgres::id_column(ids))
             .execute(&mut *conn)
             .await;
+        let marked = conn.finish(marked).await;
         match marked {
             Ok(rows) => Ok(affected(rows)),
             Err(error) => Err(refine(&mut conn, error).await),
@@ -80,11 +87,12 @@ impl OutboxStore for DieselStore {
 
     async fn release(&self, lease: &OutboxLease) -> Result<u64, InboxError> {
         let mut conn = self.relay_connection().await?;
-        let released = diesel::sql_query(sql::RELEASE)
+        let released = diesel::sql_query(&self.statements().release)
             .bind::<Array<Uuid>, _>(inbox_postgres::id_column(&lease.ids()))
             .bind::<Uuid, _>(lease.id.as_uuid())
             .execute(&mut *conn)
             .await;
+        let released = conn.finish(released).await;
         match released {
             Ok(rows) => Ok(affected(rows)),
             Err(error) => Err(refine(&mut conn, error).await),
@@ -93,10 +101,11 @@ impl OutboxStore for DieselStore {
 
     async fn lookup_outgoing(&self, id: &MessageId) -> Result<Option<OutboxRecord>, InboxError> {
         let mut conn = self.relay_connection().await?;
-        let row = LookupOutgoing(*id.as_uuid())
+        let row = LookupOutgoing(&self.statements().lookup_outgoing, *id.as_uuid())
             .get_result::<OutboxColumns>(&mut *conn)
             .await
             .optional();
+        let row = conn.finish(row).await;
         match row {
             Ok(row) => row
                 .map(|columns| OutboxRow::from(columns).into_record())
@@ -109,10 +118,11 @@ impl OutboxStore for DieselStore {
         let mut conn = self.relay_connection().await?;
         let count = diesel::select(diesel::dsl::sql::<BigInt>(&format!(
             "({})",
-            sql::PENDING_COUNT
+            self.statements().pending_count
         )))
         .get_result::<i64>(&mut *conn)
         .await;
+        let count = conn.finish(count).await;
         match count {
             Ok(count) => Ok(u64::try_from(count).unwrap_or(0)),
             Err(error) => Err(refine(&mut conn, error).await),
@@ -123,10 +133,11 @@ impl OutboxStore for DieselStore {
         let mut conn = self.relay_connection().await?;
         let count = diesel::select(diesel::dsl::sql::<BigInt>(&format!(
             "({})",
-            sql::DEAD_COUNT
+            self.statements().dead_count
         )))
         .get_result::<i64>(&mut *conn)
         .await;
+        let count = conn.finish(count).await;
         match count {
             Ok(count) => Ok(u64::try_from(count).unwrap_or(0)),
             Err(error) => Err(refine(&mut conn, error).await),
@@ -138,8 +149,13 @@ impl OutboxStore for DieselStore {
         cutoff: DateTime<Utc>,
         limit: NonZeroU32,
     ) -> Result<u64, InboxError> {
-        self.purge_batch(sql::PURGE_PUBLISHED_BATCH, cutoff, limit, "outbox")
-            .await
+        self.purge_batch(
+            &self.statements().purge_published_batch,
+            cutoff,
+            limit,
+            "outbox",
+        )
+        .await
     }
 
     async fn record_refusals(
@@ -151,7 +167,7 @@ impl OutboxStore for DieselStore {
         let (ids, errors) = inbox_postgres::refusal_columns(refusals);
         let (base, max, attempts) = inbox_postgres::retry_columns(retry);
         let mut conn = self.relay_connection().await?;
-        let rows = diesel::sql_query(sql::RECORD_REFUSALS)
+        let rows = diesel::sql_query(&self.statements().record_refusals)
             .bind::<Array<Uuid>, _>(ids)
             .bind::<Array<Text>, _>(errors)
             .bind::<Uuid, _>(lease.as_uuid())
@@ -160,6 +176,7 @@ impl OutboxStore for DieselStore {
             .bind::<Integer, _>(attempts)
             .load::<RefusedRow>(&mut *conn)
             .await;
+        let rows = conn.finish(rows).await;
         match rows {
             Ok(rows) => Ok(inbox_postgres::refused(
                 rows.into_iter().map(|r| (r.message_id, r.dead)).collect(),
@@ -170,9 +187,10 @@ impl OutboxStore for DieselStore {
 
     async fn dead_outgoing(&self, limit: NonZeroU32) -> Result<Vec<OutboxRecord>, InboxError> {
         let mut conn = self.relay_connection().await?;
-        let rows = DeadOutgoing(i64::from(limit.get()))
+        let rows = DeadOutgoing(&self.statements().dead_outgoing, i64::from(limit.get()))
             .load::<OutboxColumns>(&mut *conn)
             .await;
+        let rows = conn.finish(rows).await;
         match rows {
             Ok(rows) => inbox_postgres::records(rows),
             Err(error) => Err(refine(&mut conn, error).await),
@@ -181,10 +199,11 @@ impl OutboxStore for DieselStore {
 
     async fn requeue_dead(&self, ids: &[MessageId]) -> Result<u64, InboxError> {
         let mut conn = self.relay_connection().await?;
-        let requeued = diesel::sql_query(sql::REQUEUE_DEAD)
+        let requeued = diesel::sql_query(&self.statements().requeue_dead)
             .bind::<Array<Uuid>, _>(inbox_postgres::id_column(ids))
             .execute(&mut *conn)
             .await;
+        let requeued = conn.finish(requeued).await;
         match requeued {
             Ok(rows) => Ok(affected(rows)),
             Err(error) => Err(refine(&mut conn, error).await),
@@ -192,7 +211,7 @@ impl OutboxStore for DieselStore {
     }
 }
 
-/// A row of [`sql::RECORD_REFUSALS`].
+/// A row of [`inbox_postgres::sql::RECORD_REFUSALS`].
 #[derive(diesel::QueryableByName)]
 struct RefusedRow {
     #[diesel(sql_type = Uuid)]

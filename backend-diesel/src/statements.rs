@@ -1,14 +1,15 @@
 //! The hot statements as query fragments that diesel-async prepares once per
-//! connection.
+//! connection (in [`inbox_postgres::Pooling::Session`]).
 //!
 //! diesel marks every `sql_query` and every `INSERT … SELECT` built by hand
 //! unsafe to cache, so diesel-async prepares them anew on every call: a
 //! round trip and a parse of their own per message (measured on the
 //! processed-mark UPDATE the inbox used to run: re-prepared, the diesel
 //! inbox ran at 0.74 of the sqlx inbox at 16 tasks). The SQL text is
-//! `inbox-postgres`'s, sent piece by piece with diesel's own bind markers;
-//! since it never varies, a static [`QueryId`] lets the statement cache keep
-//! it. The rarer statements (unclaim, lookup, purge, the outbox's marks
+//! the store's [`inbox_postgres::Statements`] (its schema qualified), sent
+//! piece by piece with diesel's own bind markers; it is fixed per store, so
+//! the statement cache keeps it under its text (no static [`QueryId`]:
+//! two stores in two schemas on one pool must not share a cache entry). The rarer statements (unclaim, lookup, purge, the outbox's marks
 //! and counts) go through `sql_query`; the outbox's enqueue (the producer's
 //! hot path) and take (the relay's) are fragments too.
 
@@ -17,12 +18,11 @@ use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::result::{Error as DieselError, QueryResult};
 use diesel::sql_types::{Array, BigInt, Bytea, Integer, Nullable, Text, Timestamptz, Uuid};
 use inbox_api::{InboxKey, OutgoingMessage};
-use inbox_postgres::Layout;
 use inbox_postgres::sql::{self, Piece};
 
 /// Sends `statement`, binding its parameter `$n` with `bind(n, out)`.
 fn walk<'b>(
-    statement: &'static str,
+    statement: &'b str,
     out: &mut AstPass<'_, 'b, Pg>,
     mut bind: impl FnMut(usize, &mut AstPass<'_, 'b, Pg>) -> QueryResult<()>,
 ) -> QueryResult<()> {
@@ -39,41 +39,31 @@ fn no_such_parameter(n: usize) -> DieselError {
     DieselError::QueryBuilderError(format!("statement has no parameter ${n}").into())
 }
 
-/// [`sql::CLAIM`] for one key, or [`sql::CLAIM_PARTITIONED`] when
-/// `PARTITIONED`, or their pipelined forms ([`sql::CLAIM_PIPELINED`]) when
-/// `PIPELINED`; executes to the rows inserted (0 or 1). The layout and the
-/// form are type parameters so that each statement keeps its own static
-/// cache key.
-pub(crate) struct ClaimOne<'k, const PARTITIONED: bool, const PIPELINED: bool>(
-    pub(crate) &'k InboxKey,
-);
-
-/// The statement cache's key for [`ClaimOne`].
-pub(crate) struct ClaimOneId<const PARTITIONED: bool, const PIPELINED: bool>;
-
-/// The statement of a layout.
-const fn layout(partitioned: bool) -> Layout {
-    if partitioned {
-        Layout::Partitioned
-    } else {
-        Layout::Table
-    }
+/// A statement whose text is not known at compile time: the cache keys
+/// it by its text.
+macro_rules! cached_by_text {
+    ($($t:tt)*) => {
+        impl QueryId for $($t)* {
+            type QueryId = ();
+            const HAS_STATIC_QUERY_ID: bool = false;
+        }
+    };
 }
 
-impl<const P: bool, const Q: bool> QueryId for ClaimOne<'_, P, Q> {
-    type QueryId = ClaimOneId<P, Q>;
-    const HAS_STATIC_QUERY_ID: bool = true;
+/// The store's claim of one key ([`sql::CLAIM`] in its layout and schema,
+/// or the pipelined form, [`sql::CLAIM_PIPELINED`]); executes to the rows
+/// inserted (0 or 1).
+pub(crate) struct ClaimOne<'k> {
+    pub(crate) sql: &'k str,
+    pub(crate) key: &'k InboxKey,
 }
 
-impl<const P: bool, const Q: bool> QueryFragment<Pg> for ClaimOne<'_, P, Q> {
+cached_by_text!(ClaimOne<'_>);
+
+impl QueryFragment<Pg> for ClaimOne<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        let key = self.0;
-        let statement = if Q {
-            layout(P).claim_pipelined()
-        } else {
-            layout(P).claim()
-        };
-        walk(statement, &mut out, |n, out| match n {
+        let key = self.key;
+        walk(self.sql, &mut out, |n, out| match n {
             1 => out.push_bind_param::<Uuid, _>(key.message_id.as_uuid()),
             2 => out.push_bind_param::<Text, _>(key.consumer.as_str()),
             n => Err(no_such_parameter(n)),
@@ -81,32 +71,34 @@ impl<const P: bool, const Q: bool> QueryFragment<Pg> for ClaimOne<'_, P, Q> {
     }
 }
 
-/// [`sql::CLAIM_BATCH`] over the keys as two parallel arrays; loads the
-/// `(id, consumer)` rows inserted.
-pub(crate) struct ClaimBatch<const PARTITIONED: bool> {
+/// [`sql::CLAIM_BATCH`] (in the store's layout and schema) over the keys as
+/// two parallel arrays; loads the `(id, consumer)` rows inserted.
+pub(crate) struct ClaimBatch<'s> {
+    pub(crate) sql: &'s str,
     pub(crate) ids: Vec<uuid::Uuid>,
     pub(crate) consumers: Vec<String>,
 }
 
-impl<const P: bool> ClaimBatch<P> {
-    pub(crate) fn of(keys: &[InboxKey]) -> Self {
+impl<'s> ClaimBatch<'s> {
+    pub(crate) fn of(sql: &'s str, keys: &[InboxKey]) -> Self {
         let (ids, consumers) = inbox_postgres::key_columns(keys);
-        Self { ids, consumers }
+        Self {
+            sql,
+            ids,
+            consumers,
+        }
     }
 }
 
-impl<const P: bool> QueryId for ClaimBatch<P> {
-    type QueryId = ClaimBatch<P>;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
+cached_by_text!(ClaimBatch<'_>);
 
-impl<const P: bool> Query for ClaimBatch<P> {
+impl Query for ClaimBatch<'_> {
     type SqlType = (Uuid, Text);
 }
 
-impl<const P: bool> QueryFragment<Pg> for ClaimBatch<P> {
+impl QueryFragment<Pg> for ClaimBatch<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        walk(layout(P).claim_batch(), &mut out, |n, out| match n {
+        walk(self.sql, &mut out, |n, out| match n {
             1 => out.push_bind_param::<Array<Uuid>, _>(&self.ids),
             2 => out.push_bind_param::<Array<Text>, _>(&self.consumers),
             n => Err(no_such_parameter(n)),
@@ -137,6 +129,7 @@ type OutboxSqlType = (
 /// [`sql::ENQUEUE`] for one message, in the producer's transaction (its
 /// hot path, so prepared once); executes to the rows inserted (0 or 1).
 pub(crate) struct Enqueue<'m> {
+    pub(crate) sql: &'m str,
     pub(crate) id: uuid::Uuid,
     pub(crate) message: &'m OutgoingMessage,
     pub(crate) names: Vec<String>,
@@ -144,9 +137,10 @@ pub(crate) struct Enqueue<'m> {
 }
 
 impl<'m> Enqueue<'m> {
-    pub(crate) fn of(message: &'m OutgoingMessage) -> Self {
+    pub(crate) fn of(sql: &'m str, message: &'m OutgoingMessage) -> Self {
         let (names, values) = inbox_postgres::header_columns(message);
         Self {
+            sql,
             id: *message.id().as_uuid(),
             message,
             names,
@@ -155,18 +149,12 @@ impl<'m> Enqueue<'m> {
     }
 }
 
-/// The statement cache's key for [`Enqueue`].
-pub(crate) struct EnqueueId;
-
-impl QueryId for Enqueue<'_> {
-    type QueryId = EnqueueId;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
+cached_by_text!(Enqueue<'_>);
 
 impl QueryFragment<Pg> for Enqueue<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         let m = self.message;
-        walk(sql::ENQUEUE, &mut out, |n, out| match n {
+        walk(self.sql, &mut out, |n, out| match n {
             1 => out.push_bind_param::<Uuid, _>(&self.id),
             2 => out.push_bind_param::<Text, _>(m.exchange()),
             3 => out.push_bind_param::<Text, _>(m.routing_key()),
@@ -181,24 +169,22 @@ impl QueryFragment<Pg> for Enqueue<'_> {
 
 /// [`sql::TAKE_PENDING`]; loads [`inbox_postgres::OutboxColumns`]. The
 /// relay's hot path, so prepared once per connection.
-pub(crate) struct TakePending {
+pub(crate) struct TakePending<'s> {
+    pub(crate) sql: &'s str,
     pub(crate) lease_millis: i64,
     pub(crate) lease_id: uuid::Uuid,
     pub(crate) limit: i64,
 }
 
-impl QueryId for TakePending {
-    type QueryId = TakePending;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
+cached_by_text!(TakePending<'_>);
 
-impl Query for TakePending {
+impl Query for TakePending<'_> {
     type SqlType = OutboxSqlType;
 }
 
-impl QueryFragment<Pg> for TakePending {
+impl QueryFragment<Pg> for TakePending<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        walk(sql::TAKE_PENDING, &mut out, |n, out| match n {
+        walk(self.sql, &mut out, |n, out| match n {
             1 => out.push_bind_param::<BigInt, _>(&self.lease_millis),
             2 => out.push_bind_param::<Uuid, _>(&self.lease_id),
             3 => out.push_bind_param::<BigInt, _>(&self.limit),
@@ -207,44 +193,39 @@ impl QueryFragment<Pg> for TakePending {
     }
 }
 
-/// [`sql::LOOKUP_OUTGOING`]; loads [`inbox_postgres::OutboxColumns`].
-pub(crate) struct LookupOutgoing(pub(crate) uuid::Uuid);
+/// [`sql::LOOKUP_OUTGOING`] (`.0`) of id `.1`; loads
+/// [`inbox_postgres::OutboxColumns`].
+pub(crate) struct LookupOutgoing<'s>(pub(crate) &'s str, pub(crate) uuid::Uuid);
 
-impl QueryId for LookupOutgoing {
-    type QueryId = LookupOutgoing;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
+cached_by_text!(LookupOutgoing<'_>);
 
-impl Query for LookupOutgoing {
+impl Query for LookupOutgoing<'_> {
     type SqlType = OutboxSqlType;
 }
 
-impl QueryFragment<Pg> for LookupOutgoing {
+impl QueryFragment<Pg> for LookupOutgoing<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        walk(sql::LOOKUP_OUTGOING, &mut out, |n, out| match n {
-            1 => out.push_bind_param::<Uuid, _>(&self.0),
+        walk(self.0, &mut out, |n, out| match n {
+            1 => out.push_bind_param::<Uuid, _>(&self.1),
             n => Err(no_such_parameter(n)),
         })
     }
 }
 
-/// [`sql::DEAD_OUTGOING`]: `.0` is the limit; loads
+/// [`sql::DEAD_OUTGOING`] (`.0`): `.1` is the limit; loads
 /// [`inbox_postgres::OutboxColumns`].
-pub(crate) struct DeadOutgoing(pub(crate) i64);
+pub(crate) struct DeadOutgoing<'s>(pub(crate) &'s str, pub(crate) i64);
 
-impl QueryId for DeadOutgoing {
-    type QueryId = DeadOutgoing;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
+cached_by_text!(DeadOutgoing<'_>);
 
-impl Query for DeadOutgoing {
+impl Query for DeadOutgoing<'_> {
     type SqlType = OutboxSqlType;
 }
 
-impl QueryFragment<Pg> for DeadOutgoing {
+impl QueryFragment<Pg> for DeadOutgoing<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        walk(sql::DEAD_OUTGOING, &mut out, |n, out| match n {
-            1 => out.push_bind_param::<BigInt, _>(&self.0),
+        walk(self.0, &mut out, |n, out| match n {
+            1 => out.push_bind_param::<BigInt, _>(&self.1),
             n => Err(no_such_parameter(n)),
         })
     }

@@ -3,12 +3,14 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::num::NonZeroU32;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use deadpool::Runtime;
 use deadpool::managed::{Object, Timeouts};
+use diesel::connection::{CacheSize, TransactionDepthChange};
 use diesel::sql_types::{BigInt, Nullable, Text, Timestamptz, Uuid};
 use diesel::{OptionalExtension, QueryableByName};
 use diesel_async::pooled_connection::deadpool::Pool;
@@ -16,13 +18,13 @@ use diesel_async::pooled_connection::{
     AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod,
 };
 use diesel_async::{
-    AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
+    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
     TransactionManager,
 };
 use inbox_api::{
     Claim, FirstStep, InboxError, InboxKey, InboxRecord, InboxStats, InboxStore, PurgedBatch,
 };
-use inbox_postgres::{Layout, SessionTimeouts, sql};
+use inbox_postgres::{Layout, Pooling, SessionTimeouts, Statements, sql};
 
 use crate::error::{classify, classify_pool};
 use crate::migrate::Migrating;
@@ -37,17 +39,24 @@ pub type PooledConnection = Object<AsyncDieselConnectionManager<AsyncPgConnectio
 
 /// An [`InboxStore`] on PostgreSQL through diesel-async.
 ///
-/// Cloning is cheap and shares the pool. Every connection of the pool has
-/// `search_path` set to the store's schema when it is opened, so the
-/// unqualified names of the migrations and of [`crate::schema`] resolve
-/// there, and nowhere else: a missing table is an error, not a silent
-/// fallback to `public`. The consumer's business tables are resolved the
-/// same way; qualify them (`public.parcels`) if they live elsewhere.
+/// Cloning is cheap and shares the pool. The store's statements name its
+/// schema ([`Statements`]) and every transaction sets the store's
+/// [`SessionTimeouts`] with `SET LOCAL` right after `BEGIN`, so it works
+/// on any pool: the one [`DieselStore::builder`] builds, or the
+/// application's own ([`DieselStore::from_pool`]). The builder's pool also
+/// sets `search_path` to the schema on each connection, so the unqualified
+/// names of [`crate::schema`] and the consumer's tables in that schema
+/// resolve there; on an application's pool, its own `search_path` rules.
 #[derive(Clone)]
 pub struct DieselStore {
     pool: DieselPool,
     schema: SchemaName,
     layout: Layout,
+    /// The statements with the schema qualified, for this layout.
+    statements: Arc<Statements>,
+    /// `SET LOCAL` of the bounds, appended to every `BEGIN`.
+    set_local: Arc<str>,
+    pooling: Pooling,
 }
 
 impl fmt::Debug for DieselStore {
@@ -74,24 +83,70 @@ async fn establish(url: &str) -> diesel::ConnectionResult<AsyncPgConnection> {
         Ok((client, connection)) => {
             AsyncPgConnection::try_from_client_and_connection(client, connection).await
         }
-        Err(error) => match error.as_db_error() {
-            Some(server) => Err(diesel::ConnectionError::CouldntSetupConfiguration(
+        Err(error) => Err(connect_error(&error)),
+    }
+}
+
+/// A failed connect as [`establish`] reports it.
+fn connect_error(error: &tokio_postgres::Error) -> diesel::ConnectionError {
+    {
+        match error.as_db_error() {
+            Some(server) => diesel::ConnectionError::CouldntSetupConfiguration(
                 diesel::result::Error::DatabaseError(
                     diesel::result::DatabaseErrorKind::Unknown,
                     Box::new(server.message().to_owned()),
                 ),
-            )),
+            ),
             None => {
                 let mut text = error.to_string();
-                let mut source = std::error::Error::source(&error);
+                let mut source = std::error::Error::source(error);
                 while let Some(cause) = source {
                     text.push_str(&format!(": {cause}"));
                     source = cause.source();
                 }
-                Err(diesel::ConnectionError::BadConnection(text))
+                diesel::ConnectionError::BadConnection(text)
             }
-        },
+        }
     }
+}
+
+/// Opens one connection ([`establish`]) for a pool that reaches PostgreSQL
+/// as `pooling` says. diesel-async's connection setup sends two statements
+/// (`SET TIME ZONE`, `SET CLIENT_ENCODING`) as prepared statements outside
+/// any transaction: through a transaction-mode pooler, a statement's parse
+/// and its execution may then reach two different server sessions
+/// ("prepared statement … does not exist", seen in one test run in ten).
+/// So behind such a pooler the setup runs inside a transaction, which
+/// keeps one server session for it; its `SET`s (not `LOCAL`) outlive the
+/// COMMIT, and PgBouncer, which tracks both parameters, carries them to
+/// whichever server session serves the client next.
+async fn establish_for(url: &str, pooling: Pooling) -> diesel::ConnectionResult<AsyncPgConnection> {
+    if pooling == Pooling::Session {
+        return establish(url).await;
+    }
+    let (client, mut connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .map_err(|error| connect_error(&error))?;
+    {
+        // The connection is not driven yet (diesel-async spawns it below):
+        // drive it here until BEGIN is answered.
+        let begin = client.batch_execute("BEGIN");
+        futures::pin_mut!(begin);
+        match futures::future::select(begin, &mut connection).await {
+            futures::future::Either::Left((Ok(()), _)) => {}
+            futures::future::Either::Left((Err(error), _)) => return Err(connect_error(&error)),
+            futures::future::Either::Right((ended, _)) => {
+                return Err(diesel::ConnectionError::BadConnection(format!(
+                    "the connection ended during its setup: {ended:?}"
+                )));
+            }
+        }
+    }
+    let mut conn = AsyncPgConnection::try_from_client_and_connection(client, connection).await?;
+    conn.batch_execute("COMMIT")
+        .await
+        .map_err(diesel::ConnectionError::CouldntSetupConfiguration)?;
+    Ok(conn)
 }
 
 /// Settings of a [`DieselStore`]; start from [`DieselStore::builder`].
@@ -105,6 +160,7 @@ pub struct DieselStoreBuilder {
     verify_on_checkout: bool,
     timeouts: SessionTimeouts,
     layout: Layout,
+    pooling: Pooling,
 }
 
 impl fmt::Debug for DieselStoreBuilder {
@@ -173,6 +229,17 @@ impl DieselStoreBuilder {
         self
     }
 
+    /// How the pool reaches PostgreSQL (default [`Pooling::Session`]).
+    /// With [`Pooling::Transaction`] (PgBouncer in transaction mode) the
+    /// connections set nothing at connect time (a session `SET` through
+    /// such a pooler would land on whichever server session serves it and
+    /// stay there for the next client) and keep no prepared statement; see
+    /// [`DieselStore::with_pooling`].
+    pub fn pooling(mut self, pooling: Pooling) -> Self {
+        self.pooling = pooling;
+        self
+    }
+
     /// Builds the store without connecting (connections open on demand).
     ///
     /// # Errors
@@ -189,20 +256,28 @@ impl DieselStoreBuilder {
         } else {
             RecyclingMethod::Fast
         };
-        // The connection's whole setup, one round trip: the schema, then
-        // the session's time bounds.
-        let setup = format!(
-            "SET search_path TO {}; {}",
-            self.schema.quoted(),
-            self.timeouts.set_statements()
-        );
+        // The connection's whole setup, one round trip: the schema (for
+        // `crate::schema` and the consumer's tables), then the session's
+        // time bounds (every transaction sets them again, but a statement
+        // outside one has them too). None behind a transaction-mode pooler.
+        let setup = match self.pooling {
+            Pooling::Session => format!(
+                "SET search_path TO {}; {}",
+                self.schema.quoted(),
+                self.timeouts.set_statements()
+            ),
+            Pooling::Transaction => String::new(),
+        };
+        let pooling = self.pooling;
         config.custom_setup = Box::new(move |url| {
             let setup = setup.clone();
             Box::pin(async move {
-                let mut conn = establish(url).await?;
-                conn.batch_execute(&setup)
-                    .await
-                    .map_err(diesel::ConnectionError::CouldntSetupConfiguration)?;
+                let mut conn = establish_for(url, pooling).await?;
+                if !setup.is_empty() {
+                    conn.batch_execute(&setup)
+                        .await
+                        .map_err(diesel::ConnectionError::CouldntSetupConfiguration)?;
+                }
                 Ok(conn)
             })
         });
@@ -219,11 +294,10 @@ impl DieselStoreBuilder {
             .map_err(|e| InboxError::InvalidArgument {
                 message: format!("cannot build the connection pool: {e}"),
             })?;
-        Ok(DieselStore {
-            pool,
-            schema: self.schema,
-            layout: self.layout,
-        })
+        Ok(DieselStore::from_pool_in(pool, self.schema)
+            .with_layout(self.layout)
+            .with_session_timeouts(&self.timeouts)
+            .with_pooling(self.pooling))
     }
 
     /// Builds the store and opens one connection, so that a wrong URL fails
@@ -278,7 +352,91 @@ impl DieselStore {
             verify_on_checkout: false,
             timeouts: SessionTimeouts::default(),
             layout: Layout::Table,
+            pooling: Pooling::Session,
         })
+    }
+
+    /// A store on the application's own pool, keeping its tables in
+    /// `schema`. The pool's connections need no setting: the store's
+    /// statements name `schema` (so the application's unqualified tables
+    /// keep resolving through its own `search_path`), and every inbox
+    /// transaction sets the default [`SessionTimeouts`] with `SET LOCAL`
+    /// after `BEGIN` ([`DieselStore::with_session_timeouts`] tunes them).
+    /// Behind PgBouncer in transaction mode add
+    /// [`DieselStore::with_pooling`]. Run [`DieselStore::migrate`] first.
+    ///
+    /// # Errors
+    /// [`InboxError::InvalidArgument`] when `schema` is not a plain
+    /// identifier (see [`SchemaName`]).
+    pub fn from_pool(pool: DieselPool, schema: &str) -> Result<Self, InboxError> {
+        Ok(Self::from_pool_in(pool, SchemaName::new(schema)?))
+    }
+
+    fn from_pool_in(pool: DieselPool, schema: SchemaName) -> Self {
+        let layout = Layout::Table;
+        Self {
+            pool,
+            statements: Arc::new(Statements::new(&schema, layout)),
+            schema,
+            layout,
+            set_local: SessionTimeouts::default().set_local_statements().into(),
+            pooling: Pooling::Session,
+        }
+    }
+
+    /// The same store with the inbox table laid out as `layout` (default
+    /// [`Layout::Table`]), as [`DieselStoreBuilder::layout`].
+    #[must_use]
+    pub fn with_layout(mut self, layout: Layout) -> Self {
+        self.layout = layout;
+        self.statements = Arc::new(Statements::new(&self.schema, layout));
+        self
+    }
+
+    /// The same store with its transactions under `timeouts`: each `BEGIN`
+    /// is followed by their `SET LOCAL` in the same round trip, so they
+    /// hold on any pool and through PgBouncer, and end with the
+    /// transaction. [`SessionTimeouts::SERVER_DEFAULTS`] sends a bare
+    /// `BEGIN`.
+    #[must_use]
+    pub fn with_session_timeouts(mut self, timeouts: &SessionTimeouts) -> Self {
+        self.set_local = timeouts.set_local_statements().into();
+        self
+    }
+
+    /// The same store for a pool that reaches PostgreSQL as `pooling` says
+    /// (default [`Pooling::Session`]). With [`Pooling::Transaction`]
+    /// (PgBouncer in transaction mode) the store turns each checked-out
+    /// connection's statement cache off (a statement prepared on one server
+    /// session is missing on the next), and runs each statement outside
+    /// the consumer's transactions in a transaction of its own
+    /// (diesel-async prepares and executes in two exchanges, which the
+    /// pooler could hand to two server sessions). LISTEN needs a session:
+    /// give [`crate::OutboxListener::connect`] a direct URL.
+    #[must_use]
+    pub fn with_pooling(mut self, pooling: Pooling) -> Self {
+        self.pooling = pooling;
+        self
+    }
+
+    /// How the store's pool reaches PostgreSQL.
+    pub fn pooling(&self) -> Pooling {
+        self.pooling
+    }
+
+    /// A pool manager's configuration for an application's own pool that
+    /// reaches PostgreSQL as `pooling` says, for
+    /// [`AsyncDieselConnectionManager::new_with_config`]: no ping on
+    /// checkout ([`RecyclingMethod::Fast`]: a ping is a prepared statement
+    /// outside a transaction, which a transaction-mode pooler may split
+    /// across server sessions) and a connection setup that survives such a
+    /// split (see the crate's docs on PgBouncer). A pool behind PgBouncer
+    /// in transaction mode needs it; a direct pool may use it.
+    pub fn manager_config(pooling: Pooling) -> ManagerConfig<AsyncPgConnection> {
+        let mut config = ManagerConfig::<AsyncPgConnection>::default();
+        config.recycling_method = RecyclingMethod::Fast;
+        config.custom_setup = Box::new(move |url| Box::pin(establish_for(url, pooling)));
+        config
     }
 
     /// A store on `url` in `schema` with at most `pool_size` connections,
@@ -385,17 +543,18 @@ impl DieselStore {
     /// it stopped: [`sql::PURGE_BATCH`]). Returns the rows deleted.
     pub(crate) async fn purge_batch(
         &self,
-        statement: &'static str,
+        statement: &str,
         cutoff: DateTime<Utc>,
         limit: NonZeroU32,
         table: &'static str,
     ) -> Result<u64, InboxError> {
-        let mut conn = self.pool.get().await.map_err(classify_pool)?;
+        let mut conn = self.checkout().await?;
         let deleted = diesel::sql_query(statement)
             .bind::<Timestamptz, _>(cutoff)
             .bind::<BigInt, _>(i64::from(limit.get()))
             .execute(&mut *conn)
             .await;
+        let deleted = conn.finish(deleted).await;
         match deleted {
             Ok(n) => {
                 tracing::debug!(table, deleted = n, %cutoff, limit, "purge batch");
@@ -405,16 +564,66 @@ impl DieselStore {
         }
     }
 
-    /// Checks out a connection and runs `BEGIN`, retrying on another
-    /// connection when a pooled one turns out to be dead (BEGIN has no
-    /// effect, so retrying it is always safe).
+    /// `BEGIN` and the bounds' `SET LOCAL`, one simple query.
+    pub(crate) fn begin_text(&self) -> String {
+        if self.set_local.is_empty() {
+            "BEGIN".to_owned()
+        } else {
+            format!("BEGIN; {}", self.set_local)
+        }
+    }
+
+    /// [`sql::BEGIN_PIPELINED`] and the bounds' `SET LOCAL`, one simple
+    /// query.
+    pub(crate) fn begin_pipelined_text(&self) -> String {
+        if self.set_local.is_empty() {
+            sql::BEGIN_PIPELINED.to_owned()
+        } else {
+            format!("{}; {}", sql::BEGIN_PIPELINED, self.set_local)
+        }
+    }
+
+    /// The store's statements.
+    pub(crate) fn statements(&self) -> &Arc<Statements> {
+        &self.statements
+    }
+
+    /// A pooled connection, fit for this store's pooling: with
+    /// [`Pooling::Transaction`] its statement cache is off.
+    pub(crate) async fn connection(&self) -> Result<Pooled, InboxError> {
+        let mut conn = self.pool.get().await.map_err(classify_pool)?;
+        if self.pooling == Pooling::Transaction {
+            conn.set_prepared_statement_cache_size(CacheSize::Disabled);
+        }
+        Ok(conn)
+    }
+
+    /// A connection for one statement outside the consumer's transactions:
+    /// see [`Checkout`].
+    pub(crate) async fn checkout(&self) -> Result<Checkout, InboxError> {
+        let mut conn = self.connection().await?;
+        let open = self.pooling == Pooling::Transaction;
+        if open && let Err(error) = conn.batch_execute(&self.begin_text()).await {
+            drop(Object::take(conn));
+            return Err(classify(error));
+        }
+        Ok(Checkout {
+            conn: Some(conn),
+            open,
+        })
+    }
+
+    /// Checks out a connection and runs `BEGIN` with the bounds, retrying
+    /// on another connection when a pooled one turns out to be dead (BEGIN
+    /// has no effect, so retrying it is always safe).
     async fn begin_on_fresh_connection(&self) -> Result<Pooled, InboxError> {
         const ATTEMPTS: usize = 3;
         let mut attempt = 0;
+        let begin = self.begin_text();
         loop {
             attempt += 1;
-            let mut conn = self.pool.get().await.map_err(classify_pool)?;
-            match AnsiTransactionManager::begin_transaction(&mut *conn).await {
+            let mut conn = self.connection().await?;
+            match begin_with(&mut conn, &begin).await {
                 Ok(()) => return Ok(conn),
                 Err(error) => {
                     let error = classify(error);
@@ -429,6 +638,82 @@ impl DieselStore {
     }
 }
 
+/// Sends `begin` (a `BEGIN` and more, one simple query) around diesel's
+/// transaction manager, then tells the manager, so that commit, rollback
+/// and the work's nested transactions see depth 1.
+pub(crate) async fn begin_with(
+    conn: &mut AsyncPgConnection,
+    begin: &str,
+) -> diesel::QueryResult<()> {
+    conn.batch_execute(begin).await?;
+    AnsiTransactionManager::transaction_manager_status_mut(conn)
+        .transaction_state()
+        .and_then(|state| state.change_transaction_depth(TransactionDepthChange::IncreaseDepth))
+}
+
+/// A pooled connection for one statement outside the consumer's
+/// transactions. With [`Pooling::Transaction`] the statement runs in a
+/// transaction of its own, committed by [`Checkout::finish`]; a checkout
+/// dropped with that transaction open (an error, a cancelled future)
+/// closes its connection rather than hand it back mid-transaction.
+pub(crate) struct Checkout {
+    conn: Option<Pooled>,
+    open: bool,
+}
+
+impl Checkout {
+    /// `result`, after committing the statement's own transaction when it
+    /// succeeded (a failed COMMIT is the result then).
+    pub(crate) async fn finish<T>(
+        &mut self,
+        result: diesel::QueryResult<T>,
+    ) -> diesel::QueryResult<T> {
+        let value = result?;
+        if self.open {
+            self.batch_execute("COMMIT").await?;
+            self.open = false;
+        }
+        Ok(value)
+    }
+
+    /// Closes the connection instead of returning it to the pool.
+    pub(crate) fn discard(mut self) {
+        if let Some(conn) = self.conn.take() {
+            drop(Object::take(conn));
+        }
+    }
+}
+
+impl std::ops::Deref for Checkout {
+    type Target = AsyncPgConnection;
+
+    fn deref(&self) -> &AsyncPgConnection {
+        match &self.conn {
+            Some(conn) => conn,
+            None => unreachable!("a checkout is used only while it holds its connection"),
+        }
+    }
+}
+
+impl std::ops::DerefMut for Checkout {
+    fn deref_mut(&mut self) -> &mut AsyncPgConnection {
+        match &mut self.conn {
+            Some(conn) => conn,
+            None => unreachable!("a checkout is used only while it holds its connection"),
+        }
+    }
+}
+
+impl Drop for Checkout {
+    fn drop(&mut self) {
+        if self.open
+            && let Some(conn) = self.conn.take()
+        {
+            drop(Object::take(conn));
+        }
+    }
+}
+
 #[async_trait]
 impl InboxStore for DieselStore {
     type Transaction = DieselTransaction;
@@ -437,11 +722,12 @@ impl InboxStore for DieselStore {
         Ok(DieselTransaction::new(
             self.begin_on_fresh_connection().await?,
             self.layout,
+            Arc::clone(&self.statements),
         ))
     }
 
     /// BEGIN and the claim pipelined in one round trip
-    /// ([`DieselTransaction::begin_claim`]); retried on another connection
+    /// (the transaction's `begin_claim`); retried on another connection
     /// when a pooled one turns out to be dead at BEGIN, as
     /// [`InboxStore::begin`] is (the claim wrote nothing then).
     async fn begin_claim(
@@ -453,11 +739,12 @@ impl InboxStore for DieselStore {
         loop {
             attempt += 1;
             let conn = self
-                .pool
-                .get()
+                .connection()
                 .await
-                .map_err(|error| (FirstStep::Begin, classify_pool(error)))?;
-            match DieselTransaction::begin_claim(conn, self.layout, key).await {
+                .map_err(|error| (FirstStep::Begin, error))?;
+            let begin = self.begin_pipelined_text();
+            let statements = Arc::clone(&self.statements);
+            match DieselTransaction::begin_claim(conn, self.layout, statements, &begin, key).await {
                 Err((FirstStep::Begin, error @ InboxError::Connection { .. }))
                     if attempt < ATTEMPTS =>
                 {
@@ -473,13 +760,14 @@ impl InboxStore for DieselStore {
         // one turns out to be dead.
         let mut retried = false;
         loop {
-            let mut conn = self.pool.get().await.map_err(classify_pool)?;
-            let row = diesel::sql_query(sql::LOOKUP)
+            let mut conn = self.checkout().await?;
+            let row = diesel::sql_query(&self.statements.lookup)
                 .bind::<Uuid, _>(key.message_id.as_uuid())
                 .bind::<Text, _>(key.consumer.as_str())
                 .get_result::<Times>(&mut *conn)
                 .await
                 .optional();
+            let row = conn.finish(row).await;
             match row {
                 Ok(row) => {
                     return Ok(row.map(|times| InboxRecord {
@@ -493,7 +781,7 @@ impl InboxStore for DieselStore {
                     if retried || !matches!(error, InboxError::Connection { .. }) {
                         return Err(error);
                     }
-                    drop(Object::take(conn));
+                    conn.discard();
                     retried = true;
                 }
             }
@@ -528,13 +816,14 @@ impl InboxStore for DieselStore {
                 inbox_postgres::drop_expired_partitions(&mut Migrating(&mut conn), cutoff).await?
             }
         };
-        let mut conn = self.pool.get().await.map_err(classify_pool)?;
-        let batch = diesel::sql_query(self.layout.purge_batch())
+        let mut conn = self.checkout().await?;
+        let batch = diesel::sql_query(&self.statements.purge_batch)
             .bind::<Timestamptz, _>(cutoff)
             .bind::<Nullable<Timestamptz>, _>(from)
             .bind::<BigInt, _>(i64::from(limit.get()))
             .get_result::<Purged>(&mut *conn)
             .await;
+        let batch = conn.finish(batch).await;
         match batch {
             Ok(batch) => {
                 tracing::debug!(deleted = batch.deleted, %cutoff, ?from, limit, "inbox purge batch");
@@ -551,10 +840,11 @@ impl InboxStore for DieselStore {
 #[async_trait]
 impl InboxStats for DieselStore {
     async fn processed_counts(&self) -> Result<BTreeMap<String, u64>, InboxError> {
-        let mut conn = self.pool.get().await.map_err(classify_pool)?;
-        let rows = diesel::sql_query(sql::PROCESSED_COUNTS)
+        let mut conn = self.checkout().await?;
+        let rows = diesel::sql_query(&self.statements.processed_counts)
             .load::<ConsumerCount>(&mut *conn)
             .await;
+        let rows = conn.finish(rows).await;
         match rows {
             Ok(rows) => Ok(rows
                 .into_iter()

@@ -3,14 +3,15 @@
 use async_trait::async_trait;
 use deadpool::managed::Object;
 
-use diesel::connection::TransactionDepthChange;
+use std::sync::Arc;
+
 use diesel::sql_types::{Text, Uuid};
 use diesel_async::{
     AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
     TransactionManager,
 };
 use inbox_api::{BatchTransaction, Claim, FirstStep, InboxError, InboxKey, InboxTransaction};
-use inbox_postgres::{Claims, Layout, SavepointDriver, sql};
+use inbox_postgres::{Claims, Layout, SavepointDriver, Statements};
 
 use crate::error::{classify, is_unrecognised};
 use crate::statements::{ClaimBatch, ClaimOne};
@@ -47,6 +48,8 @@ pub struct DieselTransaction {
     claims: Claims,
     /// The store's layout, for its claim statements.
     layout: Layout,
+    /// The store's statements (its schema qualified).
+    statements: Arc<Statements>,
 }
 
 impl std::fmt::Debug for DieselTransaction {
@@ -61,12 +64,18 @@ impl std::fmt::Debug for DieselTransaction {
 
 impl DieselTransaction {
     /// Wraps a connection on which `BEGIN` succeeded.
-    pub(crate) fn new(conn: Pooled, layout: Layout) -> Self {
+    pub(crate) fn new(conn: Pooled, layout: Layout, statements: Arc<Statements>) -> Self {
         Self {
             conn: Some(conn),
             claims: Claims::new(),
             layout,
+            statements,
         }
+    }
+
+    /// The store's statements.
+    pub(crate) fn statements(&self) -> Arc<Statements> {
+        Arc::clone(&self.statements)
     }
 
     /// The connection, inside the open transaction, for the consumer's
@@ -189,8 +198,9 @@ impl SavepointDriver for DieselTransaction {
 
 impl DieselTransaction {
     /// Opens a transaction on `conn` and claims `key` in one round trip:
-    /// [`sql::BEGIN_PIPELINED`] and the pipelined claim
-    /// ([`sql::CLAIM_PIPELINED`]) go out together. tokio-postgres pipelines
+    /// [`inbox_postgres::sql::BEGIN_PIPELINED`] (with the bounds' `SET
+    /// LOCAL`: `begin`) and the pipelined claim
+    /// ([`inbox_postgres::sql::CLAIM_PIPELINED`]) go out together. tokio-postgres pipelines
     /// the queries of futures polled concurrently, in the order they are
     /// first polled, and `join` polls BEGIN first, so the server runs BEGIN,
     /// then the claim inside its transaction. Were BEGIN to fail, the claim
@@ -203,22 +213,26 @@ impl DieselTransaction {
     pub(crate) async fn begin_claim(
         conn: Pooled,
         layout: Layout,
+        statements: Arc<Statements>,
+        begin: &str,
         key: &InboxKey,
     ) -> Result<(Self, Claim), (FirstStep, InboxError)> {
         // Owned from the start: dropped midway (a timeout around the
         // handler), the transaction closes the connection like any other.
-        let mut tx = Self::new(conn, layout);
+        let mut tx = Self::new(conn, layout, Arc::clone(&statements));
         let shared: &AsyncPgConnection = tx.conn();
         let begin = async move {
             let mut conn = shared;
-            conn.batch_execute(sql::BEGIN_PIPELINED).await
+            conn.batch_execute(begin).await
         };
         let claim = async move {
             let mut conn = shared;
-            match layout {
-                Layout::Table => ClaimOne::<false, true>(key).execute(&mut conn).await,
-                Layout::Partitioned => ClaimOne::<true, true>(key).execute(&mut conn).await,
+            ClaimOne {
+                sql: &statements.claim_pipelined,
+                key,
             }
+            .execute(&mut conn)
+            .await
         };
         let (begun, claimed) = futures::future::join(begin, claim).await;
         if let Err(error) = begun {
@@ -231,7 +245,9 @@ impl DieselTransaction {
         let entered = AnsiTransactionManager::transaction_manager_status_mut(tx.conn())
             .transaction_state()
             .and_then(|state| {
-                state.change_transaction_depth(TransactionDepthChange::IncreaseDepth)
+                state.change_transaction_depth(
+                    diesel::connection::TransactionDepthChange::IncreaseDepth,
+                )
             });
         if let Err(error) = entered {
             tx.discard();
@@ -279,10 +295,13 @@ impl InboxTransaction for DieselTransaction {
     /// `now()`, the transaction's start): it becomes visible only at COMMIT,
     /// together with the work, so a committed row is a processed message.
     async fn claim(&mut self, key: &InboxKey) -> Result<Claim, InboxError> {
-        let claimed = match self.layout {
-            Layout::Table => ClaimOne::<false, false>(key).execute(self.conn()).await,
-            Layout::Partitioned => ClaimOne::<true, false>(key).execute(self.conn()).await,
-        };
+        let statements = self.statements();
+        let claimed = ClaimOne {
+            sql: &statements.claim,
+            key,
+        }
+        .execute(self.conn())
+        .await;
         self.claimed(key, claimed).await
     }
 
@@ -345,18 +364,10 @@ impl BatchTransaction for DieselTransaction {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let inserted = match self.layout {
-            Layout::Table => {
-                ClaimBatch::<false>::of(keys)
-                    .load::<(uuid::Uuid, String)>(self.conn())
-                    .await
-            }
-            Layout::Partitioned => {
-                ClaimBatch::<true>::of(keys)
-                    .load::<(uuid::Uuid, String)>(self.conn())
-                    .await
-            }
-        };
+        let statements = self.statements();
+        let inserted = ClaimBatch::of(&statements.claim_batch, keys)
+            .load::<(uuid::Uuid, String)>(self.conn())
+            .await;
         match inserted {
             Ok(rows) => self.claims.claimed_batch(keys, rows),
             Err(error)
@@ -376,7 +387,8 @@ impl BatchTransaction for DieselTransaction {
 
     async fn unclaim(&mut self, key: &InboxKey) -> Result<(), InboxError> {
         self.claims.may_unclaim(key)?;
-        let deleted = diesel::sql_query(sql::UNCLAIM)
+        let statements = self.statements();
+        let deleted = diesel::sql_query(&statements.unclaim)
             .bind::<Uuid, _>(key.message_id.as_uuid())
             .bind::<Text, _>(key.consumer.as_str())
             .execute(self.conn())

@@ -707,12 +707,14 @@ async fn hot_statements_are_prepared_once_per_connection() {
     .get_result(&mut *conn)
     .await
     .expect("pg_prepared_statements");
+    // The statements name the store's schema.
     for start in [
-        "INSERT INTO inbox_messages (id, consumer_type, processed_at) VALUES",
-        "INSERT INTO inbox_messages (id, consumer_type, processed_at) SELECT id",
-        "INSERT INTO inbox_messages (id, consumer_type, processed_at) SELECT $1",
+        ".inbox_messages (id, consumer_type, processed_at) VALUES",
+        ".inbox_messages (id, consumer_type, processed_at) SELECT id",
+        ".inbox_messages (id, consumer_type, processed_at) SELECT $1",
     ] {
-        let n = prepared.iter().filter(|s| s.starts_with(start)).count();
+        let start = format!("INSERT INTO \"{}\"{start}", store.schema());
+        let n = prepared.iter().filter(|s| s.starts_with(&start)).count();
         assert_eq!(n, 1, "{start}… prepared {n} times: {prepared:#?}");
     }
     assert!(
@@ -784,10 +786,7 @@ async fn outbox_hot_statements_are_prepared_once_per_connection() {
     .get_result(&mut *conn)
     .await
     .expect("pg_prepared_statements");
-    for part in [
-        "INSERT INTO outbox_messages (message_id",
-        "FROM outbox_take(",
-    ] {
+    for part in [".outbox_messages (message_id", ".outbox_take("] {
         let n = prepared.iter().filter(|s| s.contains(part)).count();
         assert_eq!(n, 1, "…{part}… prepared {n} times: {prepared:#?}");
     }

@@ -7,20 +7,23 @@ use std::num::NonZeroU32;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use inbox_api::{AttemptLedger, AttemptRecord, ConsumerName, InboxError, InboxKey, LastError};
-use inbox_postgres::{AttemptColumns, attempt_record, sql};
+use inbox_postgres::{AttemptColumns, attempt_record};
 
 use crate::{SqlxStore, classify};
 
 #[async_trait]
 impl AttemptLedger for SqlxStore {
     async fn record_failure(&self, key: &InboxKey, error: &LastError) -> Result<u32, InboxError> {
-        let attempts: i32 = sqlx::query_scalar(sql::RECORD_FAILURE)
+        let mut one = self.one_statement().await?;
+        let attempts: i32 = sqlx::query_scalar(&self.statements.record_failure)
             .bind(key.message_id.as_uuid())
             .bind(key.consumer.as_str())
             .bind(error.as_str())
-            .fetch_one(&self.pool)
+            .persistent(self.persistent())
+            .fetch_one(one.conn())
             .await
             .map_err(classify)?;
+        one.done().await?;
         Ok(inbox_postgres::attempt_count(attempts))
     }
 
@@ -30,24 +33,30 @@ impl AttemptLedger for SqlxStore {
         reason: &str,
         error: &LastError,
     ) -> Result<(), InboxError> {
-        sqlx::query(sql::MARK_DEAD)
+        let mut one = self.one_statement().await?;
+        sqlx::query(&self.statements.mark_dead)
             .bind(key.message_id.as_uuid())
             .bind(key.consumer.as_str())
             .bind(error.as_str())
             .bind(reason)
-            .execute(&self.pool)
+            .persistent(self.persistent())
+            .execute(one.conn())
             .await
             .map_err(classify)?;
+        one.done().await?;
         Ok(())
     }
 
     async fn attempts(&self, key: &InboxKey) -> Result<Option<AttemptRecord>, InboxError> {
-        let row = sqlx::query_as::<_, AttemptColumns>(sql::LOOKUP_ATTEMPTS)
+        let mut one = self.one_statement().await?;
+        let row = sqlx::query_as::<_, AttemptColumns>(&self.statements.lookup_attempts)
             .bind(key.message_id.as_uuid())
             .bind(key.consumer.as_str())
-            .fetch_optional(&self.pool)
+            .persistent(self.persistent())
+            .fetch_optional(one.conn())
             .await
             .map_err(classify)?;
+        one.done().await?;
         row.map(attempt_record).transpose()
     }
 
@@ -56,12 +65,15 @@ impl AttemptLedger for SqlxStore {
         consumer: Option<&ConsumerName>,
         limit: NonZeroU32,
     ) -> Result<Vec<AttemptRecord>, InboxError> {
-        let rows = sqlx::query_as::<_, AttemptColumns>(sql::DEAD_MESSAGES)
+        let mut one = self.one_statement().await?;
+        let rows = sqlx::query_as::<_, AttemptColumns>(&self.statements.dead_messages)
             .bind(consumer.map(ConsumerName::as_str))
             .bind(i64::from(limit.get()))
-            .fetch_all(&self.pool)
+            .persistent(self.persistent())
+            .fetch_all(one.conn())
             .await
             .map_err(classify)?;
+        one.done().await?;
         rows.into_iter().map(attempt_record).collect()
     }
 
@@ -70,7 +82,12 @@ impl AttemptLedger for SqlxStore {
         cutoff: DateTime<Utc>,
         limit: NonZeroU32,
     ) -> Result<u64, InboxError> {
-        self.purge_batch(sql::PURGE_ATTEMPTS_BATCH, cutoff, limit, "attempts")
-            .await
+        self.purge_batch(
+            &self.statements.purge_attempts_batch,
+            cutoff,
+            limit,
+            "attempts",
+        )
+        .await
     }
 }

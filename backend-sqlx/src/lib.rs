@@ -1,3 +1,7 @@
+#![doc = include_str!("../README.md")]
+//!
+//! # The crate
+//!
 //! The Inbox pattern on PostgreSQL through sqlx.
 //!
 //! [`SqlxStore`] keeps the inbox in the table `inbox_messages` of one schema
@@ -14,8 +18,7 @@
 //! use inbox_backend_sqlx::{SqlxStore, classify};
 //!
 //! # async fn on_delivery(header_id: &str, parcel: &str) -> Result<(), InboxError> {
-//! // One schema per application; the pool's connections find it through
-//! // search_path.
+//! // One schema for the inbox; every statement names it.
 //! let store = SqlxStore::connect("postgres://postgres@127.0.0.1:5432/app", "parcels").await?;
 //! store.migrate().await?;
 //! let inbox = Inbox::new(store);
@@ -65,8 +68,10 @@
 //! - **Attempt ledger**: [`SqlxStore`] implements
 //!   [`inbox_api::AttemptLedger`], each failure one upsert on the pool, in
 //!   its own transaction, outside the consumer's (which has rolled back).
-//! - **Time bounds**: every connection of [`SqlxStore::connect_options`]
-//!   sets [`SessionTimeouts`] at startup: a claim of a key a frozen holder
+//! - **Time bounds**: every transaction sets [`SessionTimeouts`] with
+//!   `SET LOCAL` right after `BEGIN`, in the same round trip (and every
+//!   connection of [`SqlxStore::connect_options`] sets them at startup
+//!   too): a claim of a key a frozen holder
 //!   keeps gives up after `lock_timeout` ([`InboxError::LockTimeout`]), the
 //!   server ends a session idle inside a transaction, and a transaction
 //!   dropped mid-statement closes its connection so the server stops the
@@ -82,6 +87,7 @@
 
 mod attempts;
 mod error;
+pub mod migrations;
 mod outbox;
 
 use std::collections::BTreeMap;
@@ -96,12 +102,15 @@ use inbox_api::{
 };
 /// The inbox table's layouts, shared with the diesel backend.
 pub use inbox_postgres::Layout;
-use inbox_postgres::{Claims, MigrationConnection, SavepointDriver, key_columns, sql};
+use inbox_postgres::{Claims, MigrationConnection, SavepointDriver, Statements, key_columns};
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgTransactionManager};
 use sqlx::{PgConnection, PgPool, Postgres, Row, TransactionManager};
 
 pub use error::classify;
+/// How the pool reaches PostgreSQL (directly or through PgBouncer in
+/// transaction mode), shared with the diesel backend.
+pub use inbox_postgres::Pooling;
 /// The schema-name rules, shared with the diesel backend.
 pub use inbox_postgres::SchemaName;
 /// The time bounds of every inbox session, shared with the diesel backend.
@@ -119,6 +128,13 @@ pub struct SqlxStore {
     pool: PgPool,
     schema: Arc<SchemaName>,
     layout: Layout,
+    /// The statements with the schema qualified, for this layout.
+    statements: Arc<Statements>,
+    /// `BEGIN` and the session bounds as `SET LOCAL`, one round trip.
+    begin: Arc<str>,
+    pooling: Pooling,
+    /// A direct URL (not through a transaction-mode pooler) for LISTEN.
+    listen_url: Option<Arc<str>>,
 }
 
 impl SqlxStore {
@@ -135,10 +151,13 @@ impl SqlxStore {
     /// time bounds `timeouts`: both are set at connect time, as startup
     /// parameters, so they cost no round trip per transaction.
     ///
-    /// Setting the schema per connection, instead of naming it in every
-    /// statement, keeps the statements constant (so they are prepared once
-    /// per connection) and the migrations schema-agnostic, and no text ever
-    /// reaches SQL by string formatting. The timeouts bound what a frozen
+    /// The store itself needs neither: its statements name the schema and
+    /// its transactions set the bounds ([`SqlxStore::new`]). The schema as
+    /// `search_path` is for the consumer's own unqualified tables in that
+    /// schema; a bound set here holds inside the store's transactions too
+    /// (the store then leaves it alone). Not for PgBouncer in transaction
+    /// mode, which refuses startup `options`: use
+    /// [`SqlxStore::pool_options`] there. The timeouts bound what a frozen
     /// holder of a claim can do to everyone else (see [`SessionTimeouts`]);
     /// `client_connection_check_interval` is also what stops a statement
     /// whose transaction was dropped (see [`SqlxTransaction`]). Tune the
@@ -178,17 +197,92 @@ impl SqlxStore {
         Self::new(pool, schema)
     }
 
-    /// Wraps a pool whose connections already use `schema`: build it from
-    /// [`SqlxStore::connect_options`]. [`SqlxStore::migrate`] checks it.
+    /// Connection options for `url` that suit `pooling`, with no session
+    /// setting at all: every statement of the store names its schema and
+    /// every transaction sets its own bounds, so nothing depends on the
+    /// session. For [`Pooling::Transaction`] (PgBouncer in transaction
+    /// mode) the statement cache is off (`statement_cache_capacity(0)`): a
+    /// statement prepared on one server session would be missing on the
+    /// next. Build a pool with them and hand it to [`SqlxStore::new`]; a
+    /// pool of your own behind PgBouncer needs the same
+    /// `statement_cache_capacity(0)`.
+    ///
+    /// # Errors
+    /// A bad URL as [`classify`] maps it (permanent).
+    pub fn pool_options(url: &str, pooling: Pooling) -> Result<PgConnectOptions, InboxError> {
+        let options: PgConnectOptions = url.parse().map_err(classify)?;
+        Ok(match pooling {
+            Pooling::Session => options,
+            Pooling::Transaction => options.statement_cache_capacity(0),
+        })
+    }
+
+    /// Wraps any pool: the application's own, whatever its `search_path`.
+    /// The store's statements name `schema` (its tables, quoted), so the
+    /// application's unqualified tables keep resolving through the pool's
+    /// own `search_path`, and every inbox transaction sets the default
+    /// [`SessionTimeouts`] with `SET LOCAL` right after `BEGIN` (tune them
+    /// with [`SqlxStore::with_session_timeouts`]), so they hold on a pool
+    /// whose connections set nothing. Behind PgBouncer in transaction mode
+    /// add [`SqlxStore::with_pooling`].
     ///
     /// # Errors
     /// [`InboxError::InvalidArgument`] for a bad schema name.
+    ///
+    /// A bound the pool's connections already set at startup (a pool built
+    /// from [`SqlxStore::connect_options_with`]) is left to them, so the
+    /// value chosen there holds inside the transactions too.
     pub fn new(pool: PgPool, schema: &str) -> Result<Self, InboxError> {
+        let schema = SchemaName::new(schema)?;
+        let layout = Layout::Table;
+        let timeouts = unset_at_startup(&pool, SessionTimeouts::default());
         Ok(Self {
             pool,
-            schema: Arc::new(SchemaName::new(schema)?),
-            layout: Layout::Table,
+            statements: Arc::new(Statements::new(&schema, layout)),
+            schema: Arc::new(schema),
+            layout,
+            begin: timeouts.begin_statement().into(),
+            pooling: Pooling::Session,
+            listen_url: None,
         })
+    }
+
+    /// The same store with its transactions under `timeouts` instead of
+    /// the default [`SessionTimeouts`]: `BEGIN` is followed by `SET LOCAL`
+    /// of each bound in the same round trip (measured at about 30 µs per
+    /// transaction on a local server), so the bounds hold on any pool and
+    /// through PgBouncer, and end with the transaction.
+    /// [`SessionTimeouts::SERVER_DEFAULTS`] sends a bare `BEGIN`.
+    #[must_use]
+    pub fn with_session_timeouts(mut self, timeouts: &SessionTimeouts) -> Self {
+        self.begin = timeouts.begin_statement().into();
+        self
+    }
+
+    /// The same store for a pool that reaches PostgreSQL as `pooling` says
+    /// (default [`Pooling::Session`]). With [`Pooling::Transaction`]
+    /// [`SqlxStore::listen_outbox`] LISTENs only through the direct URL of
+    /// [`SqlxStore::with_listen_url`], and refuses without one (relays
+    /// poll then). The pool itself must not cache statements: build it
+    /// from [`SqlxStore::pool_options`].
+    #[must_use]
+    pub fn with_pooling(mut self, pooling: Pooling) -> Self {
+        self.pooling = pooling;
+        self
+    }
+
+    /// The same store with a direct URL to PostgreSQL (not through the
+    /// pooler) for [`SqlxStore::listen_outbox`]: LISTEN belongs to a
+    /// session, which a transaction-mode pooler does not keep.
+    #[must_use]
+    pub fn with_listen_url(mut self, url: &str) -> Self {
+        self.listen_url = Some(url.into());
+        self
+    }
+
+    /// How the store's pool reaches PostgreSQL.
+    pub fn pooling(&self) -> Pooling {
+        self.pooling
     }
 
     /// The same store with the inbox table laid out as `layout` (the
@@ -199,6 +293,7 @@ impl SqlxStore {
     #[must_use]
     pub fn with_layout(mut self, layout: Layout) -> Self {
         self.layout = layout;
+        self.statements = Arc::new(Statements::new(&self.schema, layout));
         self
     }
 
@@ -279,12 +374,13 @@ impl SqlxStore {
     /// once: the runner serialises them with an advisory lock. Returns the
     /// versions applied (empty when up to date).
     ///
+    /// Works on any pool, through PgBouncer in transaction mode too: the
+    /// runner's transaction sets its own `search_path`.
+    ///
     /// # Errors
-    /// [`InboxError::InvalidArgument`] when the pool's connections do not
-    /// use the schema (the pool was not built from
-    /// [`SqlxStore::connect_options`]); [`InboxError::Schema`] when the
-    /// applied migrations differ from the embedded ones; failures of the
-    /// statements as [`classify`] maps them.
+    /// [`InboxError::Schema`] when the applied migrations differ from the
+    /// embedded ones; failures of the statements as [`classify`] maps
+    /// them.
     pub async fn migrate(&self) -> Result<Vec<i64>, InboxError> {
         let mut conn = self.pool.acquire().await.map_err(classify)?;
         // Cancelled midway, the runner would leave the connection inside its
@@ -309,12 +405,29 @@ impl SqlxStore {
     /// (`consumer_app::tools::stores::sqlx_wakeups` does), and a relay keeps
     /// polling as its fallback.
     ///
+    /// With [`Pooling::Transaction`] it connects to the URL of
+    /// [`SqlxStore::with_listen_url`] instead of the pool (a LISTEN through
+    /// a transaction-mode pooler would listen on a session the pooler hands
+    /// to someone else).
+    ///
     /// # Errors
-    /// Connection and statement failures as [`classify`] maps them.
+    /// [`InboxError::InvalidArgument`] for [`Pooling::Transaction`] without
+    /// a listen URL: poll instead; connection and statement failures as
+    /// [`classify`] maps them.
     pub async fn listen_outbox(&self) -> Result<sqlx::postgres::PgListener, InboxError> {
-        let mut listener = sqlx::postgres::PgListener::connect_with(&self.pool)
-            .await
-            .map_err(classify)?;
+        let connected = match (&self.listen_url, self.pooling) {
+            (Some(url), _) => sqlx::postgres::PgListener::connect(url).await,
+            (None, Pooling::Session) => sqlx::postgres::PgListener::connect_with(&self.pool).await,
+            (None, Pooling::Transaction) => {
+                return Err(InboxError::InvalidArgument {
+                    message: "LISTEN needs a session, which a transaction-mode pooler does not \
+                              keep: name a direct URL with SqlxStore::with_listen_url, or let \
+                              the relay poll"
+                        .into(),
+                });
+            }
+        };
+        let mut listener = connected.map_err(classify)?;
         listener
             .listen(&self.schema.outbox_channel())
             .await
@@ -326,24 +439,112 @@ impl SqlxStore {
 impl SqlxStore {
     /// One batch of a cleanup `statement` (`$1` cutoff, `$2` limit): the
     /// outbox's and the attempt ledger's (the inbox's resumes where the
-    /// batch before it stopped: [`sql::PURGE_BATCH`]). Returns the rows
+    /// batch before it stopped: [`inbox_postgres::sql::PURGE_BATCH`]). Returns the rows
     /// deleted.
     pub(crate) async fn purge_batch(
         &self,
-        statement: &'static str,
+        statement: &str,
         cutoff: DateTime<Utc>,
         limit: NonZeroU32,
         table: &'static str,
     ) -> Result<u64, InboxError> {
+        let mut one = self.one_statement().await?;
         let deleted = sqlx::query(statement)
             .bind(cutoff)
             .bind(i64::from(limit.get()))
-            .execute(&self.pool)
+            .persistent(self.persistent())
+            .execute(one.conn())
             .await
             .map_err(classify)?
             .rows_affected();
+        one.done().await?;
         tracing::debug!(schema = %self.schema, table, %cutoff, limit, deleted, "purge batch");
         Ok(deleted)
+    }
+}
+
+/// `timeouts` without the settings `pool`'s connections set as startup
+/// parameters (`-c name=value`).
+fn unset_at_startup(pool: &PgPool, mut timeouts: SessionTimeouts) -> SessionTimeouts {
+    let options = pool.connect_options();
+    let startup = options.get_options().unwrap_or_default();
+    let set = |name: &str| startup.contains(&format!("-c {name}="));
+    if set("lock_timeout") {
+        timeouts.lock_timeout = None;
+    }
+    if set("idle_in_transaction_session_timeout") {
+        timeouts.idle_in_transaction = None;
+    }
+    if set("client_connection_check_interval") {
+        timeouts.client_check_interval = None;
+    }
+    timeouts
+}
+
+impl SqlxStore {
+    /// Whether statements are prepared under a name and kept (session
+    /// pooling), or sent unnamed (transaction pooling: a named statement
+    /// would outlive the server session it was prepared on, and collide
+    /// with another client's of the same name there).
+    pub(crate) fn persistent(&self) -> bool {
+        self.pooling == Pooling::Session
+    }
+
+    /// A connection for one statement outside the consumer's transactions
+    /// (a lookup, the relay's take, a ledger upsert). Through a
+    /// transaction-mode pooler the statement runs inside a transaction of
+    /// its own: sqlx sends an unnamed statement's parse and its execution
+    /// as two exchanges, and outside a transaction the pooler may hand them
+    /// to two different server sessions.
+    pub(crate) async fn one_statement(&self) -> Result<OneStatement, InboxError> {
+        let mut conn = self.pool.acquire().await.map_err(classify)?;
+        let wrapped = self.pooling == Pooling::Transaction;
+        if wrapped {
+            let begin = std::borrow::Cow::Owned(self.begin.to_string());
+            PgTransactionManager::begin(&mut conn, Some(begin))
+                .await
+                .map_err(classify)?;
+        }
+        Ok(OneStatement {
+            conn,
+            open: wrapped,
+        })
+    }
+}
+
+/// A pooled connection for one statement: see [`SqlxStore::one_statement`].
+pub(crate) struct OneStatement {
+    conn: PoolConnection<Postgres>,
+    /// Inside a transaction of its own that [`OneStatement::done`] has not
+    /// committed yet.
+    open: bool,
+}
+
+impl OneStatement {
+    /// The connection to run the statement on.
+    pub(crate) fn conn(&mut self) -> &mut PgConnection {
+        &mut self.conn
+    }
+
+    /// Commits the statement's own transaction, if it has one.
+    pub(crate) async fn done(mut self) -> Result<(), InboxError> {
+        if self.open {
+            PgTransactionManager::commit(&mut self.conn)
+                .await
+                .map_err(classify)?;
+            self.open = false;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for OneStatement {
+    fn drop(&mut self) {
+        // Failed or cancelled inside its own transaction: closed rather
+        // than handed back to the pool mid-transaction.
+        if self.open {
+            self.conn.close_on_drop();
+        }
     }
 }
 
@@ -362,7 +563,10 @@ impl MigrationConnection for Migrating<'_> {
     }
 
     async fn query_ledger(&mut self, sql: &str) -> Result<Vec<(i64, i64)>, InboxError> {
+        // Unnamed: the runner may run through a transaction-mode pooler,
+        // where a named statement would outlive its server session.
         sqlx::query_as(sql)
+            .persistent(false)
             .fetch_all(&mut *self.0)
             .await
             .map_err(classify)
@@ -370,6 +574,7 @@ impl MigrationConnection for Migrating<'_> {
 
     async fn query_text(&mut self, sql: &str) -> Result<Option<String>, InboxError> {
         sqlx::query_scalar(sql)
+            .persistent(false)
             .fetch_one(&mut *self.0)
             .await
             .map_err(classify)
@@ -382,23 +587,31 @@ impl InboxStore for SqlxStore {
 
     async fn begin(&self) -> Result<SqlxTransaction, InboxError> {
         let mut conn = self.pool.acquire().await.map_err(classify)?;
-        PgTransactionManager::begin(&mut conn, None)
+        // BEGIN and the bounds' SET LOCAL in one simple query: one round
+        // trip, as a bare BEGIN.
+        let begin = std::borrow::Cow::Owned(self.begin.to_string());
+        PgTransactionManager::begin(&mut conn, Some(begin))
             .await
             .map_err(classify)?;
         Ok(SqlxTransaction {
             conn: Some(conn),
             claims: Claims::new(),
             layout: self.layout,
+            statements: Arc::clone(&self.statements),
+            persistent: self.persistent(),
         })
     }
 
     async fn lookup(&self, key: &InboxKey) -> Result<Option<InboxRecord>, InboxError> {
-        let row = sqlx::query(sql::LOOKUP)
+        let mut one = self.one_statement().await?;
+        let row = sqlx::query(&self.statements.lookup)
             .bind(key.message_id.as_uuid())
             .bind(key.consumer.as_str())
-            .fetch_optional(&self.pool)
+            .persistent(self.persistent())
+            .fetch_optional(one.conn())
             .await
             .map_err(classify)?;
+        one.done().await?;
         row.map(|row| {
             Ok(InboxRecord {
                 key: key.clone(),
@@ -436,14 +649,17 @@ impl InboxStore for SqlxStore {
                 inbox_postgres::drop_expired_partitions(&mut Migrating(&mut conn), cutoff).await?
             }
         };
+        let mut one = self.one_statement().await?;
         let (deleted, last): (i64, Option<DateTime<Utc>>) =
-            sqlx::query_as(self.layout.purge_batch())
+            sqlx::query_as(&self.statements.purge_batch)
                 .bind(cutoff)
                 .bind(from)
                 .bind(i64::from(limit.get()))
-                .fetch_one(&self.pool)
+                .persistent(self.persistent())
+                .fetch_one(one.conn())
                 .await
                 .map_err(classify)?;
+        one.done().await?;
         tracing::debug!(schema = %self.schema, %cutoff, ?from, limit, deleted, "inbox purge batch");
         Ok(PurgedBatch::new(
             dropped + u64::try_from(deleted).unwrap_or(0),
@@ -455,10 +671,13 @@ impl InboxStore for SqlxStore {
 #[async_trait]
 impl InboxStats for SqlxStore {
     async fn processed_counts(&self) -> Result<BTreeMap<String, u64>, InboxError> {
-        let rows: Vec<(String, i64)> = sqlx::query_as(sql::PROCESSED_COUNTS)
-            .fetch_all(&self.pool)
+        let mut one = self.one_statement().await?;
+        let rows: Vec<(String, i64)> = sqlx::query_as(&self.statements.processed_counts)
+            .persistent(self.persistent())
+            .fetch_all(one.conn())
             .await
             .map_err(classify)?;
+        one.done().await?;
         Ok(rows
             .into_iter()
             .map(|(consumer, n)| (consumer, u64::try_from(n).unwrap_or(0)))
@@ -496,6 +715,11 @@ pub struct SqlxTransaction {
     claims: Claims,
     /// The store's layout, for its claim statements.
     layout: Layout,
+    /// The store's statements.
+    statements: Arc<Statements>,
+    /// Whether its statements are prepared and kept
+    /// ([`SqlxStore::persistent`]).
+    persistent: bool,
 }
 
 impl std::fmt::Debug for SqlxTransaction {
@@ -594,9 +818,11 @@ fn sqlstate_of(error: &sqlx::Error) -> Option<String> {
 impl InboxTransaction for SqlxTransaction {
     async fn claim(&mut self, key: &InboxKey) -> Result<Claim, InboxError> {
         let layout = self.layout;
-        let inserted = sqlx::query(layout.claim())
+        let statements = Arc::clone(&self.statements);
+        let inserted = sqlx::query(&statements.claim)
             .bind(key.message_id.as_uuid())
             .bind(key.consumer.as_str())
+            .persistent(self.persistent)
             .execute(self.conn())
             .await
             .map_err(|error| {
@@ -626,9 +852,11 @@ impl BatchTransaction for SqlxTransaction {
         }
         let (ids, consumers) = key_columns(keys);
         let layout = self.layout;
-        let inserted: Vec<(sqlx::types::Uuid, String)> = sqlx::query_as(layout.claim_batch())
+        let statements = Arc::clone(&self.statements);
+        let inserted: Vec<(sqlx::types::Uuid, String)> = sqlx::query_as(&statements.claim_batch)
             .bind(ids)
             .bind(consumers)
+            .persistent(self.persistent)
             .fetch_all(self.conn())
             .await
             .map_err(|error| {
@@ -648,9 +876,11 @@ impl BatchTransaction for SqlxTransaction {
 
     async fn unclaim(&mut self, key: &InboxKey) -> Result<(), InboxError> {
         self.claims.may_unclaim(key)?;
-        sqlx::query(sql::UNCLAIM)
+        let statements = Arc::clone(&self.statements);
+        sqlx::query(&statements.unclaim)
             .bind(key.message_id.as_uuid())
             .bind(key.consumer.as_str())
+            .persistent(self.persistent)
             .execute(self.conn())
             .await
             .map_err(classify)?;
@@ -709,6 +939,26 @@ mod tests {
         )
         .expect("valid options");
         assert_eq!(bare.get_options(), Some("-c search_path=inbox_a"));
+    }
+
+    #[tokio::test]
+    async fn transactions_set_the_bounds_a_pool_does_not_set_at_startup() {
+        let url = "postgres://u@localhost/db";
+        let plain: PgConnectOptions = url.parse().expect("url");
+        let store = SqlxStore::new(PgPoolOptions::new().connect_lazy_with(plain), "inbox")
+            .expect("any pool");
+        assert_eq!(&*store.begin, SessionTimeouts::default().begin_statement());
+
+        let configured = SessionTimeouts {
+            lock_timeout: Some(std::time::Duration::ZERO),
+            ..SessionTimeouts::default()
+        };
+        let options = SqlxStore::connect_options_with(url, "inbox", &configured).expect("options");
+        let store = SqlxStore::new(PgPoolOptions::new().connect_lazy_with(options), "inbox")
+            .expect("any pool");
+        assert_eq!(&*store.begin, "BEGIN", "the startup settings hold");
+        let store = store.with_session_timeouts(&SessionTimeouts::SERVER_DEFAULTS);
+        assert_eq!(&*store.begin, "BEGIN");
     }
 
     #[test]

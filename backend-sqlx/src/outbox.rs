@@ -13,7 +13,7 @@ use inbox_api::{
     EnqueueOutcome, InboxError, LeaseId, MessageId, OutboxLease, OutboxRecord, OutboxStore,
     OutboxTransaction, OutgoingMessage, PublishRetry, Refused,
 };
-use inbox_postgres::{OutboxColumns, OutboxRow, sql};
+use inbox_postgres::{OutboxColumns, OutboxRow};
 
 use crate::{SqlxStore, SqlxTransaction, classify};
 
@@ -21,7 +21,8 @@ use crate::{SqlxStore, SqlxTransaction, classify};
 impl OutboxTransaction for SqlxTransaction {
     async fn enqueue(&mut self, message: &OutgoingMessage) -> Result<EnqueueOutcome, InboxError> {
         let (names, values) = inbox_postgres::header_columns(message);
-        let inserted = sqlx::query(sql::ENQUEUE)
+        let statements = std::sync::Arc::clone(&self.statements);
+        let inserted = sqlx::query(&statements.enqueue)
             .bind(message.id().as_uuid())
             .bind(message.exchange())
             .bind(message.routing_key())
@@ -29,6 +30,7 @@ impl OutboxTransaction for SqlxTransaction {
             .bind(names)
             .bind(values)
             .bind(message.body())
+            .persistent(self.persistent)
             .execute(self.conn())
             .await
             .map_err(classify)?
@@ -45,58 +47,78 @@ impl OutboxStore for SqlxStore {
         lease: Duration,
     ) -> Result<OutboxLease, InboxError> {
         let id = LeaseId::new();
-        let rows = sqlx::query_as::<_, OutboxColumns>(sql::TAKE_PENDING)
+        let mut one = self.one_statement().await?;
+        let rows = sqlx::query_as::<_, OutboxColumns>(&self.statements.take_pending)
             .bind(inbox_postgres::lease_millis(lease))
             .bind(id.as_uuid())
             .bind(i64::from(limit.get()))
-            .fetch_all(&self.pool)
+            .persistent(self.persistent())
+            .fetch_all(one.conn())
             .await
             .map_err(classify)?;
+        one.done().await?;
         inbox_postgres::lease_from_rows(id, lease, rows)
     }
 
     async fn mark_published(&self, ids: &[MessageId]) -> Result<u64, InboxError> {
-        Ok(sqlx::query(sql::MARK_PUBLISHED)
+        let mut one = self.one_statement().await?;
+        let done = sqlx::query(&self.statements.mark_published)
             .bind(inbox_postgres::id_column(ids))
-            .execute(&self.pool)
+            .persistent(self.persistent())
+            .execute(one.conn())
             .await
             .map_err(classify)?
-            .rows_affected())
+            .rows_affected();
+        one.done().await?;
+        Ok(done)
     }
 
     async fn release(&self, lease: &OutboxLease) -> Result<u64, InboxError> {
-        Ok(sqlx::query(sql::RELEASE)
+        let mut one = self.one_statement().await?;
+        let done = sqlx::query(&self.statements.release)
             .bind(inbox_postgres::id_column(&lease.ids()))
             .bind(lease.id.as_uuid())
-            .execute(&self.pool)
+            .persistent(self.persistent())
+            .execute(one.conn())
             .await
             .map_err(classify)?
-            .rows_affected())
+            .rows_affected();
+        one.done().await?;
+        Ok(done)
     }
 
     async fn lookup_outgoing(&self, id: &MessageId) -> Result<Option<OutboxRecord>, InboxError> {
-        let row = sqlx::query_as::<_, OutboxColumns>(sql::LOOKUP_OUTGOING)
+        let mut one = self.one_statement().await?;
+        let row = sqlx::query_as::<_, OutboxColumns>(&self.statements.lookup_outgoing)
             .bind(id.as_uuid())
-            .fetch_optional(&self.pool)
+            .persistent(self.persistent())
+            .fetch_optional(one.conn())
             .await
             .map_err(classify)?;
+        one.done().await?;
         row.map(|columns| OutboxRow::from(columns).into_record())
             .transpose()
     }
 
     async fn pending_count(&self) -> Result<u64, InboxError> {
-        let count: i64 = sqlx::query_scalar(sql::PENDING_COUNT)
-            .fetch_one(&self.pool)
+        let mut one = self.one_statement().await?;
+        let count: i64 = sqlx::query_scalar(&self.statements.pending_count)
+            .persistent(self.persistent())
+            .fetch_one(one.conn())
             .await
             .map_err(classify)?;
+        one.done().await?;
         Ok(u64::try_from(count).unwrap_or(0))
     }
 
     async fn dead_count(&self) -> Result<u64, InboxError> {
-        let count: i64 = sqlx::query_scalar(sql::DEAD_COUNT)
-            .fetch_one(&self.pool)
+        let mut one = self.one_statement().await?;
+        let count: i64 = sqlx::query_scalar(&self.statements.dead_count)
+            .persistent(self.persistent())
+            .fetch_one(one.conn())
             .await
             .map_err(classify)?;
+        one.done().await?;
         Ok(u64::try_from(count).unwrap_or(0))
     }
 
@@ -105,8 +127,13 @@ impl OutboxStore for SqlxStore {
         cutoff: DateTime<Utc>,
         limit: NonZeroU32,
     ) -> Result<u64, InboxError> {
-        self.purge_batch(sql::PURGE_PUBLISHED_BATCH, cutoff, limit, "outbox")
-            .await
+        self.purge_batch(
+            &self.statements.purge_published_batch,
+            cutoff,
+            limit,
+            "outbox",
+        )
+        .await
     }
 
     async fn record_refusals(
@@ -117,34 +144,44 @@ impl OutboxStore for SqlxStore {
     ) -> Result<Refused, InboxError> {
         let (ids, errors) = inbox_postgres::refusal_columns(refusals);
         let (base, max, attempts) = inbox_postgres::retry_columns(retry);
-        let rows = sqlx::query_as::<_, (sqlx::types::Uuid, bool)>(sql::RECORD_REFUSALS)
+        let mut one = self.one_statement().await?;
+        let rows = sqlx::query_as::<_, (sqlx::types::Uuid, bool)>(&self.statements.record_refusals)
             .bind(ids)
             .bind(errors)
             .bind(lease.as_uuid())
             .bind(base)
             .bind(max)
             .bind(attempts)
-            .fetch_all(&self.pool)
+            .persistent(self.persistent())
+            .fetch_all(one.conn())
             .await
             .map_err(classify)?;
+        one.done().await?;
         Ok(inbox_postgres::refused(rows))
     }
 
     async fn dead_outgoing(&self, limit: NonZeroU32) -> Result<Vec<OutboxRecord>, InboxError> {
-        let rows = sqlx::query_as::<_, OutboxColumns>(sql::DEAD_OUTGOING)
+        let mut one = self.one_statement().await?;
+        let rows = sqlx::query_as::<_, OutboxColumns>(&self.statements.dead_outgoing)
             .bind(i64::from(limit.get()))
-            .fetch_all(&self.pool)
+            .persistent(self.persistent())
+            .fetch_all(one.conn())
             .await
             .map_err(classify)?;
+        one.done().await?;
         inbox_postgres::records(rows)
     }
 
     async fn requeue_dead(&self, ids: &[MessageId]) -> Result<u64, InboxError> {
-        Ok(sqlx::query(sql::REQUEUE_DEAD)
+        let mut one = self.one_statement().await?;
+        let done = sqlx::query(&self.statements.requeue_dead)
             .bind(inbox_postgres::id_column(ids))
-            .execute(&self.pool)
+            .persistent(self.persistent())
+            .execute(one.conn())
             .await
             .map_err(classify)?
-            .rows_affected())
+            .rows_affected();
+        one.done().await?;
+        Ok(done)
     }
 }

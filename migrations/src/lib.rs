@@ -1,3 +1,7 @@
+#![doc = include_str!("../README.md")]
+//!
+//! # The crate
+//!
 //! The PostgreSQL layer of the Inbox pattern that every driver shares.
 //!
 //! The sqlx and diesel backends differ only in how they send a statement
@@ -9,7 +13,9 @@
 //!   ([`LEDGER_TABLE`]), checksums and an advisory lock. A schema migrated
 //!   through one driver is migrated for the other.
 //! - [`sql`]: every statement the inbox and its outbox send, and the
-//!   outbox table (`outbox_messages`) among the migrations.
+//!   outbox table (`outbox_messages`) among the migrations;
+//!   [`Statements`]: the same statements with a store's schema qualified
+//!   ([`qualify`]), so that no driver depends on `search_path`.
 //! - [`AttemptColumns`] and [`attempt_record`]: the attempt ledger's rows
 //!   (`inbox_attempts`), decoded once for both drivers.
 //! - [`OutboxRow`] and its helpers: the outbox's parameters and rows,
@@ -49,6 +55,7 @@ mod schema_name;
 mod session;
 pub mod sql;
 mod sqlstate;
+mod statements;
 
 pub use attempts::{AttemptColumns, attempt_count, attempt_record};
 pub use claims::{Claims, SavepointDriver, key_columns, rollback_to_savepoint, savepoint};
@@ -65,8 +72,9 @@ pub use outbox::{
     records, refusal_columns, refused, retry_columns,
 };
 pub use schema_name::SchemaName;
-pub use session::SessionTimeouts;
+pub use session::{Pooling, SessionTimeouts};
 pub use sqlstate::{ErrorClass, classify_sqlstate};
+pub use statements::{Statements, qualify};
 
 // The error type the exported `savepoint_methods!` names, so that a driver
 // calling the macro needs no import for it.

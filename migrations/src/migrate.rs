@@ -36,6 +36,39 @@ pub struct Migration {
 }
 
 impl Migration {
+    /// The migration as an application's own migration tool runs it (sqlx's
+    /// `Migrator`, diesel's migration harness), inside the tool's
+    /// transaction for that migration, on any connection: it creates
+    /// `schema` if needed, puts `schema` first in `search_path` for this
+    /// transaction only (so the file's objects land there, while the tool's
+    /// own ledger table, named unqualified, still resolves where the tool
+    /// keeps it), runs the file, and records the migration in this crate's
+    /// ledger ([`LEDGER_TABLE`]) too. That last step is what makes a
+    /// database migrated by the tool recognised by [`migrate`] (which then
+    /// has nothing to do), and the files are idempotent, so a database
+    /// migrated by [`migrate`] first is recognised by the tool (which
+    /// re-applies them harmlessly).
+    ///
+    /// Must run inside a transaction (both tools' default): outside one
+    /// the `search_path` would stay for the session.
+    pub fn sql_in(&self, schema: &SchemaName) -> String {
+        format!(
+            "CREATE SCHEMA IF NOT EXISTS {quoted};\n\
+             SELECT set_config('search_path', {prefix} || current_setting('search_path'), true);\n\
+             {ledger};\n\
+             {sql}\n;\n\
+             INSERT INTO {LEDGER_TABLE} (version, description, checksum) \
+             VALUES ({version}, '{description}', {checksum}) ON CONFLICT (version) DO NOTHING;\n",
+            quoted = schema.quoted(),
+            prefix = SchemaName::literal_of(&format!("{}, ", schema.quoted())),
+            ledger = LEDGER_DDL,
+            sql = self.sql,
+            version = self.version,
+            description = self.description,
+            checksum = self.checksum(),
+        )
+    }
+
     /// FNV-1a over the file: detects an edited migration, nothing more (not
     /// a security property, so no cryptographic hash is needed).
     pub fn checksum(&self) -> i64 {
@@ -91,10 +124,23 @@ pub static MIGRATIONS: &[Migration] = &[
         description: "outbox take plans by its batch",
         sql: include_str!("../20261207000002_outbox_take_plans_by_its_batch.sql"),
     },
+    Migration {
+        version: 20261208000001,
+        description: "functions keep their schema",
+        sql: include_str!("../20261208000001_functions_keep_their_schema.sql"),
+    },
 ];
 
 /// The ledger: one row per applied migration, in the store's schema.
 pub const LEDGER_TABLE: &str = "inbox_schema_migrations";
+
+/// Creates the ledger ([`LEDGER_TABLE`]) in the current schema if needed.
+const LEDGER_DDL: &str = "CREATE TABLE IF NOT EXISTS inbox_schema_migrations (
+             version     BIGINT      PRIMARY KEY,
+             description TEXT        NOT NULL,
+             checksum    BIGINT      NOT NULL,
+             applied_at  TIMESTAMPTZ NOT NULL DEFAULT now()
+         )";
 
 /// Serialises concurrent runners (several instances starting at once) on
 /// one transaction-scoped advisory lock, released by COMMIT, ROLLBACK or a
@@ -102,11 +148,21 @@ pub const LEDGER_TABLE: &str = "inbox_schema_migrations";
 /// key works.
 pub const ADVISORY_LOCK_KEY: i64 = 0x1b0c_d1e5;
 
-/// Opens the runner's transaction. Without a lock timeout: the sessions'
-/// own ([`crate::SessionTimeouts`]) would fail a runner that waits a few
-/// seconds on another instance's migration (the advisory lock) or on a
-/// consumer's lock on a table it alters; a migration should wait its turn.
-const BEGIN: &str = "BEGIN; SET LOCAL lock_timeout = 0";
+/// Opens the runner's transaction on `schema`. Without a lock timeout: the
+/// sessions' own ([`crate::SessionTimeouts`]) would fail a runner that
+/// waits a few seconds on another instance's migration (the advisory lock)
+/// or on a consumer's lock on a table it alters; a migration should wait
+/// its turn. With the schema as `search_path` for this transaction only:
+/// the migration files name their objects unqualified, so they run on any
+/// connection (a user's pool, PgBouncer in transaction mode) and create
+/// everything in `schema`, and the connection's own `search_path` is back
+/// when the transaction ends.
+fn begin(schema: &SchemaName) -> String {
+    format!(
+        "BEGIN; SET LOCAL lock_timeout = 0; SET LOCAL search_path TO {}",
+        schema.quoted()
+    )
+}
 
 /// What the runner needs from a driver: a connection it may use for one
 /// transaction. Every statement it sends is parameterless.
@@ -127,13 +183,13 @@ pub trait MigrationConnection: Send {
 /// in one transaction, serialised against other runners. Returns the
 /// versions applied (empty when up to date).
 ///
-/// The connection's `search_path` must name `schema`. Close the connection
+/// Any connection will do: the runner sets `search_path` to `schema` for
+/// its own transaction only. Close the connection
 /// afterwards if this future may have been dropped midway: it would still
 /// be inside the transaction.
 ///
 /// # Errors
-/// [`InboxError::InvalidArgument`] when the connection does not use
-/// `schema`; [`InboxError::Schema`] when an applied migration's file
+/// [`InboxError::Schema`] when an applied migration's file
 /// changed; the driver's errors otherwise.
 pub async fn migrate<C: MigrationConnection>(
     conn: &mut C,
@@ -156,7 +212,7 @@ pub async fn migrate_with_layout<C: MigrationConnection>(
     schema: &SchemaName,
     layout: Layout,
 ) -> Result<Vec<i64>, InboxError> {
-    conn.execute(BEGIN).await?;
+    conn.execute(&begin(schema)).await?;
     match apply(conn, schema, layout).await {
         Ok(applied) => {
             conn.execute("COMMIT").await?;
@@ -211,15 +267,7 @@ async fn apply<C: MigrationConnection>(
             ),
         });
     }
-    conn.execute(&format!(
-        "CREATE TABLE IF NOT EXISTS {LEDGER_TABLE} (
-             version     BIGINT      PRIMARY KEY,
-             description TEXT        NOT NULL,
-             checksum    BIGINT      NOT NULL,
-             applied_at  TIMESTAMPTZ NOT NULL DEFAULT now()
-         )"
-    ))
-    .await?;
+    conn.execute(LEDGER_DDL).await?;
     ensure_layout(conn, schema, layout).await?;
     let applied = conn
         .query_ledger(&format!("SELECT version, checksum FROM {LEDGER_TABLE}"))
@@ -402,7 +450,13 @@ mod tests {
                     && [" DROP ", " RENAME ", " ALTER COLUMN ", " TYPE "]
                         .iter()
                         .all(|clause| !words.contains(clause));
+                // A function's own setting, set again to the same value.
+                let sets_a_function = words.starts_with("ALTER FUNCTION ")
+                    && words.contains(" SET ")
+                    && !words.contains(" RENAME ")
+                    && !words.contains(" OWNER ");
                 let ok = upper.starts_with("COMMENT ON ")
+                    || sets_a_function
                     || upper.starts_with("CREATE OR REPLACE ")
                     || (upper.starts_with("CREATE ") && upper.contains(" IF NOT EXISTS "))
                     || adds_columns;
@@ -439,6 +493,23 @@ mod tests {
         let err = pending(&edited, &schema()).expect_err("edited");
         assert!(matches!(err, InboxError::Schema { .. }), "{err:?}");
         assert!(!err.is_retryable());
+    }
+
+    #[test]
+    fn a_migration_for_a_users_tool_lands_in_the_schema_and_the_ledger() {
+        let schema = SchemaName::new("app_inbox").expect("valid");
+        let text = MIGRATIONS[0].sql_in(&schema);
+        assert!(text.starts_with("CREATE SCHEMA IF NOT EXISTS \"app_inbox\";\n"));
+        assert!(text.contains(
+            "SELECT set_config('search_path', '\"app_inbox\", ' || current_setting('search_path'), true);"
+        ));
+        assert!(text.contains(MIGRATIONS[0].sql));
+        assert!(text.ends_with(&format!(
+            "VALUES ({}, 'create inbox messages', {}) ON CONFLICT (version) DO NOTHING;\n",
+            MIGRATIONS[0].version,
+            MIGRATIONS[0].checksum()
+        )));
+        assert!(LEDGER_DDL.contains(LEDGER_TABLE));
     }
 
     #[test]

@@ -78,6 +78,12 @@ impl SchemaName {
     pub fn literal(&self) -> String {
         format!("'{}'", self.0)
     }
+
+    /// `text` as a SQL string literal, its quotes doubled: for texts
+    /// built from a validated name (such as its quoted form).
+    pub(crate) fn literal_of(text: &str) -> String {
+        format!("'{}'", text.replace('\'', "''"))
+    }
 }
 
 impl fmt::Display for SchemaName {

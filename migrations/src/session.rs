@@ -84,6 +84,35 @@ impl SessionTimeouts {
         .collect()
     }
 
+    /// `BEGIN` and the settings as `SET LOCAL`, as one simple-query text: a
+    /// driver opens every inbox transaction with it, so the bounds hold on
+    /// any pool (a user's, whose connections set nothing) and through
+    /// PgBouncer in transaction mode (which cannot keep a session setting),
+    /// in the one round trip BEGIN costs anyway. `SET LOCAL` ends with the
+    /// transaction, so nothing leaks into the pool's next user.
+    /// Set `client_check_interval` to `None` for a server before
+    /// PostgreSQL 14, which refuses that setting (and so every BEGIN).
+    pub fn begin_statement(&self) -> String {
+        let set = self.set_local_statements();
+        if set.is_empty() {
+            "BEGIN".to_owned()
+        } else {
+            format!("BEGIN; {set}")
+        }
+    }
+
+    /// The settings as `SET LOCAL` statements, `; `-separated (empty when
+    /// there are none), for a driver that sends its own `BEGIN` text
+    /// before them ([`SessionTimeouts::begin_statement`] is the plain
+    /// case).
+    pub fn set_local_statements(&self) -> String {
+        self.settings()
+            .into_iter()
+            .map(|(name, value)| format!("SET LOCAL {name} = {value}"))
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+
     /// The settings as `SET` statements, for a driver that applies them
     /// after connecting (empty when there are none). The values are
     /// integers this crate formats, so nothing reaches SQL from outside.
@@ -93,6 +122,62 @@ impl SessionTimeouts {
             .map(|(name, value)| format!("SET {name} = {value};"))
             .collect::<Vec<_>>()
             .join(" ")
+    }
+}
+
+/// How the connections of a store's pool reach PostgreSQL: what a store may
+/// keep on a connection between two transactions.
+///
+/// A store never relies on session state for correctness: statements name
+/// the schema ([`crate::Statements`]) and every transaction sets its own
+/// bounds ([`SessionTimeouts::begin_statement`]). What remains session
+/// state is a driver's named prepared statements and LISTEN, and those are
+/// what this setting decides.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Pooling {
+    /// Each pooled connection is one PostgreSQL session (a direct
+    /// connection, or PgBouncer in session mode): statements are prepared
+    /// once per connection and kept, and the outbox's listener LISTENs on
+    /// a pool connection. The default.
+    #[default]
+    Session,
+    /// A pooler in transaction mode (PgBouncer `pool_mode = transaction`)
+    /// between the pool and PostgreSQL: consecutive transactions of one
+    /// client connection may run on different server sessions. So no named
+    /// prepared statement is kept (one prepared on one server session is
+    /// missing on the next), and LISTEN (which belongs to a session) only
+    /// goes through a direct URL the configuration names; without one,
+    /// relays poll.
+    Transaction,
+}
+
+impl Pooling {
+    /// The name used in configuration: `session` or `transaction`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Session => "session",
+            Self::Transaction => "transaction",
+        }
+    }
+}
+
+impl std::str::FromStr for Pooling {
+    type Err = inbox_api::InboxError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text {
+            "session" => Ok(Self::Session),
+            "transaction" => Ok(Self::Transaction),
+            other => Err(inbox_api::InboxError::InvalidArgument {
+                message: format!("unknown pooling {other:?}: expected session or transaction"),
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for Pooling {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -124,6 +209,29 @@ mod tests {
             "SET lock_timeout = 3000; SET idle_in_transaction_session_timeout = 60000; \
              SET client_connection_check_interval = 1000;"
         );
+    }
+
+    #[test]
+    fn pooling_parses_its_names() {
+        for pooling in [Pooling::Session, Pooling::Transaction] {
+            assert_eq!(
+                pooling.as_str().parse::<Pooling>().expect("parses"),
+                pooling
+            );
+        }
+        assert!("statement".parse::<Pooling>().is_err());
+        assert_eq!(Pooling::default(), Pooling::Session);
+    }
+
+    #[test]
+    fn begin_sets_the_bounds_for_its_transaction() {
+        assert_eq!(
+            SessionTimeouts::default().begin_statement(),
+            "BEGIN; SET LOCAL lock_timeout = 3000; \
+             SET LOCAL idle_in_transaction_session_timeout = 60000; \
+             SET LOCAL client_connection_check_interval = 1000"
+        );
+        assert_eq!(SessionTimeouts::SERVER_DEFAULTS.begin_statement(), "BEGIN");
     }
 
     #[test]

@@ -1,9 +1,12 @@
 //! Every SQL statement of the inbox, its attempt ledger and its outbox,
 //! once, for every driver.
 //!
-//! Names are unqualified: each store picks its schema through `search_path`,
-//! so statements stay constant (prepared once per connection) and no text
-//! ever reaches SQL by string formatting. Parameters are PostgreSQL's
+//! Names are unqualified here, written once; a store sends them with its
+//! schema qualified ([`crate::Statements`], built once per store, so each
+//! stays constant and is prepared once per connection), and the migration
+//! runner sets `search_path` for its own transaction. The schema name is
+//! validated ([`crate::SchemaName`]) before it reaches any text. Parameters
+//! are PostgreSQL's
 //! positional `$n`; [`pieces`] splits a statement at them for drivers that
 //! build statements from fragments and bind markers (diesel).
 

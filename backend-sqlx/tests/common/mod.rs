@@ -107,7 +107,9 @@ pub async fn store_with(
         .connect_with(options)
         .await
         .unwrap_or_else(|error| unreachable_database(&error));
-    SqlxStore::new(pool, schema).expect("valid test schema name")
+    SqlxStore::new(pool, schema)
+        .expect("valid test schema name")
+        .with_session_timeouts(timeouts)
 }
 
 /// The server's TCP address, from `DATABASE_URL`.

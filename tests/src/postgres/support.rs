@@ -82,6 +82,36 @@ pub fn unreachable_database(error: &dyn std::fmt::Display) -> ! {
     )
 }
 
+/// PgBouncer in transaction mode in front of the test database, as
+/// `.ci/services.sh` starts it (`.ci/pgbouncer.ini`).
+pub const DEFAULT_BOUNCER_URL: &str = "postgres://postgres@127.0.0.1:6432/test";
+
+/// `PGBOUNCER_URL`, or the local PgBouncer of `.ci/services.sh`.
+pub fn bouncer_url() -> String {
+    std::env::var("PGBOUNCER_URL").unwrap_or_else(|_| DEFAULT_BOUNCER_URL.to_owned())
+}
+
+/// The one message for a missing PgBouncer. Panics, never skips, as
+/// [`unreachable_database`].
+pub fn unreachable_bouncer(error: &dyn std::fmt::Display) -> ! {
+    panic!(
+        "PgBouncer not reachable at {}: {error}; start it with `bash .ci/services.sh` \
+         (or point PGBOUNCER_URL at a PgBouncer in transaction mode)",
+        redacted(&bouncer_url())
+    )
+}
+
+/// The business write of [`RECORD_EFFECT`] with the effects table in
+/// `schema`, for a store whose connections do not use the schema (a
+/// user's pool, PgBouncer in transaction mode): `$1` message id, `$2`
+/// consumer.
+pub fn record_effect_in(schema: &inbox_postgres::SchemaName) -> String {
+    format!(
+        "INSERT INTO {}.conformance_effects (message_id, consumer) VALUES ($1, $2)",
+        schema.quoted()
+    )
+}
+
 /// Seconds since the epoch, as embedded in schema names.
 pub fn unix_secs() -> u64 {
     SystemTime::now()
