@@ -1,5 +1,5 @@
 //! A shop whose orders are charged and shipped once each, however often RabbitMQ delivers them.
-use inbox_runtime::prelude::*;
+use inbox_runtime::{prelude::*, sqlx_store::migrations::migrator};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
@@ -35,8 +35,8 @@ async fn ship(mut cx: Context<'_, SqlxTransaction>, paid: PaymentTaken) -> Resul
 }
 
 pub async fn start(pool: PgPool, amqp_url: &str, prefix: &str) -> Result<ServiceHandle, AppError> {
+    migrator("shop_inbox").await?.run(&pool).await?; // or store.migrate()
     let store = SqlxStore::new(pool.clone(), "shop_inbox")?;
-    store.migrate().await?;
     let tables = sqlx::raw_sql(include_str!("orders.sql"));
     tables.execute(&pool).await?;
     let (payments, shipping) = (format!("{prefix}payments"), format!("{prefix}shipping"));

@@ -219,6 +219,18 @@ impl From<inbox_backend_sqlx::sqlx::Error> for AppError {
     }
 }
 
+/// A migration that fails (the application's migrator running the inbox's
+/// migrations, `sqlx_store::migrations::migrator`) leaves the schema
+/// unusable: the store's failure, as a missing schema is.
+#[cfg(feature = "sqlx")]
+impl From<inbox_backend_sqlx::sqlx::migrate::MigrateError> for AppError {
+    fn from(error: inbox_backend_sqlx::sqlx::migrate::MigrateError) -> Self {
+        Self::Inbox(InboxError::Schema {
+            source: Box::new(error),
+        })
+    }
+}
+
 #[cfg(feature = "diesel")]
 impl From<inbox_backend_diesel::diesel::result::Error> for AppError {
     fn from(error: inbox_backend_diesel::diesel::result::Error) -> Self {
