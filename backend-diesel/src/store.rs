@@ -500,9 +500,11 @@ impl DieselStore {
             return Ok(None);
         }
         let mut conn = self.pool.get().await.map_err(classify_pool)?;
-        Ok(Some(
-            inbox_postgres::drop_expired_partitions(&mut Migrating(&mut conn), cutoff).await?,
-        ))
+        Ok(Some({
+            let mut m = Migrating(&mut conn);
+            inbox_postgres::require_session_schema(&mut m, &self.schema).await?;
+            inbox_postgres::drop_expired_partitions(&mut m, cutoff).await?
+        }))
     }
 
     /// The partitioned layout's partitions, with their bounds and the
@@ -512,7 +514,9 @@ impl DieselStore {
     /// As [`inbox_postgres::partitions`].
     pub async fn partitions(&self) -> Result<Vec<inbox_postgres::Partition>, InboxError> {
         let mut conn = self.pool.get().await.map_err(classify_pool)?;
-        inbox_postgres::partitions(&mut Migrating(&mut conn), self.layout).await
+        let mut m = Migrating(&mut conn);
+        inbox_postgres::require_session_schema(&mut m, &self.schema).await?;
+        inbox_postgres::partitions(&mut m, self.layout).await
     }
 
     /// The partitioned layout's maintenance: creates the missing day
@@ -528,13 +532,9 @@ impl DieselStore {
         days_ahead: u16,
     ) -> Result<u64, InboxError> {
         let mut conn = self.pool.get().await.map_err(classify_pool)?;
-        inbox_postgres::create_partitions(
-            &mut Migrating(&mut conn),
-            self.layout,
-            days_behind,
-            days_ahead,
-        )
-        .await
+        let mut m = Migrating(&mut conn);
+        inbox_postgres::require_session_schema(&mut m, &self.schema).await?;
+        inbox_postgres::create_partitions(&mut m, self.layout, days_behind, days_ahead).await
     }
 
     /// One batch of a cleanup `statement` (`$1` cutoff, `$2` limit): the
@@ -813,7 +813,11 @@ impl InboxStore for DieselStore {
             Layout::Table => 0,
             Layout::Partitioned => {
                 let mut conn = self.pool.get().await.map_err(classify_pool)?;
-                inbox_postgres::drop_expired_partitions(&mut Migrating(&mut conn), cutoff).await?
+                {
+                    let mut m = Migrating(&mut conn);
+                    inbox_postgres::require_session_schema(&mut m, &self.schema).await?;
+                    inbox_postgres::drop_expired_partitions(&mut m, cutoff).await?
+                }
             }
         };
         let mut conn = self.checkout().await?;

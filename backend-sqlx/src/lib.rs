@@ -319,9 +319,11 @@ impl SqlxStore {
             return Ok(None);
         }
         let mut conn = self.pool.acquire().await.map_err(classify)?;
-        Ok(Some(
-            inbox_postgres::drop_expired_partitions(&mut Migrating(&mut conn), cutoff).await?,
-        ))
+        Ok(Some({
+            let mut m = Migrating(&mut conn);
+            inbox_postgres::require_session_schema(&mut m, &self.schema).await?;
+            inbox_postgres::drop_expired_partitions(&mut m, cutoff).await?
+        }))
     }
 
     /// The partitioned layout's partitions, with their bounds and the
@@ -331,7 +333,9 @@ impl SqlxStore {
     /// As [`inbox_postgres::partitions`].
     pub async fn partitions(&self) -> Result<Vec<inbox_postgres::Partition>, InboxError> {
         let mut conn = self.pool.acquire().await.map_err(classify)?;
-        inbox_postgres::partitions(&mut Migrating(&mut conn), self.layout).await
+        let mut m = Migrating(&mut conn);
+        inbox_postgres::require_session_schema(&mut m, &self.schema).await?;
+        inbox_postgres::partitions(&mut m, self.layout).await
     }
 
     /// The partitioned layout's maintenance: creates the missing day
@@ -349,13 +353,9 @@ impl SqlxStore {
     ) -> Result<u64, InboxError> {
         let mut conn = self.pool.acquire().await.map_err(classify)?;
         let layout = self.layout;
-        inbox_postgres::create_partitions(
-            &mut Migrating(&mut conn),
-            layout,
-            days_behind,
-            days_ahead,
-        )
-        .await
+        let mut m = Migrating(&mut conn);
+        inbox_postgres::require_session_schema(&mut m, &self.schema).await?;
+        inbox_postgres::create_partitions(&mut m, layout, days_behind, days_ahead).await
     }
 
     /// The pool, for the application's own queries outside the inbox.
@@ -646,7 +646,11 @@ impl InboxStore for SqlxStore {
             Layout::Table => 0,
             Layout::Partitioned => {
                 let mut conn = self.pool.acquire().await.map_err(classify)?;
-                inbox_postgres::drop_expired_partitions(&mut Migrating(&mut conn), cutoff).await?
+                {
+                    let mut m = Migrating(&mut conn);
+                    inbox_postgres::require_session_schema(&mut m, &self.schema).await?;
+                    inbox_postgres::drop_expired_partitions(&mut m, cutoff).await?
+                }
             }
         };
         let mut one = self.one_statement().await?;

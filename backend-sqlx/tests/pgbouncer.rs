@@ -535,3 +535,38 @@ async fn per_transaction_cost() {
         lookups[0], lookups[1]
     );
 }
+
+/// The partitioned layout's maintenance names its tables unqualified (its
+/// `DETACH … CONCURRENTLY` cannot run in a transaction that would set the
+/// schema): on a pool whose connections resolve to another schema it is
+/// refused loudly instead of maintaining that schema's tables.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partition_maintenance_is_refused_on_a_pool_of_another_schema() {
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&common::database_url())
+        .await
+        .unwrap_or_else(|error| common::unreachable_database(&error));
+    let schema = common::unique_schema(common::TEST_PREFIX);
+    let store = SqlxStore::new(pool, &schema)
+        .expect("any pool")
+        .with_layout(inbox_backend_sqlx::Layout::Partitioned);
+    assert!(
+        !store
+            .migrate()
+            .await
+            .expect("the runner sets its schema")
+            .is_empty()
+    );
+    for refused in [
+        store.partitions().await.map(|_| ()),
+        store.create_partitions(0, 1).await.map(|_| ()),
+        store.drop_expired_days(Utc::now()).await.map(|_| ()),
+    ] {
+        let error = refused.expect_err("maintenance on another schema");
+        assert!(
+            matches!(error, InboxError::InvalidArgument { .. }),
+            "{error:?}"
+        );
+    }
+}

@@ -20,8 +20,8 @@ use std::str::FromStr;
 use chrono::{DateTime, NaiveDate, NaiveTime, Utc};
 use inbox_api::{InboxError, MessageId};
 
-use crate::MigrationConnection;
 use crate::sql;
+use crate::{MigrationConnection, SchemaName};
 
 /// The partitioned layout's DDL, applied once to a schema without an inbox
 /// table, before the migrations.
@@ -175,6 +175,40 @@ pub fn id_day(id: &MessageId) -> Option<NaiveDate> {
         .iter()
         .fold(0_i64, |acc, b| (acc << 8) | i64::from(*b));
     DateTime::<Utc>::from_timestamp_millis(millis).map(|t| t.date_naive())
+}
+
+/// Refuses `conn` unless its `search_path` resolves to `schema`: the
+/// partitioned layout's maintenance ([`create_partitions`],
+/// [`drop_expired_partitions`], [`partitions`]) names its tables
+/// unqualified (a `DETACH … CONCURRENTLY` cannot run inside a transaction
+/// that would set `search_path` for it), and on a connection of some other
+/// schema it would maintain that schema's tables, or fail obscurely. So it
+/// is refused loudly: run it on a pool whose connections set the schema
+/// (the stores' own `connect_options` and builder do).
+///
+/// # Errors
+/// [`InboxError::InvalidArgument`] naming both schemas when the
+/// connection resolves to another schema; the driver's errors.
+pub async fn require_session_schema<C: MigrationConnection>(
+    conn: &mut C,
+    schema: &SchemaName,
+) -> Result<(), InboxError> {
+    let current = conn.query_text("SELECT current_schema()::text").await?;
+    // None: no schema of the search_path exists (the store's was dropped,
+    // say): nothing else can be maintained by mistake, and the statements
+    // fail with the missing table's own error.
+    if current.is_none() || current.as_deref() == Some(schema.as_str()) {
+        Ok(())
+    } else {
+        Err(InboxError::InvalidArgument {
+            message: format!(
+                "the partitioned layout's maintenance runs on connections whose search_path is \
+                 the store's schema {:?}, and this one's is {current:?}: build the pool from \
+                 the store's connect options (a session pool, not a transaction-mode pooler)",
+                schema.as_str()
+            ),
+        })
+    }
 }
 
 /// Creates the missing day partitions from `days_behind` days before

@@ -61,7 +61,8 @@ pub use attempts::{AttemptColumns, attempt_count, attempt_record};
 pub use claims::{Claims, SavepointDriver, key_columns, rollback_to_savepoint, savepoint};
 pub use layout::{
     DAYS_AHEAD, Layout, NO_PARTITION, PARTITIONED_DDL, Partition, create_partitions, day_expired,
-    drop_expired_partitions, id_day, partition_day, partitions, time_ordered,
+    drop_expired_partitions, id_day, partition_day, partitions, require_session_schema,
+    time_ordered,
 };
 pub use migrate::{
     ADVISORY_LOCK_KEY, LEDGER_TABLE, MIGRATIONS, Migration, MigrationConnection, migrate,
