@@ -95,7 +95,7 @@ use consumer_app::tools::stores::{StoreConfig, WithStore, with_store};
 use inbox_api::{ConsumerName, InboxKey, InboxStats, InboxStore, MessageId, OutboxStore};
 use inbox_backend_sqlx::{Layout, SqlxStore};
 use inbox_runtime::AppError;
-use inbox_runtime::amqp::{Outgoing, Publisher, close_bounded, connect};
+use inbox_runtime::amqp::{Outgoing, Publisher, close_bounded, connect, open_channel};
 use inbox_runtime::error::chain;
 use inbox_runtime::message::{BadInputReason, follow_up_id, header_text};
 use inbox_runtime::redact::redact_url;
@@ -1648,10 +1648,7 @@ async fn check_dead_letters(
     verdict: &mut Verdict,
 ) -> Result<(), AppError> {
     let connection = connect(amqp_url, "parcel-chaos dead-letter reader").await?;
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(|e| AppError::broker("open channel", e))?;
+    let channel = open_channel(&connection, "channel").await?;
     for role in Role::ALL {
         let dlq = topology.dead_letter_queue(role);
         let mut seen: BTreeMap<usize, Vec<String>> = BTreeMap::new();
@@ -1894,10 +1891,7 @@ async fn run(mut cli: Cli) -> Result<bool, AppError> {
     let topology = Topology::new(&names.prefix);
     {
         let connection = connect(&cli.amqp_url, "parcel-chaos setup").await?;
-        let channel = connection
-            .create_channel()
-            .await
-            .map_err(|e| AppError::broker("open channel", e))?;
+        let channel = open_channel(&connection, "channel").await?;
         topology.declare(&channel).await?;
         close_bounded(&connection, "declared").await;
     }
