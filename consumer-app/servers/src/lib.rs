@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 
 use lapin::{Connection, ConnectionProperties};
 
+pub mod pki;
+
 fn id() -> String {
     uuid::Uuid::new_v4().simple().to_string()[..10].to_owned()
 }
