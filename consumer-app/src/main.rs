@@ -14,7 +14,7 @@ use consumer_app::tools::dead::{
     ListDead, ListDeadOutgoing, RequeueDeadOutgoing, replay_dead_letters, role_of,
 };
 use consumer_app::tools::demo::{self, DemoConfig};
-use consumer_app::tools::publish::{Plan, publish_within};
+use consumer_app::tools::publish::{Plan, publish_with};
 use consumer_app::tools::stores::{WithOutbox, WithStore, with_outbox, with_store};
 use futures::stream::BoxStream;
 use inbox_api::{ConsumerName, MessageId, OutboxStore};
@@ -365,7 +365,7 @@ async fn run_command(cli: Cli) -> Result<(), AppError> {
             let topology = global.topology();
             let replayed = replay_dead_letters(
                 &global.amqp_url,
-                global.amqp_connect_timeout(),
+                global.amqp_connection(),
                 &topology,
                 role,
                 &message_ids,
@@ -408,9 +408,9 @@ async fn run_command(cli: Cli) -> Result<(), AppError> {
             quiet,
         } => {
             let plan = Plan::new(count, duplicate_rate, seed, "P")?;
-            publish_within(
+            publish_with(
                 &global.amqp_url,
-                global.amqp_connect_timeout(),
+                global.amqp_connection(),
                 &global.topology(),
                 &plan.messages,
                 !quiet,

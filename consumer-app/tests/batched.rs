@@ -133,7 +133,7 @@ async fn batched_exactly_once<S: ParcelStore>(store: S, names: Names) {
             cleanup: None,
             gauge_interval: None,
             availability: Default::default(),
-            connect_timeout: inbox_runtime::amqp::CONNECT_TIMEOUT,
+            connection: Default::default(),
         },
         &topology,
         consumers,

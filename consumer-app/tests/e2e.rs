@@ -145,7 +145,7 @@ async fn start_configured<S: ParcelStore>(
             cleanup: None,
             gauge_interval: None,
             availability: Default::default(),
-            connect_timeout: inbox_runtime::amqp::CONNECT_TIMEOUT,
+            connection: Default::default(),
         },
         topology,
         consumers,

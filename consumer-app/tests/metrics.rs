@@ -199,7 +199,7 @@ async fn metric_values_follow_what_the_service_did() {
                 cleanup: None,
                 gauge_interval: Some(Duration::from_millis(50)),
                 availability: Default::default(),
-                connect_timeout: inbox_runtime::amqp::CONNECT_TIMEOUT,
+                connection: Default::default(),
             },
             &topology,
             downstreams,

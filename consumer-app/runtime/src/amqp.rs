@@ -26,31 +26,103 @@ use crate::shutdown::bounded;
 /// broker answers in milliseconds; 5 s leaves room for a loaded one.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Opens one connection, named so that `rabbitmqctl list_connections
-/// user_provided_name` shows which instance it is, within
-/// [`CONNECT_TIMEOUT`].
+/// The heartbeat timeout asked of the broker when the URL names none
+/// (`?heartbeat=N`). It bounds how long a frozen or cut-off consumer keeps
+/// its unacknowledged deliveries: the broker closes a connection that has
+/// been silent for the timeout and hands those deliveries to another
+/// consumer. RabbitMQ's server default is 60 s, a minute of stalled
+/// messages; its maintainers advise 5–15 s. 10 s stays clear of false
+/// alarms from a loaded process and frees a frozen consumer's deliveries
+/// within about 10–20 s.
+pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(10);
+
+/// How the runtime opens a connection, beside what the URL says.
 ///
-/// # Errors
-/// [`AppError::Broker`] when the broker cannot be reached or refuses;
-/// [`AppError::Unavailable`] when it does not answer in time.
-pub async fn connect(url: &str, name: &str) -> Result<Connection, AppError> {
-    connect_within(url, name, CONNECT_TIMEOUT).await
+/// The URL stays the one place for the broker's address, credentials and
+/// TLS files (`amqps://…?cacertfile=…&certfile=…&keyfile=…`, the query
+/// parameters of RabbitMQ's own URI spec); these are the defaults it may
+/// override.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConnectOptions {
+    /// How long TCP, TLS and the AMQP handshake may take together.
+    pub timeout: Duration,
+    /// The heartbeat timeout asked for when the URL has no `heartbeat`
+    /// parameter; zero turns heartbeats off (not advised).
+    pub heartbeat: Duration,
 }
 
-/// [`connect`] within `timeout`.
+impl Default for ConnectOptions {
+    /// [`CONNECT_TIMEOUT`] and [`DEFAULT_HEARTBEAT`].
+    fn default() -> Self {
+        Self {
+            timeout: CONNECT_TIMEOUT,
+            heartbeat: DEFAULT_HEARTBEAT,
+        }
+    }
+}
+
+impl ConnectOptions {
+    /// These options with `timeout`.
+    #[must_use]
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// These options with `heartbeat`.
+    #[must_use]
+    pub fn heartbeat(mut self, heartbeat: Duration) -> Self {
+        self.heartbeat = heartbeat;
+        self
+    }
+}
+
+/// Opens one connection, named so that `rabbitmqctl list_connections
+/// user_provided_name` shows which instance it is, with the default
+/// [`ConnectOptions`].
 ///
 /// # Errors
-/// As [`connect`].
-pub async fn connect_within(
+/// As [`connect_with`].
+pub async fn connect(url: &str, name: &str) -> Result<Connection, AppError> {
+    connect_with(url, name, ConnectOptions::default()).await
+}
+
+/// [`connect`] with `options`.
+///
+/// `amqps://` URLs connect over TLS (the `tls` feature), verifying the
+/// broker's certificate and host name against the system's roots, or
+/// against the CA file of `cacertfile`; `certfile` and `keyfile` present a
+/// client certificate (with `auth_mechanism=external`, it is the login).
+///
+/// # Errors
+/// [`AppError::CredentialsRefused`] when the broker refuses the login;
+/// [`AppError::Config`] when the URL is unusable (TLS files that cannot be
+/// read, `amqps://` without the `tls` feature); [`AppError::Broker`] when the
+/// broker cannot be reached or refuses otherwise (a TLS handshake that fails
+/// names its cause); [`AppError::Unavailable`] when it does not answer
+/// within the timeout.
+pub async fn connect_with(
     url: &str,
     name: &str,
-    timeout: Duration,
+    options: ConnectOptions,
 ) -> Result<Connection, AppError> {
+    let target = crate::broker_url::Target::parse(url, options.heartbeat)?;
     let properties = ConnectionProperties::default().with_connection_name(name.into());
-    match tokio::time::timeout(timeout, Connection::connect(url, properties)).await {
-        Ok(connected) => {
-            connected.map_err(|e| AppError::broker(format!("connect to {}", redact_url(url)), e))
+    let timeout = options.timeout;
+    let connecting = target.connect(properties);
+    match tokio::time::timeout(timeout, connecting).await {
+        Ok(Ok(connection)) => Ok(connection),
+        Ok(Err(error)) if crate::broker_url::is_login_refused(&error) => {
+            Err(AppError::CredentialsRefused {
+                url: redact_url(url),
+                source: error,
+            })
         }
+        Ok(Err(error)) => Err(AppError::broker(
+            format!("connect to {}", redact_url(url)),
+            error,
+        )),
         Err(_) => Err(AppError::Unavailable(format!(
             "connect to {}: no AMQP answer within {timeout:?} (something accepts the \
              connection but does not speak AMQP, or the broker is hung)",
@@ -74,19 +146,34 @@ pub async fn open_channel(connection: &Connection, what: &str) -> Result<Channel
     }
 }
 
-/// Connects, each attempt within `timeout`, retrying with [`RECONNECT`]'s
-/// jittered backoff until it works, `attempts` run out (`None`: forever) or
-/// `shutdown` turns true, which ends an attempt in progress too. Each
-/// failure's cause goes to `last_error` (for a readiness check that says
-/// why), and `None` once connected.
+/// What [`connect_with_backoff`] does when the broker refuses the login.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnRefusal {
+    /// Give up at once with [`AppError::CredentialsRefused`]: at start-up a
+    /// refused login is a configuration error, and retrying it for ever
+    /// would only hide it.
+    Fail,
+    /// Retry like any other failure, logged as "credentials refused": once
+    /// running, a refusal is usually a rotation in progress.
+    Retry,
+}
+
+/// Connects with `options`, retrying with [`RECONNECT`]'s jittered backoff
+/// until it works, `attempts` run out (`None`: forever), the broker refuses
+/// the login and `on_refusal` says [`OnRefusal::Fail`], or `shutdown` turns
+/// true, which ends an attempt in progress too. Each failure's cause goes
+/// to `last_error` (for a readiness check that says why), and `None` once
+/// connected.
 ///
 /// # Errors
 /// The last connection error, or [`AppError::Unavailable`] on shutdown.
+#[allow(clippy::too_many_arguments)]
 pub async fn connect_with_backoff(
     url: &str,
     name: &str,
-    timeout: Duration,
+    options: ConnectOptions,
     attempts: Option<u32>,
+    on_refusal: OnRefusal,
     shutdown: &mut watch::Receiver<bool>,
     last_error: Option<&watch::Sender<Option<String>>>,
 ) -> Result<Connection, AppError> {
@@ -98,7 +185,7 @@ pub async fn connect_with_backoff(
     let mut attempt = 0;
     loop {
         let connected = tokio::select! {
-            connected = connect_within(url, name, timeout) => connected,
+            connected = connect_with(url, name, options) => connected,
             _ = shutdown.wait_for(|stop| *stop) => {
                 return Err(AppError::Unavailable("shutdown while connecting to RabbitMQ".into()));
             }
@@ -114,12 +201,21 @@ pub async fn connect_with_backoff(
             Err(error) => {
                 report(Some(crate::error::chain(&error)));
                 attempt += 1;
-                if attempts.is_some_and(|max| attempt >= max) {
+                let refused = matches!(error, AppError::CredentialsRefused { .. });
+                if attempts.is_some_and(|max| attempt >= max)
+                    || (refused && on_refusal == OnRefusal::Fail)
+                    || matches!(error, AppError::Config(_))
+                {
                     return Err(error);
                 }
                 let delay = RECONNECT.delay(attempt);
-                tracing::warn!(url = %redact_url(url), attempt, ?delay,
-                    error = %crate::error::chain(&error), "RabbitMQ unreachable; retrying");
+                if refused {
+                    tracing::warn!(url = %redact_url(url), attempt, ?delay,
+                        error = %crate::error::chain(&error), "RabbitMQ credentials refused; retrying");
+                } else {
+                    tracing::warn!(url = %redact_url(url), attempt, ?delay,
+                        error = %crate::error::chain(&error), "RabbitMQ unreachable; retrying");
+                }
                 tokio::select! {
                     () = tokio::time::sleep(delay) => {}
                     _ = shutdown.wait_for(|stop| *stop) => {

@@ -210,9 +210,10 @@ pub struct ServiceConfig {
     pub gauge_interval: Option<Duration>,
     /// When a store outage pauses consumption, and how the store is probed.
     pub availability: AvailabilityConfig,
-    /// How long a connection to the broker may take to open (TCP, TLS,
-    /// AMQP handshake) before the attempt counts as failed and is retried.
-    pub connect_timeout: Duration,
+    /// How connections to the broker open: the connect timeout (TCP, TLS,
+    /// AMQP handshake; an attempt that takes longer counts as failed and is
+    /// retried) and the heartbeat asked for unless the URL names one.
+    pub connection: crate::amqp::ConnectOptions,
 }
 
 impl ServiceConfig {
@@ -227,8 +228,19 @@ impl ServiceConfig {
             cleanup: Some(CleanupConfig::default()),
             gauge_interval: None,
             availability: AvailabilityConfig::default(),
-            connect_timeout: crate::amqp::CONNECT_TIMEOUT,
+            connection: crate::amqp::ConnectOptions::default(),
         }
+    }
+}
+
+impl ServiceConfig {
+    /// This configuration with `heartbeat` as the heartbeat timeout asked
+    /// of the broker when the URL names none (see
+    /// [`crate::amqp::DEFAULT_HEARTBEAT`] for why it matters).
+    #[must_use]
+    pub fn heartbeat(mut self, heartbeat: Duration) -> Self {
+        self.connection.heartbeat = heartbeat;
+        self
     }
 }
 
@@ -241,7 +253,7 @@ impl std::fmt::Debug for ServiceConfig {
             .field("cleanup", &self.cleanup)
             .field("gauge_interval", &self.gauge_interval)
             .field("availability", &self.availability)
-            .field("connect_timeout", &self.connect_timeout)
+            .field("connection", &self.connection)
             .finish()
     }
 }

@@ -39,6 +39,19 @@ pub enum AppError {
         source: lapin::Error,
     },
 
+    /// The broker refused the login (AMQP `ACCESS_REFUSED`): wrong or
+    /// rotated credentials, no access to the vhost, a client certificate it
+    /// does not take. At start-up it ends the command (a configuration
+    /// error); a running service retries it (a rotation in progress).
+    #[error("credentials refused by RabbitMQ at {url}")]
+    CredentialsRefused {
+        /// The broker's URL, password hidden.
+        url: String,
+        /// lapin's error, with the broker's reply.
+        #[source]
+        source: lapin::Error,
+    },
+
     /// A publish was not confirmed by the broker (nack, or returned).
     #[error("publish not confirmed: {0}")]
     NotConfirmed(String),
@@ -119,7 +132,7 @@ impl AppError {
             | Self::Abandoned(_)
             | Self::Io { .. }
             | Self::Unavailable(_) => true,
-            Self::BadInput(_) | Self::Config(_) => false,
+            Self::BadInput(_) | Self::Config(_) | Self::CredentialsRefused { .. } => false,
         }
     }
 
@@ -165,6 +178,7 @@ impl AppError {
             Self::Inbox(e) => e.kind(),
             Self::BadInput(b) => b.reason.as_str(),
             Self::Broker { .. } => "broker",
+            Self::CredentialsRefused { .. } => "credentials_refused",
             Self::NotConfirmed(_) => "not_confirmed",
             Self::Timeout(_) => "timeout",
             Self::Abandoned(_) => "abandoned",

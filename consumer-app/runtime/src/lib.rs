@@ -44,6 +44,7 @@
 pub mod amqp;
 pub mod availability;
 pub mod backoff;
+mod broker_url;
 pub mod config;
 pub mod context;
 pub mod error;

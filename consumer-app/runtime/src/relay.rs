@@ -77,7 +77,8 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::amqp::{
-    CONNECT_TIMEOUT, close_bounded, close_channel_bounded, connect_with_backoff, open_channel,
+    ConnectOptions, OnRefusal, close_bounded, close_channel_bounded, connect_with_backoff,
+    open_channel,
 };
 use crate::backoff::Backoff;
 use crate::error::chain;
@@ -141,9 +142,10 @@ pub struct RelayConfig {
     /// Empty by default: the relay knows no domain, and an exchange of
     /// another kind must be declared by its owner.
     pub exchanges: Vec<String>,
-    /// How long a connection to the broker may take to open (TCP, TLS,
-    /// AMQP handshake) before the attempt counts as failed and is retried.
-    pub connect_timeout: Duration,
+    /// How connections to the broker open: the connect timeout (TCP, TLS,
+    /// AMQP handshake; an attempt that takes longer counts as failed and is
+    /// retried) and the heartbeat asked for unless the URL names one.
+    pub connection: ConnectOptions,
     /// Background purge of published rows (`None`: off): every `interval`,
     /// the rows published longer than `retention` ago go, `batch_size` per
     /// transaction ([`purge_published_once`]). Published rows serve only
@@ -184,9 +186,18 @@ impl RelayConfig {
             mandatory: true,
             retry: PublishRetry::default(),
             exchanges: Vec::new(),
-            connect_timeout: CONNECT_TIMEOUT,
+            connection: ConnectOptions::default(),
             purge: Some(CleanupConfig::default()),
         }
+    }
+
+    /// This configuration with `heartbeat` as the heartbeat timeout asked
+    /// of the broker when the URL names none (see
+    /// [`crate::amqp::DEFAULT_HEARTBEAT`]).
+    #[must_use]
+    pub fn heartbeat(mut self, heartbeat: Duration) -> Self {
+        self.connection.heartbeat = heartbeat;
+        self
     }
 
     /// Checks the settings ([`Relay::new`] does too), so that a command
@@ -228,7 +239,7 @@ impl fmt::Debug for RelayConfig {
             .field("mandatory", &self.mandatory)
             .field("retry", &self.retry)
             .field("exchanges", &self.exchanges)
-            .field("connect_timeout", &self.connect_timeout)
+            .field("connection", &self.connection)
             .field("purge", &self.purge)
             .finish()
     }
@@ -398,6 +409,12 @@ impl<S: OutboxStore + Clone + 'static> Relay<S> {
                     channel
                 }
                 Err(_) if *shutdown.borrow() => break Ok(()),
+                // Only before the first connection: a configuration error
+                // (refused login, unusable URL) that no retry mends.
+                Err(error @ (AppError::CredentialsRefused { .. } | AppError::Config(_))) => {
+                    tracing::error!(error = %chain(&error), "the relay cannot connect to RabbitMQ");
+                    break Err(error);
+                }
                 Err(error) => {
                     self.broker.send_replace(false);
                     broker = None;
@@ -537,11 +554,20 @@ impl<S: OutboxStore + Clone + 'static> Relay<S> {
             tracing::warn!("RabbitMQ connection lost; reconnecting");
         }
         *broker = None;
+        // Refused credentials end the relay only before it has ever
+        // connected (a configuration error); later they are a rotation
+        // in progress, retried.
+        let on_refusal = if self.tally.connections.load(Ordering::Relaxed) == 0 {
+            OnRefusal::Fail
+        } else {
+            OnRefusal::Retry
+        };
         let connection = connect_with_backoff(
             &self.config.amqp_url,
             &self.config.connection_name,
-            self.config.connect_timeout,
+            self.config.connection,
             None,
+            on_refusal,
             shutdown,
             None,
         )

@@ -49,7 +49,7 @@ use tokio::task::{JoinHandle, JoinSet};
 
 use crate::ack::{AckTracker, collect};
 use crate::amqp::{
-    close_bounded, close_channel_bounded, connect_with_backoff, no_args, open_channel,
+    OnRefusal, close_bounded, close_channel_bounded, connect_with_backoff, no_args, open_channel,
 };
 use crate::availability::{StoreCheck, StoreChecks, StoreCircuit, check_store};
 use crate::backoff::RECONNECT;
@@ -99,7 +99,7 @@ impl<S: ServiceStore> Service<S> {
     }
 
     /// Runs the outbox relay beside the consumers, with the default
-    /// [`RelayConfig`] on the service's broker: what the handlers publish
+    /// [`RelayConfig`] on the service's broker (and its connect options): what the handlers publish
     /// with [`Context::publish`] goes out, with publisher confirms, after
     /// their transactions commit. Its wake-ups ([`OutboxWakeups`]) start
     /// with it; it stops with the service, and [`ServiceHandle::join`]
@@ -109,10 +109,11 @@ impl<S: ServiceStore> Service<S> {
     where
         S: OutboxStore + OutboxWakeups + Send + Sync + 'static,
     {
-        let config = RelayConfig::new(
+        let mut config = RelayConfig::new(
             self.config.amqp_url.clone(),
             format!("{} relay", self.config.connection_name),
         );
+        config.connection = self.config.connection;
         self.relay(config)
     }
 
@@ -580,21 +581,34 @@ impl<S: ServiceStore> Supervisor<S> {
         }
         failures = 0;
         self.circuit.report();
+        let mut connected_once = false;
         loop {
             if *shutdown.borrow() {
                 return Ok(());
             }
+            // Refused credentials end the service only before it has ever
+            // connected (a configuration error); later they are a rotation
+            // in progress, retried.
+            let on_refusal = if connected_once {
+                OnRefusal::Retry
+            } else {
+                OnRefusal::Fail
+            };
             let connection = match connect_with_backoff(
                 &self.config.amqp_url,
                 &self.config.connection_name,
-                self.config.connect_timeout,
+                self.config.connection,
                 None,
+                on_refusal,
                 &mut shutdown,
                 Some(&self.broker_error),
             )
             .await
             {
-                Ok(connection) => connection,
+                Ok(connection) => {
+                    connected_once = true;
+                    connection
+                }
                 Err(_) if *shutdown.borrow() => return Ok(()),
                 Err(error) => return Err(error),
             };

@@ -50,4 +50,10 @@ impl Running {
     pub fn is_running(&self) -> bool {
         self.0.has_changed().is_ok()
     }
+
+    /// Resolves when the task has ended (its guard dropped): for a host
+    /// that must not go on serving after a task it depends on has failed.
+    pub async fn ended(mut self) {
+        while self.0.changed().await.is_ok() {}
+    }
 }

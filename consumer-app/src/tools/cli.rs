@@ -25,6 +25,7 @@ use crate::parcel::store::{ParcelStore, StoreKind};
 use crate::parcel::topology::Topology;
 use crate::tools::logging::LogFormat;
 use crate::tools::stores::{StoreConfig, WithOutbox, WithStore};
+use inbox_runtime::amqp::ConnectOptions;
 use inbox_runtime::http::{self as telemetry, Health, install_recorder};
 use inbox_runtime::relay::{Relay, RelayConfig};
 use inbox_runtime::{
@@ -69,6 +70,18 @@ pub struct Global {
         value_parser = clap::value_parser!(u64).range(1..)
     )]
     pub amqp_connect_timeout_secs: u64,
+    /// Seconds of silence after which RabbitMQ (and this process) close
+    /// the connection, unless the AMQP URL names its own `heartbeat`: the
+    /// bound on how long a frozen or cut-off consumer keeps its
+    /// unacknowledged deliveries from the others (0: no heartbeat).
+    #[arg(
+        long,
+        env = "AMQP_HEARTBEAT_SECS",
+        global = true,
+        default_value_t = inbox_runtime::amqp::DEFAULT_HEARTBEAT.as_secs(),
+        value_parser = clap::value_parser!(u64).range(0..=65535)
+    )]
+    pub amqp_heartbeat_secs: u64,
     /// PostgreSQL schema of the inbox and the app's tables (search_path).
     #[arg(
         long,
@@ -121,9 +134,11 @@ impl Global {
         Topology::new(&self.prefix).with_queue_type(self.queue_type)
     }
 
-    /// `--amqp-connect-timeout-secs`.
-    pub fn amqp_connect_timeout(&self) -> Duration {
-        Duration::from_secs(self.amqp_connect_timeout_secs)
+    /// `--amqp-connect-timeout-secs` and `--amqp-heartbeat-secs`.
+    pub fn amqp_connection(&self) -> ConnectOptions {
+        ConnectOptions::default()
+            .timeout(Duration::from_secs(self.amqp_connect_timeout_secs))
+            .heartbeat(Duration::from_secs(self.amqp_heartbeat_secs))
     }
 }
 
@@ -241,7 +256,11 @@ impl Global {
         }
         if !uses.broker {
             idle.push(Idle::new(
-                &["amqp_url", "amqp_connect_timeout_secs"],
+                &[
+                    "amqp_url",
+                    "amqp_connect_timeout_secs",
+                    "amqp_heartbeat_secs",
+                ],
                 format!("`{command}` does not connect to RabbitMQ"),
             ));
         }
@@ -529,7 +548,7 @@ impl ConsumeArgs {
                     threshold: self.store_outage_threshold.max(1),
                     ..AvailabilityConfig::default()
                 },
-                connect_timeout: global.amqp_connect_timeout(),
+                connection: global.amqp_connection(),
             },
             topology: global.topology(),
             metrics_addr,
@@ -827,7 +846,7 @@ impl RelaySettings {
                 secs => Some(self.purge.config(Duration::from_secs(secs))?),
             },
             exchanges: vec![global.topology().exchange()],
-            connect_timeout: global.amqp_connect_timeout(),
+            connection: global.amqp_connection(),
             ..RelayConfig::new(global.amqp_url.clone(), connection_name)
         };
         config.check()?;
@@ -1006,8 +1025,23 @@ impl WithStore for ApiCommand {
         let router = telemetry::router(metrics, health).merge(api.router());
         let server = crate::parcel::api::ApiServer::serve(listener, router)?;
         println!("listening on http://{}", server.local_addr());
-        wait_for_signal().await;
-        tracing::info!("shutting down: finishing the requests in flight");
+        // A relay that ends on its own (a refused login at start-up) ends
+        // the command with its error: an API whose events never go out
+        // must not look healthy.
+        let relay_ended = relay.as_ref().map(|relay| relay.running().ended());
+        tokio::select! {
+            () = wait_for_signal() => {
+                tracing::info!("shutting down: finishing the requests in flight");
+            }
+            () = async {
+                match relay_ended {
+                    Some(ended) => ended.await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                tracing::error!("the outbox relay stopped; shutting down the API");
+            }
+        }
         server.stop().await;
         match relay {
             Some(relay) => {

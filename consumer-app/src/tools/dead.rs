@@ -20,7 +20,6 @@
 
 use std::fmt::Write as _;
 use std::num::NonZeroU32;
-use std::time::Duration;
 
 use futures::stream::BoxStream;
 use inbox_api::{AttemptRecord, ConsumerName, MessageId, OutboxRecord, OutboxStore};
@@ -29,7 +28,7 @@ use crate::parcel::role::Role;
 use crate::parcel::store::{ParcelStore, StoreKind};
 use crate::parcel::topology::Topology;
 use crate::tools::stores::{WithOutbox, WithStore};
-use inbox_runtime::amqp::{connect_within, open_channel};
+use inbox_runtime::amqp::{ConnectOptions, connect_with, open_channel};
 use inbox_runtime::replay::{Replayed, replay};
 use inbox_runtime::{AppError, message::truncate};
 
@@ -115,12 +114,12 @@ pub fn role_of(name: &str) -> Result<Role, AppError> {
 /// Broker errors.
 pub async fn replay_dead_letters(
     amqp_url: &str,
-    connect_timeout: Duration,
+    connection: ConnectOptions,
     topology: &Topology,
     role: Role,
     ids: &[String],
 ) -> Result<Replayed, AppError> {
-    let connection = connect_within(amqp_url, "parcel-inbox replay", connect_timeout).await?;
+    let connection = connect_with(amqp_url, "parcel-inbox replay", connection).await?;
     let channel = open_channel(&connection, "a channel").await?;
     channel
         .confirm_select(lapin::options::ConfirmSelectOptions::default())

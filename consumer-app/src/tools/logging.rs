@@ -14,15 +14,24 @@ pub enum LogFormat {
     Json,
 }
 
-/// Installs a `tracing` subscriber reading `RUST_LOG` (default `info`),
-/// writing to stderr in `format`, once; later calls do nothing.
+/// The log filter when `RUST_LOG` is unset: `info`, without lapin's own
+/// lines. Every lapin failure reaches the runtime as an error, which logs
+/// it once with what it was doing and the redacted URL; lapin's lines
+/// repeated it at ERROR without either ("Exponential backoff attempts
+/// exhausted, aborting recovery" for each refused connect). `RUST_LOG=
+/// info,lapin=debug` brings them back.
+pub const DEFAULT_FILTER: &str = "info,lapin=off";
+
+/// Installs a `tracing` subscriber reading `RUST_LOG` (default
+/// [`DEFAULT_FILTER`]), writing to stderr in `format`, once; later calls do
+/// nothing.
 ///
 /// Colours only when stderr is a terminal: in a file, a pipe or a log
 /// collector the escape codes are noise that breaks grep and parsers.
 pub fn init_logging(format: LogFormat) {
     use std::io::IsTerminal as _;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_FILTER));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

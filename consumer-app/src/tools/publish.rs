@@ -4,7 +4,7 @@
 //! and body again. The inbox must drop each copy, for each consumer.
 
 use std::io::{IsTerminal, Write};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use inbox_api::MessageId;
 use rand::rngs::StdRng;
@@ -13,7 +13,7 @@ use rand::{Rng, SeedableRng};
 use crate::parcel::events::{ParcelCreatedEvent, ROUTING_KEY, outgoing};
 use crate::parcel::topology::Topology;
 use inbox_runtime::AppError;
-use inbox_runtime::amqp::{CONNECT_TIMEOUT, Outgoing, Publisher, close_bounded, connect_within};
+use inbox_runtime::amqp::{ConnectOptions, Outgoing, Publisher, close_bounded, connect_with};
 
 /// What will be published.
 #[derive(Clone, Debug)]
@@ -90,22 +90,29 @@ pub async fn publish(
     messages: &[Outgoing],
     progress: bool,
 ) -> Result<(), AppError> {
-    publish_within(amqp_url, CONNECT_TIMEOUT, topology, messages, progress).await
+    publish_with(
+        amqp_url,
+        ConnectOptions::default(),
+        topology,
+        messages,
+        progress,
+    )
+    .await
 }
 
-/// [`publish`], the connection and its channel each opened within
-/// `connect_timeout`.
+/// [`publish`], the connection opened with `connection` (its timeout also
+/// bounds the channel's opening).
 ///
 /// # Errors
 /// As [`publish`].
-pub async fn publish_within(
+pub async fn publish_with(
     amqp_url: &str,
-    connect_timeout: Duration,
+    connection: ConnectOptions,
     topology: &Topology,
     messages: &[Outgoing],
     progress: bool,
 ) -> Result<(), AppError> {
-    let connection = connect_within(amqp_url, "parcel-inbox publisher", connect_timeout).await?;
+    let connection = connect_with(amqp_url, "parcel-inbox publisher", connection).await?;
     let publisher = Publisher::new(&connection, &topology.exchange(), ROUTING_KEY).await?;
     topology.declare(publisher.channel()).await?;
     let total = messages.len();

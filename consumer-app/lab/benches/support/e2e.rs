@@ -207,7 +207,7 @@ pub(crate) async fn cell(
                     cleanup: None,
                     gauge_interval: None,
                     availability: Default::default(),
-                    connect_timeout: inbox_runtime::amqp::CONNECT_TIMEOUT,
+                    connection: Default::default(),
                 },
                 &topology,
                 Downstreams {
