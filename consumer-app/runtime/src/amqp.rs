@@ -119,10 +119,13 @@ pub async fn connect_with(
                 source: error,
             })
         }
-        Ok(Err(error)) => Err(AppError::broker(
-            format!("connect to {}", redact_url(url)),
-            error,
-        )),
+        Ok(Err(error)) => {
+            let hint = crate::broker_url::hint(url, &error);
+            Err(AppError::broker(
+                format!("connect to {}{hint}", redact_url(url)),
+                error,
+            ))
+        }
         Err(_) => Err(AppError::Unavailable(format!(
             "connect to {}: no AMQP answer within {timeout:?} (something accepts the \
              connection but does not speak AMQP, or the broker is hung)",

@@ -100,6 +100,18 @@ pub(crate) fn is_login_refused(error: &lapin::Error) -> bool {
     matches!(error.kind(), lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 403)
 }
 
+/// What a failed connect most likely means when lapin's error does not say
+/// it: a plain `amqp://` connection to a TLS port reads the TLS alert as a
+/// frame that does not parse.
+pub(crate) fn hint(url: &str, error: &lapin::Error) -> &'static str {
+    match error.kind() {
+        lapin::ErrorKind::ParsingError(_) if url.starts_with("amqp://") => {
+            " (the server's answer is not AMQP: a TLS-only port wants amqps://)"
+        }
+        _ => "",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

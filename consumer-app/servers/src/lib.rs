@@ -188,21 +188,70 @@ pub struct PrivateRabbit {
 impl PrivateRabbit {
     /// Starts the node and waits until it takes AMQP connections.
     pub async fn start() -> Self {
+        let rabbit = Self::create();
+        let config = format!("listeners.tcp.local = 127.0.0.1:{}\n", rabbit.port);
+        rabbit.boot(&config, "[]");
+        rabbit.up().await;
+        rabbit
+    }
+
+    /// Starts a node that speaks TLS only (`amqps://`), with `pki`'s
+    /// server certificate, on 127.0.0.1 and 127.0.0.2 (which the
+    /// certificate does not name: a client that checks host names must
+    /// refuse it there). Client certificates signed by `pki`'s CA are
+    /// asked for but not required; with `auth_mechanism=external` the
+    /// certificate's common name is the login.
+    pub async fn start_tls(pki: &pki::Pki) -> Self {
+        let rabbit = Self::create();
+        for (from, to) in [
+            (&pki.ca, "ca.pem"),
+            (&pki.server_cert, "server.pem"),
+            (&pki.server_key, "server.key"),
+        ] {
+            std::fs::copy(from, rabbit.dir.join(to)).expect("copy a PKI file");
+        }
+        let file = |name: &str| rabbit.dir.join(name).display().to_string();
+        let port = rabbit.port;
+        let config = format!(
+            "listeners.tcp = none\n\
+             listeners.ssl.1 = 127.0.0.1:{port}\n\
+             listeners.ssl.2 = 127.0.0.2:{port}\n\
+             ssl_options.cacertfile = {}\n\
+             ssl_options.certfile = {}\n\
+             ssl_options.keyfile = {}\n\
+             ssl_options.verify = verify_peer\n\
+             ssl_options.fail_if_no_peer_cert = false\n\
+             ssl_cert_login_from = common_name\n\
+             auth_mechanisms.1 = PLAIN\n\
+             auth_mechanisms.2 = AMQPLAIN\n\
+             auth_mechanisms.3 = EXTERNAL\n",
+            file("ca.pem"),
+            file("server.pem"),
+            file("server.key"),
+        );
+        rabbit.boot(&config, "[rabbitmq_auth_mechanism_ssl]");
+        listening(port, "the private RabbitMQ (TLS)", Duration::from_secs(120)).await;
+        rabbit.ctl_args(&["await_startup", "--timeout", "120"]);
+        rabbit
+    }
+
+    fn create() -> Self {
         let id = id();
         let dir = std::env::temp_dir().join(format!("inbox-private-rmq-{id}"));
         std::fs::create_dir_all(&dir).expect("node directory");
-        let rabbit = Self {
+        Self {
             node: format!("inbox-test-{id}@localhost"),
             port: free_port(),
             dir,
-        };
+        }
+    }
+
+    /// Writes `config` and the `plugins` list and starts the node detached.
+    fn boot(&self, config: &str, plugins: &str) {
+        let rabbit = self;
         let file = |name: &str| rabbit.dir.join(name).display().to_string();
-        std::fs::write(
-            file("rabbitmq.conf"),
-            format!("listeners.tcp.local = 127.0.0.1:{}\n", rabbit.port),
-        )
-        .expect("config file");
-        std::fs::write(file("enabled_plugins"), "[].\n").expect("plugins file");
+        std::fs::write(file("rabbitmq.conf"), config).expect("config file");
+        std::fs::write(file("enabled_plugins"), format!("{plugins}.\n")).expect("plugins file");
         if is_root() {
             // The server drops to the rabbitmq user, which must own its files.
             run(
@@ -210,10 +259,15 @@ impl PrivateRabbit {
                 &["-R", "rabbitmq:rabbitmq", &rabbit.dir.display().to_string()],
             );
         }
-        let status = Command::new("rabbitmq-server")
+        let mut command = Command::new("rabbitmq-server");
+        if !config.contains("listeners.tcp = none") {
+            // A TLS-only node must not get a plain listener from the
+            // environment on the port its TLS listener takes.
+            command.env("RABBITMQ_NODE_PORT", rabbit.port.to_string());
+        }
+        let status = command
             .arg("-detached")
             .env("RABBITMQ_NODENAME", &rabbit.node)
-            .env("RABBITMQ_NODE_PORT", rabbit.port.to_string())
             .env("RABBITMQ_DIST_PORT", free_port().to_string())
             .env("RABBITMQ_CONFIG_FILE", file("rabbitmq.conf"))
             .env("RABBITMQ_ENABLED_PLUGINS_FILE", file("enabled_plugins"))
@@ -225,8 +279,12 @@ impl PrivateRabbit {
             .status()
             .expect("run rabbitmq-server");
         assert!(status.success(), "rabbitmq-server -detached: {status}");
-        rabbit.up().await;
-        rabbit
+    }
+
+    /// Its port (plain or TLS, as it was started).
+    #[must_use]
+    pub fn port(&self) -> u16 {
+        self.port
     }
 
     /// Its AMQP URL (user guest, vhost /).
@@ -262,7 +320,14 @@ impl PrivateRabbit {
 
     /// Runs `rabbitmqctl -n <node> command` (`stop_app`, `start_app`).
     pub fn ctl(&self, command: &str) {
-        run("rabbitmqctl", &["-n", &self.node, command]);
+        self.ctl_args(&[command]);
+    }
+
+    /// Runs `rabbitmqctl -n <node> args…` and returns its output.
+    pub fn ctl_args(&self, args: &[&str]) -> Output {
+        let mut all = vec!["-n", self.node.as_str()];
+        all.extend_from_slice(args);
+        run("rabbitmqctl", &all)
     }
 }
 
