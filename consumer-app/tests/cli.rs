@@ -1,8 +1,10 @@
 //! The production binary's command line: fault injection is not on it (the
 //! lab's `parcel-lab-consume` has the fault flags), and nothing else of it
-//! went away; one-shot commands fail fast on a database that refuses. Needs
-//! no service: every case fails or answers in parsing, or meets a closed port
-//! or a silent listener of the test's own.
+//! went away; one-shot commands fail fast on a database that refuses, and
+//! every command on a broker that refuses the login. Needs no service but
+//! for that last case (the shared broker and database): every other case
+//! fails or answers in parsing, or meets a closed port or a silent listener
+//! of the test's own.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -532,4 +534,59 @@ fn a_one_shot_command_fails_with_the_cause_on_a_silent_broker() {
         "publish must name the address and the cause:\n{text}"
     );
     assert!(took < Duration::from_secs(10), "it took {took:?}:\n{text}");
+}
+
+/// A broker that refuses the login is a configuration error at start-up:
+/// every command that connects to RabbitMQ exits non-zero at once, saying
+/// "credentials refused" with the redacted URL, never the password, and
+/// without lapin's own lines beside ours. Uses the shared broker (a wrong
+/// password for `guest`) and the shared database (a schema of its own,
+/// dropped after).
+#[test]
+fn a_refused_broker_login_ends_every_command_at_once() {
+    const SECRET: &str = "wrong-secret-not-in-logs";
+    let schema = format!("cli_refused_{}", std::process::id());
+    let schema_flag = format!("--schema={schema}");
+    let amqp = format!("--amqp-url=amqp://guest:{SECRET}@127.0.0.1:5672/%2f");
+    let (code, text) = parcel_inbox(&[&schema_flag, "migrate"]);
+    assert_eq!(code, Some(0), "migrate (PostgreSQL reachable?):\n{text}");
+    for (command, uses_database) in [
+        (&["consume", "--metrics-addr=off"][..], true),
+        (&["relay", "--metrics-addr=off"], true),
+        (&["api", "--listen=127.0.0.1:0"], true),
+        (&["publish", "--count=1"], false),
+    ] {
+        let mut args = vec![amqp.as_str()];
+        if uses_database {
+            args.push(&schema_flag);
+        }
+        args.extend_from_slice(command);
+        let (code, text, took) = parcel_inbox_within(&args, Duration::from_secs(20));
+        assert_eq!(
+            code,
+            Some(1),
+            "{command:?} must fail at once ({took:?}):\n{text}"
+        );
+        assert!(
+            text.contains("credentials refused by RabbitMQ at amqp://guest:***@127.0.0.1:5672"),
+            "{command:?} must say why, with the redacted URL:\n{text}"
+        );
+        assert!(
+            !text.contains(SECRET),
+            "{command:?} printed the password:\n{text}"
+        );
+        assert!(
+            !text.contains("attempts exhausted") && !text.contains("unreachable"),
+            "{command:?}: lapin's lines or a misleading cause:\n{text}"
+        );
+    }
+    let status = Command::new("psql")
+        .args([
+            "postgres://postgres@127.0.0.1:5432/test",
+            "-qc",
+            &format!("DROP SCHEMA {schema} CASCADE"),
+        ])
+        .status()
+        .expect("psql");
+    assert!(status.success(), "drop the test's schema");
 }
