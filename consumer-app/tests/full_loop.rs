@@ -51,9 +51,13 @@ fn processed(tally: &Tally, role: Role) -> u64 {
     tally.consumer(role.consumer_name()).processed()
 }
 
-async fn the_chain_crosses_two_hops_exactly_once<S: ParcelStore>(store: S, prefix: &str) {
+async fn the_chain_crosses_two_hops_exactly_once<S: ParcelStore>(
+    store: S,
+    prefix: &str,
+    amqp: &str,
+) {
     let topology = Topology::new(prefix);
-    let _remove = topology.remove_on_drop(AMQP_URL);
+    let _remove = topology.remove_on_drop(amqp);
     let parcels: Vec<ParcelCreatedEvent> = (0..N)
         .map(|i| ParcelCreatedEvent {
             parcel_id: format!("{prefix}P-{i}"),
@@ -92,7 +96,7 @@ async fn the_chain_crosses_two_hops_exactly_once<S: ParcelStore>(store: S, prefi
             connection_name: format!("full loop {prefix}"),
             cleanup: None,
             gauge_interval: None,
-            ..ServiceConfig::new(AMQP_URL, "")
+            ..ServiceConfig::new(amqp, "")
         },
         &topology,
         consumers(downstreams).expect("consumers").map(&faults),
@@ -103,14 +107,9 @@ async fn the_chain_crosses_two_hops_exactly_once<S: ParcelStore>(store: S, prefi
         .wait_consuming(1, Duration::from_secs(20))
         .await
         .expect("RabbitMQ reachable (bash .ci/services.sh)");
-    let producer = Producer::start(
-        store.clone(),
-        &topology,
-        AMQP_URL,
-        &format!("relay {prefix}"),
-    )
-    .await
-    .expect("producer starts");
+    let producer = Producer::start(store.clone(), &topology, amqp, &format!("relay {prefix}"))
+        .await
+        .expect("producer starts");
 
     let answers = create_parcels(producer.addr(), &parcels)
         .await
@@ -133,9 +132,7 @@ async fn the_chain_crosses_two_hops_exactly_once<S: ParcelStore>(store: S, prefi
     // the broker's confirm and its mark publishes. Each inbox discards them.
     let mut ids = created.clone();
     ids.extend(&follow_ups);
-    let copies = publish_copies(&store, AMQP_URL, &ids)
-        .await
-        .expect("copies");
+    let copies = publish_copies(&store, amqp, &ids).await.expect("copies");
     assert_eq!(copies, ids.len(), "every message has its outbox row");
     until(
         "every copy discarded",
@@ -234,7 +231,7 @@ async fn sqlx_the_chain_crosses_two_hops_exactly_once() {
         .await
         .expect("PostgreSQL reachable (bash .ci/services.sh)");
     store.migrate_all().await.expect("migrate");
-    the_chain_crosses_two_hops_exactly_once(store, &prefix).await;
+    the_chain_crosses_two_hops_exactly_once(store, &prefix, AMQP_URL).await;
 }
 
 #[cfg(feature = "diesel")]
@@ -245,12 +242,12 @@ async fn diesel_the_chain_crosses_two_hops_exactly_once() {
         .await
         .expect("PostgreSQL reachable (bash .ci/services.sh)");
     store.migrate_all().await.expect("migrate");
-    the_chain_crosses_two_hops_exactly_once(store, &prefix).await;
+    the_chain_crosses_two_hops_exactly_once(store, &prefix, AMQP_URL).await;
 }
 
 #[cfg(feature = "memory")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_the_chain_crosses_two_hops_exactly_once() {
     let store = inbox_backend_memory::MemoryStore::new();
-    the_chain_crosses_two_hops_exactly_once(store, &prefix("memory")).await;
+    the_chain_crosses_two_hops_exactly_once(store, &prefix("memory"), AMQP_URL).await;
 }
