@@ -106,6 +106,7 @@ mod outbox;
 pub mod schema;
 mod statements;
 mod store;
+mod tls;
 mod transaction;
 
 /// The diesel this crate is built with, so that the consumer's business

@@ -11,13 +11,14 @@
 //! listened. Without that, a relay would fall back to its poll interval for
 //! the rest of its life after the first lost connection.
 
-use std::str::FromStr;
 use std::time::Duration;
 
 use inbox_api::InboxError;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_postgres::AsyncMessage;
+
+use crate::tls::Target;
 
 use crate::SchemaName;
 
@@ -71,13 +72,16 @@ impl OutboxListener {
     /// reached or refuses the LISTEN now; [`InboxError::InvalidArgument`] for a URL
     /// that does not parse.
     pub async fn connect(url: &str, schema: &SchemaName) -> Result<Self, InboxError> {
-        let mut config =
-            tokio_postgres::Config::from_str(url).map_err(|e| InboxError::InvalidArgument {
-                message: format!("database URL: {e}"),
-            })?;
-        if config.get_application_name().is_none() {
-            config.application_name(LISTENER_APPLICATION_NAME);
-        }
+        let config = Target::parse(url).map_err(|e| InboxError::InvalidArgument {
+            message: format!("database URL: {e}"),
+        })?;
+        let config = if config.config().get_application_name().is_none() {
+            config.with_config(|c| {
+                c.application_name(LISTENER_APPLICATION_NAME);
+            })
+        } else {
+            config
+        };
         let listen = format!("LISTEN {}", quote(&schema.outbox_channel()));
         // Room for one: a wake-up already waiting covers any that follow.
         let (wake, wakeups) = mpsc::channel(1);
@@ -102,11 +106,11 @@ impl OutboxListener {
 
 /// Connects and LISTENs; the session's notifications go to `wake`.
 async fn open(
-    config: &tokio_postgres::Config,
+    config: &Target,
     listen: &str,
     wake: &mpsc::Sender<()>,
 ) -> Result<Session, tokio_postgres::Error> {
-    let (client, mut connection) = config.connect(tokio_postgres::NoTls).await?;
+    let (client, mut connection) = config.connect().await?;
     let wake = wake.clone();
     let driver = tokio::spawn(async move {
         loop {
@@ -132,12 +136,7 @@ async fn open(
 
 /// Keeps a session LISTENing while the listener (the receiver of `wake`)
 /// lives: waits for the session to end, then reopens it with backoff.
-async fn supervise(
-    config: tokio_postgres::Config,
-    listen: String,
-    wake: mpsc::Sender<()>,
-    mut session: Session,
-) {
+async fn supervise(config: Target, listen: String, wake: mpsc::Sender<()>, mut session: Session) {
     loop {
         tokio::select! {
             ended = &mut session.driver => {

@@ -79,12 +79,52 @@ impl fmt::Debug for DieselStore {
 /// keeps its message, which [`crate::classify`] reads as diesel-async's own
 /// mapping would have given it.
 async fn establish(url: &str) -> diesel::ConnectionResult<AsyncPgConnection> {
-    match tokio_postgres::connect(url, tokio_postgres::NoTls).await {
+    match connect(url).await? {
         Ok((client, connection)) => {
             AsyncPgConnection::try_from_client_and_connection(client, connection).await
         }
         Err(error) => Err(connect_error(&error)),
     }
+}
+
+/// Connects through [`crate::tls::Target`] (libpq's `sslmode` and
+/// certificate files); an unusable URL is a connection error naming what
+/// is wrong, with the URL's password hidden.
+async fn connect(
+    url: &str,
+) -> diesel::ConnectionResult<
+    Result<
+        (
+            tokio_postgres::Client,
+            tokio_postgres::Connection<tokio_postgres::Socket, crate::tls::Stream>,
+        ),
+        tokio_postgres::Error,
+    >,
+> {
+    let target = crate::tls::Target::parse(url).map_err(|why| {
+        diesel::ConnectionError::InvalidConnectionUrl(format!(
+            "{}: {why}",
+            inbox_api::redact_url(url)
+        ))
+    })?;
+    Ok(target.connect().await)
+}
+
+/// How [`connect_error`] marks a refused login in the text diesel keeps
+/// (diesel's connection error has no SQLSTATE), for
+/// [`DieselStoreBuilder::connect`] to report it as one.
+const LOGIN_REFUSED: &str = "login refused: ";
+
+/// Whether any error of `error`'s chain says `text`.
+fn chain_contains(error: &(dyn std::error::Error + 'static), text: &str) -> bool {
+    let mut cause = Some(error);
+    while let Some(inner) = cause {
+        if inner.to_string().contains(text) {
+            return true;
+        }
+        cause = inner.source();
+    }
+    false
 }
 
 /// A failed connect as [`establish`] reports it.
@@ -94,7 +134,11 @@ fn connect_error(error: &tokio_postgres::Error) -> diesel::ConnectionError {
             Some(server) => diesel::ConnectionError::CouldntSetupConfiguration(
                 diesel::result::Error::DatabaseError(
                     diesel::result::DatabaseErrorKind::Unknown,
-                    Box::new(server.message().to_owned()),
+                    Box::new(if inbox_postgres::is_login_refused(server.code().code()) {
+                        format!("{LOGIN_REFUSED}{}", server.message())
+                    } else {
+                        server.message().to_owned()
+                    }),
                 ),
             ),
             None => {
@@ -124,9 +168,7 @@ async fn establish_for(url: &str, pooling: Pooling) -> diesel::ConnectionResult<
     if pooling == Pooling::Session {
         return establish(url).await;
     }
-    let (client, mut connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .map_err(|error| connect_error(&error))?;
+    let (client, mut connection) = connect(url).await?.map_err(|error| connect_error(&error))?;
     {
         // The connection is not driven yet (diesel-async spawns it below):
         // drive it here until BEGIN is answered.
@@ -307,8 +349,13 @@ impl DieselStoreBuilder {
     /// As [`DieselStoreBuilder::build`]; [`InboxError::Connection`] or
     /// [`InboxError::PoolTimeout`] when the database cannot be reached.
     pub async fn connect(self) -> Result<DieselStore, InboxError> {
+        let url = self.url.clone();
         let store = self.build()?;
-        let mut conn = store.pool.get().await.map_err(classify_pool)?;
+        let mut conn = store.pool.get().await.map_err(|error| {
+            let error = classify_pool(error);
+            let refused = chain_contains(&error, LOGIN_REFUSED);
+            inbox_postgres::connect_failed(&url, refused, error)
+        })?;
         warn_unless_english_messages(&mut conn).await;
         Ok(store)
     }

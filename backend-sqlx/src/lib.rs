@@ -193,7 +193,13 @@ impl SqlxStore {
         let pool = PgPoolOptions::new()
             .connect_with(options)
             .await
-            .map_err(classify)?;
+            .map_err(|error| {
+                let refused = error
+                    .as_database_error()
+                    .and_then(|db| db.code())
+                    .is_some_and(|code| inbox_postgres::is_login_refused(&code));
+                inbox_postgres::connect_failed(url, refused, classify(error))
+            })?;
         Self::new(pool, schema)
     }
 

@@ -14,6 +14,7 @@ mod inbox;
 mod key;
 pub mod metrics;
 mod outbox;
+mod redact;
 mod store;
 
 pub use attempts::{AttemptLedger, AttemptLedgerExt, AttemptRecord, DeadMark, LastError};
@@ -24,6 +25,7 @@ pub use outbox::{
     EnqueueOutcome, LeaseId, OutboxLease, OutboxRecord, OutboxStore, OutboxStoreExt,
     OutboxTransaction, OutgoingMessage, PublishRetry, Refused,
 };
+pub use redact::redact_url;
 pub use store::{
     BatchTransaction, Claim, FirstStep, InboxRecord, InboxStats, InboxStore, InboxStoreExt,
     InboxTransaction, PurgedBatch,

@@ -74,7 +74,7 @@ pub use outbox::{
 };
 pub use schema_name::SchemaName;
 pub use session::{Pooling, SessionTimeouts};
-pub use sqlstate::{ErrorClass, classify_sqlstate};
+pub use sqlstate::{ErrorClass, classify_sqlstate, connect_failed, is_login_refused};
 pub use statements::{Statements, qualify};
 
 // The error type the exported `savepoint_methods!` names, so that a driver

@@ -228,3 +228,59 @@ mod tests {
         assert!(timeout.is_retryable());
     }
 }
+
+/// Whether a SQLSTATE says the server refused the login (class 28:
+/// `invalid_authorization_specification`, `invalid_password`; a
+/// `pg_hba.conf` line that rejects the connection, or none that matches).
+pub fn is_login_refused(code: &str) -> bool {
+    code.starts_with("28")
+}
+
+/// A store constructor's failed connect, as both drivers report it: the
+/// URL it tried, password hidden, beside the cause. A refused login is a
+/// configuration error ([`InboxError::InvalidArgument`], permanent) that
+/// says "credentials refused": retrying cannot mend a wrong password, and
+/// "connection failed" would send an operator to the network.
+pub fn connect_failed(url: &str, login_refused: bool, error: InboxError) -> InboxError {
+    let url = inbox_api::redact_url(url);
+    if login_refused {
+        let mut text = String::new();
+        let mut cause: Option<&dyn std::error::Error> = Some(&error);
+        while let Some(inner) = cause {
+            let part = inner.to_string();
+            if !text.ends_with(&part) {
+                text.push_str(": ");
+                text.push_str(&part);
+            }
+            cause = inner.source();
+        }
+        return InboxError::InvalidArgument {
+            message: format!("credentials refused by PostgreSQL at {url}{text}"),
+        };
+    }
+    match error {
+        InboxError::Connection { source } => InboxError::Connection {
+            source: Box::new(ConnectTo { url, source }),
+        },
+        other => other,
+    }
+}
+
+/// [`connect_failed`]'s context: which URL the cause is about.
+#[derive(Debug)]
+struct ConnectTo {
+    url: String,
+    source: BoxError,
+}
+
+impl std::fmt::Display for ConnectTo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "connect to {}", self.url)
+    }
+}
+
+impl std::error::Error for ConnectTo {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(self.source.as_ref())
+    }
+}

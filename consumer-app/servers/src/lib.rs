@@ -80,25 +80,147 @@ pub struct PrivatePostgres {
     dir: PathBuf,
     port: u16,
     as_postgres: bool,
+    listen: &'static str,
 }
+
+/// The roles of a TLS cluster ([`PrivatePostgres::start_tls`]) besides
+/// `postgres`: one that logs in with its client certificate, one with this
+/// password.
+pub const TLS_CERT_USER: &str = "certuser";
+/// See [`TLS_CERT_USER`].
+pub const TLS_PASSWORD_USER: &str = "pwuser";
+/// The password of [`TLS_PASSWORD_USER`].
+pub const TLS_PASSWORD: &str = "right-password";
 
 impl PrivatePostgres {
     /// Creates the cluster and starts it.
     #[must_use]
     pub fn start() -> Self {
+        let cluster = Self::create("127.0.0.1");
+        cluster.resume();
+        cluster
+    }
+
+    /// A cluster that takes TLS connections only, with `pki`'s server
+    /// certificate, on 127.0.0.1 and 127.0.0.2 (which the certificate does
+    /// not name). `pg_hba.conf` has `hostssl` lines only: `postgres`
+    /// trusted, [`TLS_CERT_USER`] by client certificate (`cert`), and
+    /// [`TLS_PASSWORD_USER`] by password (SCRAM); a plain connection
+    /// matches no line.
+    #[must_use]
+    pub fn start_tls(pki: &pki::Pki) -> Self {
+        let cluster = Self::create("127.0.0.1,127.0.0.2");
+        for (from, to) in [
+            (&pki.ca, "ca.pem"),
+            (&pki.server_cert, "server.pem"),
+            (&pki.server_key, "server.key"),
+        ] {
+            std::fs::copy(from, cluster.dir.join(to)).expect("copy a PKI file");
+        }
+        pki::restrict(&cluster.dir.join("server.key"));
+        if cluster.as_postgres {
+            for file in ["ca.pem", "server.pem", "server.key"] {
+                run(
+                    "chown",
+                    &[
+                        "postgres:postgres",
+                        &cluster.dir.join(file).display().to_string(),
+                    ],
+                );
+            }
+        }
+        let append = |file: &str, text: &str| {
+            use std::io::Write as _;
+            let mut f = std::fs::OpenOptions::new()
+                .append(true)
+                .open(cluster.dir.join(file))
+                .expect("open a cluster file");
+            f.write_all(text.as_bytes()).expect("write a cluster file");
+        };
+        append(
+            "postgresql.conf",
+            "ssl = on\nssl_cert_file = 'server.pem'\nssl_key_file = 'server.key'\n\
+             ssl_ca_file = 'ca.pem'\n",
+        );
+        std::fs::write(
+            cluster.dir.join("pg_hba.conf"),
+            format!(
+                "local all all trust\n\
+                 hostssl all postgres 127.0.0.0/8 trust\n\
+                 hostssl all {TLS_CERT_USER} 127.0.0.0/8 cert\n\
+                 hostssl all {TLS_PASSWORD_USER} 127.0.0.0/8 scram-sha-256\n"
+            ),
+        )
+        .expect("pg_hba.conf");
+        cluster.resume();
+        let port = cluster.port.to_string();
+        cluster.pg(
+            "psql",
+            &[
+                "-h",
+                &cluster.data(),
+                "-p",
+                &port,
+                "-U",
+                "postgres",
+                "-d",
+                "postgres",
+                "-qc",
+                &format!(
+                    "CREATE ROLE {TLS_CERT_USER} LOGIN SUPERUSER; \
+                     CREATE ROLE {TLS_PASSWORD_USER} LOGIN SUPERUSER PASSWORD '{TLS_PASSWORD}'"
+                ),
+            ],
+        );
+        cluster
+    }
+
+    fn create(listen: &'static str) -> Self {
         let dir = std::env::temp_dir().join(format!("inbox-private-pg-{}", id()));
         let cluster = Self {
             dir,
             port: free_port(),
             as_postgres: is_root(),
+            listen,
         };
         let data = cluster.data();
         cluster.pg(
             "initdb",
             &["-D", &data, "-A", "trust", "-U", "postgres", "--no-sync"],
         );
-        cluster.resume();
         cluster
+    }
+
+    /// Its port.
+    #[must_use]
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Runs `sql` as `postgres` over the cluster's Unix socket (no TLS, no
+    /// `pg_hba` host line) and returns psql's unaligned, tuples-only output.
+    ///
+    /// # Panics
+    /// When psql fails.
+    #[must_use]
+    pub fn psql(&self, sql: &str) -> String {
+        let port = self.port.to_string();
+        let out = self.pg(
+            "psql",
+            &[
+                "-h",
+                &self.data(),
+                "-p",
+                &port,
+                "-U",
+                "postgres",
+                "-d",
+                "postgres",
+                "-Atqc",
+                sql,
+            ],
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
     }
 
     fn data(&self) -> String {
@@ -129,9 +251,10 @@ impl PrivatePostgres {
     /// Starts the server (again) and waits until it accepts connections.
     pub fn resume(&self) {
         let options = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
+            "-p {} -k {} -c listen_addresses={} -c fsync=off",
             self.port,
-            self.data()
+            self.data(),
+            self.listen
         );
         let log = format!("{}/server.log", self.data());
         self.pg(

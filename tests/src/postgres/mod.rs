@@ -19,6 +19,8 @@ mod outbox;
 mod partitioned;
 mod scenarios;
 pub mod support;
+#[cfg(feature = "tls")]
+pub mod tls;
 
 use async_trait::async_trait;
 use inbox_api::InboxError;
