@@ -134,7 +134,8 @@ const CI: &[&str] = &[
 ];
 
 /// The operational faults, added to the per-store runs at CI size: two
-/// consume processes frozen with SIGSTOP for 10 s and resumed, one
+/// consume processes frozen with SIGSTOP for 35 s (longer than RabbitMQ's
+/// detection at the default heartbeat) and resumed, one
 /// PostgreSQL restart and one RabbitMQ restart (`stop_app`/`start_app`),
 /// each down 5 s. Those run on a PostgreSQL cluster and a RabbitMQ node of
 /// the run's own, so the shared servers are never stopped.

@@ -403,46 +403,78 @@ async fn clean_up<S: ParcelStore>(store: &S, topology: &Topology) {
     store.drop_schema().await.expect("drop schema");
 }
 
-/// The frozen process's bounds, as flags. `--lock-timeout-ms 1000`: a
-/// redelivery of a key the frozen process holds gives up after 1 s and is
-/// handed back uncharged; `--idle-in-transaction-timeout-secs 4`: PostgreSQL
-/// ends the frozen sessions 4 s after their last statement, releasing
-/// their claims; `--handle-timeout-secs 2`, below it, as the flags demand.
-const FREEZE_BOUNDS: [&str; 6] = [
-    "--lock-timeout-ms",
-    "1000",
-    "--idle-in-transaction-timeout-secs",
-    "4",
-    "--handle-timeout-secs",
-    "2",
-];
+/// The frozen process's database bounds. A redelivery of a key the frozen
+/// process holds gives up after [`FREEZE_LOCK_TIMEOUT`] and is handed back
+/// uncharged; PostgreSQL ends the frozen sessions
+/// [`FREEZE_IDLE_IN_TRANSACTION`] after their last statement, releasing
+/// their claims; the handle timeout stays below it, as the flags demand.
+const FREEZE_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
+const FREEZE_IDLE_IN_TRANSACTION: Duration = Duration::from_secs(4);
+const FREEZE_HANDLE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The frozen process's AMQP heartbeat, in seconds: RabbitMQ closes a
-/// connection that sends no heartbeat for about twice that, and only then
-/// requeues its unacked deliveries (the default, 60 s, would make the test
-/// wait a minute).
-const FROZEN_HEARTBEAT_SECS: u64 = 2;
+/// The bounds above as the consume binary's flags.
+fn freeze_bounds() -> Vec<String> {
+    vec![
+        "--lock-timeout-ms".to_owned(),
+        FREEZE_LOCK_TIMEOUT.as_millis().to_string(),
+        "--idle-in-transaction-timeout-secs".to_owned(),
+        FREEZE_IDLE_IN_TRANSACTION.as_secs().to_string(),
+        "--handle-timeout-secs".to_owned(),
+        FREEZE_HANDLE_TIMEOUT.as_secs().to_string(),
+    ]
+}
+
+/// How long after a consumer falls silent RabbitMQ closes its connection
+/// and requeues its unacked deliveries, at the runtime's default heartbeat
+/// (neither process names one: no `?heartbeat=` in the URL, no
+/// `--amqp-heartbeat-secs`). RabbitMQ's heartbeat receiver
+/// (`rabbit_heartbeat`, unchanged through 3.10) reads the socket's
+/// received-bytes counter once per heartbeat timeout and closes the
+/// connection at the second check in a row that finds it unchanged: 2 to 3
+/// timeouts after the last byte, 20–30 s at the default 10 s. The frozen
+/// process was acking until the SIGSTOP, so its last byte is at the
+/// freeze. Measured here (RabbitMQ 3.10.8, two cores, both stores), SIGSTOP
+/// to the frozen process's consumers leaving the queues: 29.1–29.3 s in six
+/// runs (the freeze falls about 1 s after the connection opened, just after
+/// one of the broker's checks, so near the top of the range), 27.0 s with
+/// the freeze moved 2.5 s later.
+const RABBITMQ_DETECTION: Duration =
+    Duration::from_secs(3 * inbox_runtime::amqp::DEFAULT_HEARTBEAT.as_secs());
+
+/// Redeliveries that met a frozen claim before PostgreSQL released it:
+/// each gives up after [`FREEZE_LOCK_TIMEOUT`] and comes again.
+const FREEZE_LOCK_ROUNDS: u32 = 3;
+
+/// Room for the rest on a loaded two-core machine (other suites running
+/// on the same servers): the second process starting, the work itself and
+/// this test's polling.
+const FREEZE_MARGIN: Duration = Duration::from_secs(20);
 
 /// How long after the SIGSTOP the other process may take to process every
-/// message: the broker's heartbeat timeout (≈ 2 × 2 s), PostgreSQL's
-/// idle-in-transaction timeout (4 s after the frozen sessions' last
-/// statement), a few lock-timeout rounds (1 s each) of redeliveries that
-/// met a frozen claim before it was released, and the work itself, with
-/// generous room for a loaded two-core machine. Without the database's
-/// bounds the frozen claims would be held until TCP gives up (minutes to
-/// hours), and every redelivery of their keys would wait for them.
-const FREEZE_PROCESSED_WITHIN: Duration = Duration::from_secs(45);
+/// message: the broker's detection of the silent peer, then PostgreSQL's
+/// idle-in-transaction timeout, then a few lock-timeout rounds, then the
+/// margin (57 s). The broker's and the database's clocks both start at the
+/// freeze, so the sum is an upper bound, not the expected time (at the
+/// default heartbeat the frozen sessions are gone long before the broker
+/// lets go of their deliveries). Without the database's bounds the frozen
+/// claims would be held until TCP gives up (minutes to hours), and every
+/// redelivery of their keys would wait for them.
+const FREEZE_PROCESSED_WITHIN: Duration = RABBITMQ_DETECTION
+    .saturating_add(FREEZE_IDLE_IN_TRANSACTION)
+    .saturating_add(FREEZE_LOCK_TIMEOUT.saturating_mul(FREEZE_LOCK_ROUNDS))
+    .saturating_add(FREEZE_MARGIN);
 
 /// A consume process frozen with SIGSTOP while it holds claims (sessions
-/// inside a transaction, each held 500 ms by the work delay): the broker
-/// closes its connection after the heartbeat timeout and redelivers its
-/// unacked deliveries to another process; their claims fail fast on the
-/// frozen locks (lock_timeout, handed back uncharged) until PostgreSQL ends
-/// the frozen sessions (idle_in_transaction_session_timeout); then every
-/// message is processed exactly once, nothing dead-lettered, all while the
-/// frozen process is still stopped. SIGCONT afterwards changes nothing: the
-/// resumed process's commits fail (its sessions are gone) and its
-/// redeliveries are duplicates.
+/// inside a transaction, each held 500 ms by the work delay), both processes
+/// at the runtime's default AMQP heartbeat: PostgreSQL ends the frozen
+/// sessions (idle_in_transaction_session_timeout), the broker closes the
+/// frozen connection once the heartbeat is missed and redelivers its unacked
+/// deliveries to another process, whose claims fail fast on any frozen lock
+/// still held (lock_timeout, handed back uncharged); every message is
+/// processed exactly once within [`FREEZE_PROCESSED_WITHIN`] of the freeze,
+/// nothing dead-lettered, all while the frozen process is still stopped.
+/// SIGCONT afterwards changes nothing: the resumed process's commits fail
+/// (its sessions are gone) and its redeliveries are duplicates.
 async fn frozen_process_is_bounded_by_the_database<S: ParcelStore>(store: S, kind: &str, id: &str) {
     let children = Children::new(id);
     within_limit(frozen_process_redeliveries(&children, store, kind, id)).await;
@@ -455,8 +487,9 @@ async fn frozen_process_redeliveries<S: ParcelStore>(
     id: &str,
 ) {
     let frozen_name = format!("frozen_{id}");
-    let frozen_amqp = format!("{AMQP_URL}?heartbeat={FROZEN_HEARTBEAT_SECS}");
-    let mut frozen_flags = FREEZE_BOUNDS.to_vec();
+    let bounds = freeze_bounds();
+    let bounds: Vec<&str> = bounds.iter().map(String::as_str).collect();
+    let mut frozen_flags = bounds.clone();
     frozen_flags.extend(["--fault-work-delay-ms", "500"]);
     let Busy {
         topology,
@@ -469,7 +502,7 @@ async fn frozen_process_redeliveries<S: ParcelStore>(
         (kind, id),
         (
             &with_application_name(&database_url(), &frozen_name),
-            &frozen_amqp,
+            AMQP_URL,
         ),
         &frozen_flags,
     )
@@ -490,7 +523,9 @@ async fn frozen_process_redeliveries<S: ParcelStore>(
     };
     // Freeze it at a moment it holds claims (its transactions last 500 ms).
     let mut held = 0;
+    let mut frozen_at = Instant::now();
     for _ in 0..100 {
+        frozen_at = Instant::now();
         Children::signal(frozen, "STOP").await;
         held = in_transaction().await;
         if held > 0 {
@@ -500,32 +535,69 @@ async fn frozen_process_redeliveries<S: ParcelStore>(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(held > 0, "froze the process while it held no transaction");
-    let frozen_at = Instant::now();
     let before = store.stats().await.expect("stats");
     assert!(
         before.carrier_assignments.rows < 40 && before.notifications.rows < 40,
         "frozen mid-stream: {before}"
     );
 
+    let broker = connect(AMQP_URL, &format!("parcel-lab test frozen {id}"))
+        .await
+        .expect("connect");
+    let channel = broker.create_channel().await.expect("channel");
+    let frozen_consumers = consumers(&channel, &topology).await;
+    assert!(frozen_consumers > 0, "the frozen process is subscribed");
+
     children.spawn(
         "other",
         kind,
         (&database_url(), AMQP_URL),
         (&schema, &prefix),
-        &FREEZE_BOUNDS,
+        &bounds,
+    );
+    // The broker's detection: the queues' consumer count falls (below the
+    // frozen process's and the other's together, once the other is there)
+    // when RabbitMQ closes the frozen connection, which requeues its unacked
+    // deliveries to the other process.
+    let mut peak = frozen_consumers;
+    eventually(
+        "RabbitMQ closed the frozen process's connection",
+        FREEZE_PROCESSED_WITHIN,
+        async || {
+            let now = consumers(&channel, &topology).await;
+            peak = peak.max(now);
+            now < peak
+        },
+    )
+    .await;
+    let detected = frozen_at.elapsed();
+    // RabbitMQ lets at least two heartbeat timeouts of silence pass; one
+    // is the floor asserted, clear of timing noise, and still far above
+    // what a shortened heartbeat (the 2–3 s this test used to name) gives.
+    assert!(
+        detected >= inbox_runtime::amqp::DEFAULT_HEARTBEAT,
+        "the broker let go of the frozen process {detected:?} after the freeze: \
+         sooner than the default heartbeat allows"
     );
     eventually(
         "every effect, while the frozen process is still stopped",
-        FREEZE_PROCESSED_WITHIN,
+        FREEZE_PROCESSED_WITHIN.saturating_sub(frozen_at.elapsed()),
         async || {
             let stats = store.stats().await.expect("stats");
             stats.carrier_assignments.rows >= 40 && stats.notifications.rows >= 40
         },
     )
     .await;
+    let processed = frozen_at.elapsed();
+    assert!(processed <= FREEZE_PROCESSED_WITHIN, "{processed:?}");
     eprintln!(
-        "{kind}: froze a process holding {held} transactions; every message processed {:.1} s later",
-        frozen_at.elapsed().as_secs_f64()
+        "{kind}: froze a process holding {held} transactions; RabbitMQ redelivered its \
+         deliveries {:.1} s later (heartbeat {} s), every message processed {:.1} s after \
+         the freeze (bound {} s)",
+        detected.as_secs_f64(),
+        inbox_runtime::amqp::DEFAULT_HEARTBEAT.as_secs(),
+        processed.as_secs_f64(),
+        FREEZE_PROCESSED_WITHIN.as_secs()
     );
     // Its sessions all went idle at the freeze, so the server ends them
     // within moments of each other (one still in BEGIN, holding no claim,
@@ -543,10 +615,6 @@ async fn frozen_process_redeliveries<S: ParcelStore>(
     // its sessions gone, reconnect and see its deliveries again.
     tokio::time::sleep(Duration::from_secs(6)).await;
     assert_exactly_once(&store.stats().await.expect("stats"), 40);
-    let connection = connect(AMQP_URL, "parcel-lab test dead letters")
-        .await
-        .expect("connect");
-    let channel = connection.create_channel().await.expect("channel");
     for role in Role::ALL {
         let queue = topology.dead_letter_queue(role);
         let dead = topology
@@ -555,9 +623,29 @@ async fn frozen_process_redeliveries<S: ParcelStore>(
             .expect("dead-letter queue");
         assert_eq!(dead, 0, "{queue}: nothing dead-lettered");
     }
-    inbox_runtime::amqp::close_bounded(&connection, "bye").await;
+    inbox_runtime::amqp::close_bounded(&broker, "bye").await;
     observer.close().await;
     clean_up(&store, &topology).await;
+}
+
+/// Consumers subscribed to the test's work queues, by passive declares.
+async fn consumers(channel: &lapin::Channel, topology: &Topology) -> u32 {
+    let mut total = 0;
+    for role in Role::ALL {
+        let queue = channel
+            .queue_declare(
+                topology.queue(role).as_str().into(),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..lapin::options::QueueDeclareOptions::default()
+                },
+                lapin::types::FieldTable::default(),
+            )
+            .await
+            .expect("inspect a work queue");
+        total += queue.consumer_count();
+    }
+    total
 }
 
 fn unique() -> String {

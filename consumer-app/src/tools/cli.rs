@@ -70,10 +70,10 @@ pub struct Global {
         value_parser = clap::value_parser!(u64).range(1..)
     )]
     pub amqp_connect_timeout_secs: u64,
-    /// Seconds of silence after which RabbitMQ (and this process) close
-    /// the connection, unless the AMQP URL names its own `heartbeat`: the
-    /// bound on how long a frozen or cut-off consumer keeps its
-    /// unacknowledged deliveries from the others (0: no heartbeat).
+    /// The AMQP heartbeat timeout in seconds, unless the AMQP URL names its
+    /// own `heartbeat`: RabbitMQ closes a connection silent for two to three
+    /// times it, which bounds how long a frozen or cut-off consumer keeps
+    /// its unacknowledged deliveries from the others (0: no heartbeat).
     #[arg(
         long,
         env = "AMQP_HEARTBEAT_SECS",

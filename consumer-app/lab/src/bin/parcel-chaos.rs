@@ -15,7 +15,8 @@
 //! resumes it with SIGCONT `--freeze-secs` later (a paused VM: its open
 //! transactions keep their claims until PostgreSQL's
 //! idle-in-transaction timeout ends them, and RabbitMQ requeues its
-//! deliveries once its heartbeat is missed), and with `--pg-restarts` stops
+//! deliveries once its heartbeat is missed, at the runtime's default
+//! heartbeat), and with `--pg-restarts` stops
 //! PostgreSQL (`pg_ctl stop -m fast`, a server restart) and starts it again
 //! `--pg-down-secs` later: the run then uses a PostgreSQL cluster of its own
 //! (`--private-postgres`, implied), so the shared server is never stopped;
@@ -166,12 +167,16 @@ struct Cli {
     amqp_kills: Option<usize>,
     /// SIGSTOP of a consume process, SIGCONT --freeze-secs later. With any,
     /// every consumer runs with short database bounds (lock timeout 1 s,
-    /// idle-in-transaction timeout 4 s) and a 3 s AMQP heartbeat, so that a frozen holder's claims and
-    /// deliveries are released within seconds.
+    /// idle-in-transaction timeout 4 s), so that a frozen holder's claims
+    /// are released within seconds; its deliveries are released by
+    /// RabbitMQ at the runtime's default heartbeat.
     #[arg(long, default_value_t = 0)]
     freezes: usize,
-    /// How long a frozen consume process stays stopped.
-    #[arg(long, default_value_t = 10)]
+    /// How long a frozen consume process stays stopped. The default
+    /// outlasts RabbitMQ's detection of the silent connection at the
+    /// default heartbeat (2–3 timeouts, at most 30 s), so that the freeze's
+    /// deliveries go to the other consumers while it is stopped.
+    #[arg(long, default_value_t = DEFAULT_FREEZE_SECS)]
     freeze_secs: u64,
     /// PostgreSQL stopped (`pg_ctl stop -m fast`) and started again
     /// --pg-down-secs later. Implies --private-postgres.
@@ -653,10 +658,12 @@ const FREEZE_BOUNDS: [&str; 6] = [
     "3",
 ];
 
-/// The consumers' AMQP heartbeat (seconds) when a run freezes them:
-/// RabbitMQ closes a silent connection after about twice that and requeues
-/// its unacked deliveries (the default, 60 s, outlasts a freeze).
-const FREEZE_HEARTBEAT_SECS: u64 = 3;
+/// How long a freeze lasts unless told otherwise: RabbitMQ's detection of a
+/// silent connection at the runtime's default heartbeat (it closes the
+/// connection 2 to 3 heartbeat timeouts after the last byte and requeues
+/// its unacked deliveries; 29 s measured by the killed-process test), and
+/// 5 s more.
+const DEFAULT_FREEZE_SECS: u64 = 3 * inbox_runtime::amqp::DEFAULT_HEARTBEAT.as_secs() + 5;
 
 /// The run's processes of one kind: the consumers, or the relays.
 struct Consumers<'a> {
@@ -806,19 +813,6 @@ impl<'a> Consumers<'a> {
             .cli
             .batch_size
             .map_or(8, |size| size.saturating_mul(2 * CONCURRENCY));
-        let amqp_url = if self.cli.freezes > 0 {
-            let separator = if self.cli.amqp_url.contains('?') {
-                '&'
-            } else {
-                '?'
-            };
-            format!(
-                "{}{separator}heartbeat={FREEZE_HEARTBEAT_SECS}",
-                self.cli.amqp_url
-            )
-        } else {
-            self.cli.amqp_url.clone()
-        };
         let mut command = Command::new(&self.binary);
         command
             .args([
@@ -827,7 +821,7 @@ impl<'a> Consumers<'a> {
                 "--database-url",
                 &with_application_name(&self.cli.database_url, &self.names.application_name(k)),
                 "--amqp-url",
-                &amqp_url,
+                &self.cli.amqp_url,
                 "--schema",
                 &self.names.schema,
                 "--layout",
