@@ -102,7 +102,10 @@ impl Target {
     pub(crate) async fn connect(
         &self,
     ) -> Result<(Client, Connection<Socket, Stream>), tokio_postgres::Error> {
-        #[allow(clippy::clone_on_copy, reason = "NoTls is Copy, rustls' connector is not")]
+        #[allow(
+            clippy::clone_on_copy,
+            reason = "NoTls is Copy, rustls' connector is not"
+        )]
         let connector = self.connector.clone();
         self.config.connect(connector).await
     }
