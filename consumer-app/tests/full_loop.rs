@@ -251,3 +251,45 @@ async fn memory_the_chain_crosses_two_hops_exactly_once() {
     let store = inbox_backend_memory::MemoryStore::new();
     the_chain_crosses_two_hops_exactly_once(store, &prefix("memory"), AMQP_URL).await;
 }
+
+/// The same loop with every connection over TLS, verified: a RabbitMQ node
+/// and a PostgreSQL cluster of the test's own that take TLS only (no plain
+/// listener, `hostssl` lines only), so a connection that fell back to
+/// plain text would be refused. Both drivers, one pair of servers.
+#[cfg(all(feature = "tls", feature = "sqlx", feature = "diesel"))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_the_chain_crosses_two_hops_exactly_once_on_both_drivers() {
+    use private_servers::pki::Pki;
+    use private_servers::{PrivatePostgres, PrivateRabbit};
+
+    let dir = std::env::temp_dir().join(format!("inbox-loop-tls-{}", &prefix("x")[10..18]));
+    let pki = Pki::new(&dir);
+    let rabbit = PrivateRabbit::start_tls(&pki).await;
+    let pg = PrivatePostgres::start_tls(&pki);
+    let ca = pki.ca.display();
+    let amqp = format!(
+        "amqps://guest:guest@127.0.0.1:{}/%2f?cacertfile={ca}",
+        rabbit.port()
+    );
+    let database = format!(
+        "postgres://postgres@127.0.0.1:{}/postgres?sslmode=verify-full&sslrootcert={ca}",
+        pg.port()
+    );
+
+    let prefix_sqlx = prefix("tls-sqlx");
+    let store = inbox_backend_sqlx::SqlxStore::connect(&database, &schema(&prefix_sqlx))
+        .await
+        .expect("sqlx over verify-full TLS");
+    store.migrate_all().await.expect("migrate");
+    the_chain_crosses_two_hops_exactly_once(store, &prefix_sqlx, &amqp).await;
+
+    let prefix_diesel = prefix("tls-diesel");
+    let store = inbox_backend_diesel::DieselStore::connect(&database, &schema(&prefix_diesel), 8)
+        .await
+        .expect("diesel over verify-full TLS");
+    store.migrate_all().await.expect("migrate");
+    the_chain_crosses_two_hops_exactly_once(store, &prefix_diesel, &amqp).await;
+
+    drop((rabbit, pg));
+    let _ = std::fs::remove_dir_all(&dir);
+}
