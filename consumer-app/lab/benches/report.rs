@@ -58,7 +58,7 @@
 //!
 //! Run: `cargo bench -p parcel-lab --bench report` (PostgreSQL
 //! and RabbitMQ up: `bash .ci/services.sh`).
-//! `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`),
+//! `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test?sslmode=disable`),
 //! `INBOX_BENCH_SECS` (seconds per cell, default 2), `INBOX_BENCH_TASKS`
 //! (default `1,4,16`), `INBOX_BENCH_E2E_EVENTS` (events per end-to-end
 //! cell, default 10,000), `INBOX_BENCH_CLEANUP_ROWS` (default 1,000,000; 0
@@ -99,7 +99,10 @@ diesel::table! {
     }
 }
 
-const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+/// Plain connections, said explicitly: with the `tls` feature libpq's
+/// default (`prefer`) would negotiate TLS with a server that offers it, and
+/// the report's rows must stay comparable with the earlier, plain ones.
+const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable";
 /// Each cell's time is cut into slices of about this length, run in turn
 /// with the other variants' slices.
 const SLICE: Duration = Duration::from_millis(250);
