@@ -3,7 +3,8 @@
 //! free port, and a RabbitMQ node with its own name, ports and files. The
 //! shared servers (127.0.0.1:5432, 127.0.0.1:5672) that other tests use are
 //! never touched; each guard stops its server and removes its directory on
-//! drop, also when the caller panics.
+//! drop, also when the caller panics. Either can also be started TLS-only
+//! (`start_tls`), with the certificates of a [`pki::Pki`] the test makes.
 //!
 //! Used by consumer-app's outage tests and by parcel-lab's chaos harness
 //! (`parcel-chaos --private-postgres`, `--private-rabbitmq`); a crate of its own
