@@ -276,6 +276,27 @@ impl InboxError {
     }
 }
 
+/// The error and its chain of sources on one line, for logs and the
+/// dead-letter detail header, the same in every crate.
+///
+/// A cause that its error's own text already ends with is not repeated:
+/// some drivers (sqlx's I/O error) print their source in their message too,
+/// which read "Connection refused (os error 111): Connection refused (os
+/// error 111)".
+pub fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(inner) = source {
+        let cause = inner.to_string();
+        if !text.ends_with(&cause) {
+            text.push_str(": ");
+            text.push_str(&cause);
+        }
+        source = inner.source();
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -18,7 +18,7 @@ mod redact;
 mod store;
 
 pub use attempts::{AttemptLedger, AttemptLedgerExt, AttemptRecord, DeadMark, LastError};
-pub use error::{BoxError, Disposition, InboxError};
+pub use error::{BoxError, Disposition, InboxError, chain};
 pub use inbox::{AsyncWork, AsyncWorkFn, AsyncWorkMut, Handled, Inbox};
 pub use key::{ConsumerName, InboxKey, MessageId};
 pub use outbox::{

@@ -244,18 +244,11 @@ pub fn is_login_refused(code: &str) -> bool {
 pub fn connect_failed(url: &str, login_refused: bool, error: InboxError) -> InboxError {
     let url = inbox_api::redact_url(url);
     if login_refused {
-        let mut text = String::new();
-        let mut cause: Option<&dyn std::error::Error> = Some(&error);
-        while let Some(inner) = cause {
-            let part = inner.to_string();
-            if !text.ends_with(&part) {
-                text.push_str(": ");
-                text.push_str(&part);
-            }
-            cause = inner.source();
-        }
         return InboxError::InvalidArgument {
-            message: format!("credentials refused by PostgreSQL at {url}{text}"),
+            message: format!(
+                "credentials refused by PostgreSQL at {url}: {}",
+                inbox_api::chain(&error)
+            ),
         };
     }
     match error {

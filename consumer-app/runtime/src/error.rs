@@ -203,25 +203,8 @@ fn store_unavailable(error: &InboxError) -> bool {
 }
 
 /// The error and its chain of sources on one line, for logs and the
-/// dead-letter detail header.
-///
-/// A cause that its error's own text already ends with is not repeated:
-/// some drivers (sqlx's I/O error) print their source in their message too,
-/// which read "Connection refused (os error 111): Connection refused (os
-/// error 111)".
-pub fn chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(inner) = source {
-        let cause = inner.to_string();
-        if !text.ends_with(&cause) {
-            text.push_str(": ");
-            text.push_str(&cause);
-        }
-        source = inner.source();
-    }
-    text
-}
+/// dead-letter detail header: `inbox-api`'s one function.
+pub use inbox_api::chain;
 
 // `?` on a driver's error in a handler: the backend's own classification
 // decides what the runtime does with it (a serialization failure retries, a

@@ -19,7 +19,7 @@ use inbox_runtime::lapin::options::{BasicGetOptions, QueueDeclareOptions};
 use inbox_runtime::lapin::types::FieldTable;
 use inbox_runtime::lapin::{BasicProperties, Connection};
 use private_servers::PrivateRabbit;
-use private_servers::pki::Pki;
+use private_servers::pki::{Pki, assert_refusal};
 use tokio::sync::watch;
 
 const SECRET: &str = "s3cret-not-in-logs";
@@ -63,16 +63,7 @@ async fn refused(url: &str, what: &str, causes: &[&str]) -> AppError {
         Ok(_) => panic!("{what}: connected, but must be refused"),
         Err(error) => error,
     };
-    let text = chain(&error);
-    println!("{what}: {text}");
-    assert!(
-        causes.iter().any(|cause| text.contains(cause)),
-        "{what}: the error names none of {causes:?}: {text}"
-    );
-    let redacted = inbox_runtime::redact::redact_url(url);
-    let shown = redacted.split('?').next().unwrap_or_default();
-    assert!(text.contains(shown), "{what}: no URL {shown} in: {text}");
-    assert!(!text.contains(SECRET), "{what}: the password shows: {text}");
+    assert_refusal(what, &chain(&error), causes, url, &[SECRET]);
     error
 }
 

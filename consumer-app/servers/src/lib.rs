@@ -111,13 +111,7 @@ impl PrivatePostgres {
     #[must_use]
     pub fn start_tls(pki: &pki::Pki) -> Self {
         let cluster = Self::create("127.0.0.1,127.0.0.2");
-        for (from, to) in [
-            (&pki.ca, "ca.pem"),
-            (&pki.server_cert, "server.pem"),
-            (&pki.server_key, "server.key"),
-        ] {
-            std::fs::copy(from, cluster.dir.join(to)).expect("copy a PKI file");
-        }
+        pki.install_server_files(&cluster.dir);
         pki::restrict(&cluster.dir.join("server.key"));
         if cluster.as_postgres {
             for file in ["ca.pem", "server.pem", "server.key"] {
@@ -154,25 +148,10 @@ impl PrivatePostgres {
         )
         .expect("pg_hba.conf");
         cluster.resume();
-        let port = cluster.port.to_string();
-        cluster.pg(
-            "psql",
-            &[
-                "-h",
-                &cluster.data(),
-                "-p",
-                &port,
-                "-U",
-                "postgres",
-                "-d",
-                "postgres",
-                "-qc",
-                &format!(
-                    "CREATE ROLE {TLS_CERT_USER} LOGIN SUPERUSER; \
+        let _ = cluster.psql(&format!(
+            "CREATE ROLE {TLS_CERT_USER} LOGIN SUPERUSER; \
                      CREATE ROLE {TLS_PASSWORD_USER} LOGIN SUPERUSER PASSWORD '{TLS_PASSWORD}'"
-                ),
-            ],
-        );
+        ));
         cluster
     }
 
@@ -327,13 +306,7 @@ impl PrivateRabbit {
     /// certificate's common name is the login.
     pub async fn start_tls(pki: &pki::Pki) -> Self {
         let rabbit = Self::create();
-        for (from, to) in [
-            (&pki.ca, "ca.pem"),
-            (&pki.server_cert, "server.pem"),
-            (&pki.server_key, "server.key"),
-        ] {
-            std::fs::copy(from, rabbit.dir.join(to)).expect("copy a PKI file");
-        }
+        pki.install_server_files(&rabbit.dir);
         let file = |name: &str| rabbit.dir.join(name).display().to_string();
         let port = rabbit.port;
         let config = format!(

@@ -107,10 +107,47 @@ impl Pki {
         (cert_path, key_path)
     }
 
+    /// Copies the CA and the server's certificate and key into `dir` as
+    /// `ca.pem`, `server.pem` and `server.key` (a server's own directory,
+    /// which its user owns).
+    ///
+    /// # Panics
+    /// When a file cannot be copied.
+    pub fn install_server_files(&self, dir: &Path) {
+        for (from, to) in [
+            (&self.ca, "ca.pem"),
+            (&self.server_cert, "server.pem"),
+            (&self.server_key, "server.key"),
+        ] {
+            std::fs::copy(from, dir.join(to)).expect("copy a PKI file");
+        }
+    }
+
     /// The directory the files are in.
     #[must_use]
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+}
+
+/// Asserts what every refused connection's error must say, whichever
+/// server refused it: why (one of `causes`), to which URL (password hidden;
+/// the query aside), and none of `secrets`. Prints the text, so that a run
+/// with `--nocapture` shows each refusal as a user would read it.
+///
+/// # Panics
+/// When the text lacks any of it.
+pub fn assert_refusal(what: &str, text: &str, causes: &[&str], url: &str, secrets: &[&str]) {
+    println!("{what}: {text}");
+    assert!(
+        causes.iter().any(|cause| text.contains(cause)),
+        "{what}: names none of {causes:?}: {text}"
+    );
+    let shown = inbox_api::redact_url(url);
+    let shown = shown.split('?').next().unwrap_or_default();
+    assert!(text.contains(shown), "{what}: no URL {shown} in: {text}");
+    for secret in secrets {
+        assert!(!text.contains(secret), "{what}: shows a secret: {text}");
     }
 }
 

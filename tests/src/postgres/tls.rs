@@ -15,7 +15,7 @@ use async_trait::async_trait;
 use inbox_api::{
     Claim, ConsumerName, InboxError, InboxKey, InboxStore, InboxTransaction, MessageId,
 };
-use private_servers::pki::Pki;
+use private_servers::pki::{Pki, assert_refusal};
 use private_servers::{PrivatePostgres, TLS_CERT_USER, TLS_PASSWORD, TLS_PASSWORD_USER};
 
 /// How a backend opens a store from a URL.
@@ -34,17 +34,7 @@ pub trait OpenStore: Sync {
     async fn open(&self, url: &str, schema: &str) -> Result<Self::Store, InboxError>;
 }
 
-/// The whole error chain on one line.
-fn chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut cause = error.source();
-    while let Some(inner) = cause {
-        text.push_str(": ");
-        text.push_str(&inner.to_string());
-        cause = inner.source();
-    }
-    text
-}
+use inbox_api::chain;
 
 struct Cluster {
     pg: PrivatePostgres,
@@ -92,18 +82,12 @@ async fn refused<O: OpenStore>(
         Ok(_) => panic!("{what}: connected, but must be refused"),
         Err(error) => error,
     };
-    let text = chain(&error);
-    println!("{what}: {text}");
-    assert!(
-        causes.iter().any(|cause| text.contains(cause)),
-        "{what}: names none of {causes:?}: {text}"
-    );
-    let shown = inbox_api::redact_url(url);
-    let shown = shown.split('?').next().unwrap_or_default();
-    assert!(text.contains(shown), "{what}: no URL {shown} in: {text}");
-    assert!(
-        !text.contains(TLS_PASSWORD) && !text.contains("wrong-pw"),
-        "{what}: {text}"
+    assert_refusal(
+        what,
+        &chain(&error),
+        causes,
+        url,
+        &[TLS_PASSWORD, "wrong-pw"],
     );
     error
 }
