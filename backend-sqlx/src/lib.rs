@@ -173,7 +173,7 @@ impl SqlxStore {
         timeouts: &SessionTimeouts,
     ) -> Result<PgConnectOptions, InboxError> {
         let schema = SchemaName::new(schema)?;
-        let options: PgConnectOptions = url.parse().map_err(classify)?;
+        let options = parse_url(url)?;
         let settings = timeouts.settings();
         Ok(options.options(
             std::iter::once(("search_path", schema.as_str()))
@@ -216,7 +216,7 @@ impl SqlxStore {
     /// # Errors
     /// A bad URL as [`classify`] maps it (permanent).
     pub fn pool_options(url: &str, pooling: Pooling) -> Result<PgConnectOptions, InboxError> {
-        let options: PgConnectOptions = url.parse().map_err(classify)?;
+        let options = parse_url(url)?;
         Ok(match pooling {
             Pooling::Session => options,
             Pooling::Transaction => options.statement_cache_capacity(0),
@@ -422,7 +422,11 @@ impl SqlxStore {
     /// [`classify`] maps them.
     pub async fn listen_outbox(&self) -> Result<sqlx::postgres::PgListener, InboxError> {
         let connected = match (&self.listen_url, self.pooling) {
-            (Some(url), _) => sqlx::postgres::PgListener::connect(url).await,
+            (Some(url), _) => {
+                // Refused here when it asks for TLS this build lacks.
+                parse_url(url)?;
+                sqlx::postgres::PgListener::connect(&libpq_url(url)).await
+            }
             (None, Pooling::Session) => sqlx::postgres::PgListener::connect_with(&self.pool).await,
             (None, Pooling::Transaction) => {
                 return Err(InboxError::InvalidArgument {
@@ -899,8 +903,80 @@ impl BatchTransaction for SqlxTransaction {
     }
 }
 
+/// `url` with libpq's meaning of `sslmode=require` beside `sslrootcert`:
+/// the chain is checked, as with `verify-ca` (sqlx alone would check
+/// nothing), so a URL means the same to `psql`, to this crate and to the
+/// diesel backend.
+fn libpq_url(url: &str) -> std::borrow::Cow<'_, str> {
+    let Some((base, query)) = url.split_once('?') else {
+        return url.into();
+    };
+    let names_a_root = query.split('&').any(|p| p.starts_with("sslrootcert="));
+    if !names_a_root || !query.split('&').any(|p| p == "sslmode=require") {
+        return url.into();
+    }
+    let query: Vec<&str> = query
+        .split('&')
+        .map(|p| {
+            if p == "sslmode=require" {
+                "sslmode=verify-ca"
+            } else {
+                p
+            }
+        })
+        .collect();
+    format!("{base}?{}", query.join("&")).into()
+}
+
+/// `url` ([`libpq_url`]) as sqlx's options, refused when it asks for TLS
+/// that this build cannot give: without the crate's `tls` feature sqlx
+/// would only say it "was built without TLS support", which does not name
+/// the switch to turn on.
+fn parse_url(url: &str) -> Result<PgConnectOptions, InboxError> {
+    let options: PgConnectOptions = libpq_url(url).parse().map_err(classify)?;
+    if !cfg!(feature = "tls")
+        && matches!(
+            options.get_ssl_mode(),
+            sqlx::postgres::PgSslMode::Require
+                | sqlx::postgres::PgSslMode::VerifyCa
+                | sqlx::postgres::PgSslMode::VerifyFull
+        )
+    {
+        return Err(InboxError::InvalidArgument {
+            message: format!(
+                "{} asks for TLS, but inbox-backend-sqlx was built without its `tls` feature",
+                inbox_api::redact_url(url)
+            ),
+        });
+    }
+    Ok(options)
+}
+
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn require_with_a_root_certificate_checks_the_chain() {
+        assert_eq!(
+            libpq_url("postgres://u@h/db?sslmode=require&sslrootcert=/ca.pem&x=1"),
+            "postgres://u@h/db?sslmode=verify-ca&sslrootcert=/ca.pem&x=1"
+        );
+        assert_eq!(
+            libpq_url("postgres://u@h/db?sslmode=require"),
+            "postgres://u@h/db?sslmode=require"
+        );
+    }
+
+    #[cfg(not(feature = "tls"))]
+    #[test]
+    fn a_url_asking_for_tls_names_the_missing_feature() {
+        let error = parse_url("postgres://u:pw@h/db?sslmode=verify-full").expect_err("refused");
+        let text = error.to_string();
+        assert!(
+            text.contains("`tls` feature") && !text.contains("pw@"),
+            "{text}"
+        );
+    }
     use super::*;
 
     fn assert_send<T: Send>(_: &T) {}

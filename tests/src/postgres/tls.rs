@@ -148,6 +148,18 @@ pub async fn tls_connections<O: OpenStore>(open: O) {
     // require: encrypted, nothing checked (libpq's meaning).
     let require = cluster.url("postgres", "127.0.0.1", "sslmode=require");
     works(&open, &require, "tls_require", "require").await;
+    let require_root = format!(
+        "sslmode=require&sslrootcert={}",
+        cluster.pki.other_ca.display()
+    );
+    refused(
+        &open,
+        &cluster.url("postgres", "127.0.0.1", &require_root),
+        "tls_refused",
+        "require beside a root certificate checks the chain (libpq's verify-ca)",
+        &["UnknownIssuer"],
+    )
+    .await;
 
     let wrong_host = cluster.url(
         "postgres",
