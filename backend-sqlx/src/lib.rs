@@ -796,12 +796,18 @@ impl SqlxTransaction {
 
 impl Drop for SqlxTransaction {
     fn drop(&mut self) {
-        if let Some(mut conn) = self.conn.take() {
+        if let Some(conn) = self.conn.take() {
             tracing::debug!(
                 claimed = self.claims.held(),
                 "inbox transaction dropped without commit: closing its connection"
             );
-            conn.close_on_drop();
+            // Closed at once, not gracefully (`close_on_drop`): over TLS a
+            // graceful close sends close_notify and waits for the server's,
+            // which a server busy in the statement never sends, so the
+            // socket stayed open and the server never noticed its client
+            // had gone. Dropping the detached connection closes the socket
+            // now, TLS or not; the pool opens another in its slot.
+            drop(conn.detach());
         }
     }
 }
