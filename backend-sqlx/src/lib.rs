@@ -516,7 +516,7 @@ impl SqlxStore {
                 .map_err(classify)?;
         }
         Ok(OneStatement {
-            conn,
+            conn: Some(conn),
             open: wrapped,
         })
     }
@@ -524,7 +524,8 @@ impl SqlxStore {
 
 /// A pooled connection for one statement: see [`SqlxStore::one_statement`].
 pub(crate) struct OneStatement {
-    conn: PoolConnection<Postgres>,
+    /// Always `Some` until [`Drop`] takes it to close it.
+    conn: Option<PoolConnection<Postgres>>,
     /// Inside a transaction of its own that [`OneStatement::done`] has not
     /// committed yet.
     open: bool,
@@ -533,13 +534,15 @@ pub(crate) struct OneStatement {
 impl OneStatement {
     /// The connection to run the statement on.
     pub(crate) fn conn(&mut self) -> &mut PgConnection {
-        &mut self.conn
+        self.conn
+            .as_mut()
+            .expect("the connection is only taken by drop")
     }
 
     /// Commits the statement's own transaction, if it has one.
     pub(crate) async fn done(mut self) -> Result<(), InboxError> {
         if self.open {
-            PgTransactionManager::commit(&mut self.conn)
+            PgTransactionManager::commit(self.conn())
                 .await
                 .map_err(classify)?;
             self.open = false;
@@ -551,9 +554,14 @@ impl OneStatement {
 impl Drop for OneStatement {
     fn drop(&mut self) {
         // Failed or cancelled inside its own transaction: closed rather
-        // than handed back to the pool mid-transaction.
-        if self.open {
-            self.conn.close_on_drop();
+        // than handed back to the pool mid-transaction. Closed at once, as
+        // a dropped `SqlxTransaction` is: over TLS a graceful close waits
+        // for the server's close_notify, which a server busy in the
+        // statement never sends.
+        if self.open
+            && let Some(conn) = self.conn.take()
+        {
+            drop(conn.detach());
         }
     }
 }
