@@ -14,7 +14,9 @@ use crate::InboxError;
 /// per logical message and reuse it on every retry of the publish. A fresh
 /// random id per publish attempt silently turns the inbox off, which is why
 /// there is deliberately no `Default` and why [`MessageId::parse`] refuses
-/// anything that is not a UUID instead of hashing it into one.
+/// anything that is not a UUID. A producer whose ids are not UUIDs names
+/// its messages through [`MessageId::from_key`], a stable mapping chosen on
+/// purpose rather than a silent fallback.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct MessageId(Uuid);
 
@@ -53,6 +55,75 @@ impl MessageId {
                 reason: "message id is not a UUID",
             })
     }
+
+    /// The id of a message whose producer sends its own key rather than a
+    /// UUID: an order number, a ULID, a Stripe event id.
+    ///
+    /// A key that is a UUID is that UUID, so producers that already send
+    /// UUIDs keep their ids. Any other key becomes the UUID v5 of its exact
+    /// bytes under [`MessageId::KEY_NAMESPACE`]: stable across processes,
+    /// versions and stores, so a redelivery of the same key is a duplicate
+    /// everywhere. The key is taken as it is (no trimming, case kept): two
+    /// keys that differ in a byte are two messages.
+    ///
+    /// ```
+    /// use inbox_api::MessageId;
+    ///
+    /// # fn main() -> Result<(), inbox_api::InboxError> {
+    /// let a = MessageId::from_key("order-1042")?;
+    /// assert_eq!(a, MessageId::from_key("order-1042")?);
+    /// assert_ne!(a, MessageId::from_key("order-1043")?);
+    ///
+    /// let uuid = "0190f5a2-6d5e-7c3b-9a41-1f2e3d4c5b6a";
+    /// assert_eq!(MessageId::from_key(uuid)?, MessageId::parse(uuid)?);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`InboxError::InvalidMessageId`] (permanent) when `key` is empty or
+    /// longer than [`MessageId::MAX_KEY_LEN`] bytes: an empty key would make
+    /// every keyless message one message.
+    pub fn from_key(key: &str) -> Result<Self, InboxError> {
+        if key.trim().is_empty() {
+            return Err(InboxError::InvalidMessageId {
+                value: String::new(),
+                reason: "message id is empty",
+            });
+        }
+        if key.len() > Self::MAX_KEY_LEN {
+            return Err(InboxError::InvalidMessageId {
+                value: truncate(key, 64),
+                reason: "message id is longer than 1024 bytes",
+            });
+        }
+        if let Ok(uuid) = Uuid::parse_str(key.trim()) {
+            return Ok(Self(uuid));
+        }
+        Ok(Self(Uuid::new_v5(&Self::KEY_NAMESPACE, key.as_bytes())))
+    }
+
+    /// The id of a message whose producer sends no id at all: the UUID v5
+    /// of its body under [`MessageId::CONTENT_NAMESPACE`].
+    ///
+    /// Two messages with the same bytes are then one message, which is
+    /// right only where the body itself names the event (it carries its
+    /// own order number and version, say); a body such as "tick" sent
+    /// twice on purpose would be taken once.
+    pub fn from_content(body: &[u8]) -> Self {
+        Self(Uuid::new_v5(&Self::CONTENT_NAMESPACE, body))
+    }
+
+    /// The longest key [`MessageId::from_key`] takes, in bytes.
+    pub const MAX_KEY_LEN: usize = 1024;
+
+    /// The namespace of [`MessageId::from_key`]'s UUIDs. Fixed for ever:
+    /// changing it would make every stored key new again.
+    pub const KEY_NAMESPACE: Uuid = Uuid::from_u128(0x6f2c1a4e_8b3d_5e07_9c61_d2f4a8b03e15);
+
+    /// The namespace of [`MessageId::from_content`]'s UUIDs, apart from the
+    /// keys' so that a body equal to some key is not that key's message.
+    pub const CONTENT_NAMESPACE: Uuid = Uuid::from_u128(0x3b9d7e52_0c4a_5f18_a6e3_91c0d5b7f2a4);
 
     /// The UUID inside.
     pub const fn as_uuid(&self) -> &Uuid {
@@ -367,6 +438,59 @@ mod tests {
                 }
                 other => panic!("{other:?}"),
             }
+        }
+    }
+
+    /// The mapping is a promise to every stored row: these values come
+    /// from Python's `uuid.uuid5`, not from this crate, so a changed
+    /// namespace or byte handling fails here.
+    #[test]
+    fn keys_and_bodies_map_to_the_documented_uuid_v5() {
+        assert_eq!(
+            MessageId::from_key("order-1042").unwrap().to_string(),
+            "0f4067e5-8224-5c20-a073-d7a5818e069f"
+        );
+        assert_eq!(
+            MessageId::from_content(b"order-1042").to_string(),
+            "6a76fd84-f3e6-5e0a-9cb7-32b376ac1b49"
+        );
+        // Raw bytes, not text: a body need not be UTF-8.
+        assert_eq!(
+            MessageId::from_content(&[0xff, 0xfe]).to_string(),
+            "cd3cd7ce-b9dc-5c8a-87bd-8579c01e5d93"
+        );
+    }
+
+    #[test]
+    fn a_key_that_is_a_uuid_is_that_uuid_and_other_keys_are_kept_byte_for_byte() {
+        let id = MessageId::new_v7();
+        assert_eq!(MessageId::from_key(&id.to_string()).unwrap(), id);
+        assert_eq!(MessageId::from_key(&format!(" {id} ")).unwrap(), id);
+        let plain = MessageId::from_key("Order-7").unwrap();
+        for other in ["order-7", "Order-7 ", " Order-7", "Order-8"] {
+            assert_ne!(MessageId::from_key(other).unwrap(), plain, "{other:?}");
+        }
+        assert_ne!(
+            MessageId::from_key("Order-7").unwrap(),
+            MessageId::from_content(b"Order-7"),
+            "a key and a body with the same bytes are two messages"
+        );
+    }
+
+    #[test]
+    fn empty_and_oversized_keys_are_refused_as_permanent() {
+        assert!(MessageId::from_key(&"k".repeat(MessageId::MAX_KEY_LEN)).is_ok());
+        for bad in [
+            String::new(),
+            "  ".to_owned(),
+            "k".repeat(MessageId::MAX_KEY_LEN + 1),
+        ] {
+            let err = MessageId::from_key(&bad).unwrap_err();
+            assert!(
+                matches!(err, InboxError::InvalidMessageId { .. }),
+                "{bad:?}"
+            );
+            assert!(!err.is_retryable());
         }
     }
 }
