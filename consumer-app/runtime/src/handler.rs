@@ -16,6 +16,7 @@ use serde::de::DeserializeOwned;
 
 use crate::AppError;
 use crate::context::{Context, Event};
+use crate::identity::{DEFAULT as DEFAULT_IDENTITY, Identity};
 
 /// One consumer's business code, over the store's transaction type `Tx`.
 ///
@@ -35,6 +36,14 @@ pub trait Handler<Tx>: Send + Sync + 'static {
     /// The AMQP `type` property of the deliveries it takes; any other is
     /// dead-lettered as `unknown_type`.
     fn message_type(&self) -> &str;
+
+    /// Where the message id is read: the AMQP `message_id` property, a
+    /// UUID, by default. A consumer of a producer that sends its own keys
+    /// (a header, an order number in the body) or none says so here; see
+    /// [`Identity`].
+    fn identity(&self) -> &Identity {
+        &DEFAULT_IDENTITY
+    }
 
     /// Rules the message must meet beyond its JSON shape; a refusal
     /// dead-lettered as `invalid_event`, before any transaction opens.
@@ -111,6 +120,7 @@ where
 /// A function as a [`Handler`]: [`handler_fn`]'s result.
 pub struct FnHandler<F, M> {
     name: ConsumerName,
+    identity: Identity,
     f: F,
     message: PhantomData<fn() -> M>,
 }
@@ -143,9 +153,38 @@ where
 {
     Ok(FnHandler {
         name: ConsumerName::new(name)?,
+        identity: Identity::default(),
         f,
         message: PhantomData,
     })
+}
+
+impl<F, M> FnHandler<F, M> {
+    /// Reads the message id where `identity` says rather than from the
+    /// `message_id` property.
+    ///
+    /// ```
+    /// use inbox_runtime::prelude::*;
+    ///
+    /// #[derive(Clone, serde::Serialize, serde::Deserialize)]
+    /// struct OrderPlaced { order_id: u64 }
+    /// impl Event for OrderPlaced { const TYPE: &'static str = "order.placed"; }
+    ///
+    /// async fn bill<Tx>(_cx: Context<'_, Tx>, _placed: OrderPlaced) -> Result<(), AppError> {
+    ///     Ok(())
+    /// }
+    ///
+    /// fn billing<S: ServiceStore>() -> Result<impl Handler<S::Transaction>, AppError> {
+    ///     // One bill per order number, whatever ids the producer's retries carry.
+    ///     Ok(handler_fn("billing", bill::<S::Transaction>)?
+    ///         .with_identity(Identity::body_field("order_id").accept_keys()))
+    /// }
+    /// ```
+    #[must_use]
+    pub fn with_identity(mut self, identity: Identity) -> Self {
+        self.identity = identity;
+        self
+    }
 }
 
 impl<Tx, M, F> Handler<Tx> for FnHandler<F, M>
@@ -163,6 +202,10 @@ where
 
     fn message_type(&self) -> &str {
         M::TYPE
+    }
+
+    fn identity(&self) -> &Identity {
+        &self.identity
     }
 
     fn handle(

@@ -34,7 +34,10 @@
 //!   started beside the consumers by [`Service::with_relay`] with its
 //!   [`wakeups`].
 //! - [`replay`]: moving dead letters back to their queue after a fix.
-//! - [`config`], [`topology`], [`message`]: settings, queue names, decoding.
+//! - [`identity`]: where a consumer's message id comes from (the
+//!   `message_id` property, a header, a body field, the body's hash).
+//! - [`config`], [`topology`], [`message`], [`decode`]: settings, queue
+//!   names, a delivery's parts and their decoding.
 //! - [`amqp`], [`backoff`], [`shutdown`], [`telemetry`], [`tally`],
 //!   [`redact`], [`error`]: plumbing.
 //! - `http` (feature `http`): `/metrics`, `/live` and `/ready`.
@@ -47,10 +50,12 @@ pub mod backoff;
 mod broker_url;
 pub mod config;
 pub mod context;
+pub mod decode;
 pub mod error;
 pub mod handler;
 #[cfg(feature = "http")]
 pub mod http;
+pub mod identity;
 pub mod message;
 pub mod redact;
 pub mod relay;
@@ -89,6 +94,7 @@ pub use config::{AvailabilityConfig, BatchConfig, CleanupConfig, ServiceConfig, 
 pub use context::{Context, Event};
 pub use error::AppError;
 pub use handler::{FnHandler, Handler, HandlerFn, handler_fn};
+pub use identity::Identity;
 pub use relay::{Relay, RelayConfig, RelayHandle};
 pub use service::{BrokerReadiness, Service, ServiceHandle};
 pub use settle::{Deliveries, ErrorDisposition, Outcome, Settle, SettlePolicy};
@@ -113,8 +119,8 @@ impl<S> ServiceStore for S where
 /// What a service on the runtime names, in one `use`.
 pub mod prelude {
     pub use crate::{
-        AppError, Context, Event, Handler, RelayConfig, Service, ServiceConfig, ServiceHandle,
-        ServiceStore, Topology, handler_fn,
+        AppError, Context, Event, Handler, Identity, RelayConfig, Service, ServiceConfig,
+        ServiceHandle, ServiceStore, Topology, handler_fn,
     };
     pub use inbox_api::{ConsumerName, MessageId};
 

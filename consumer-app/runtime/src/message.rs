@@ -12,7 +12,6 @@ use std::fmt;
 use inbox_api::MessageId;
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use serde::de::DeserializeOwned;
 
 /// The UUID v5 namespace of [`follow_up_id`].
 const FOLLOW_UP_NAMESPACE: uuid::Uuid =
@@ -46,9 +45,11 @@ pub fn follow_up_id(
 /// Why a delivery can never be processed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BadInputReason {
-    /// No AMQP `message_id` property: deduplication is impossible.
+    /// No message id where the consumer's [`crate::identity::Identity`]
+    /// reads it: deduplication is impossible.
     MissingMessageId,
-    /// A `message_id` that is not a UUID.
+    /// An id that is not a UUID (or, where keys are taken, an empty or
+    /// oversized key, or a value of another kind).
     InvalidMessageId,
     /// A body that is not JSON.
     InvalidJson,
@@ -119,6 +120,8 @@ pub struct RawMessage<'a> {
     pub message_id: Option<&'a str>,
     /// The AMQP `type` property.
     pub kind: Option<&'a str>,
+    /// The AMQP headers, for an [`crate::identity::Identity::header`].
+    pub headers: Option<&'a FieldTable>,
     /// The body.
     pub body: &'a [u8],
 }
@@ -129,64 +132,10 @@ impl<'a> RawMessage<'a> {
         Self {
             message_id: properties.message_id().as_ref().map(|s| s.as_str()),
             kind: properties.kind().as_ref().map(|s| s.as_str()),
+            headers: properties.headers().as_ref(),
             body,
         }
     }
-}
-
-/// Turns a raw delivery into a message id and a message of type
-/// `message_type` (the AMQP `type` property), checked by `validate`, or
-/// says why not.
-///
-/// The checks run cheapest first, and the size check before anything reads
-/// the body.
-///
-/// # Errors
-/// A [`BadInput`] naming the first rule broken.
-pub fn decode<M: DeserializeOwned>(
-    raw: RawMessage<'_>,
-    max_body_bytes: usize,
-    message_type: &str,
-    validate: impl FnOnce(&M) -> Result<(), String>,
-) -> Result<(MessageId, M), BadInput> {
-    if raw.body.len() > max_body_bytes {
-        return Err(BadInput::new(
-            BadInputReason::Oversized,
-            format!(
-                "body of {} bytes exceeds the maximum of {max_body_bytes}",
-                raw.body.len()
-            ),
-        ));
-    }
-    let id_text = raw.message_id.ok_or_else(|| {
-        BadInput::new(
-            BadInputReason::MissingMessageId,
-            "the message_id property is missing; the producer must set one and reuse it on retries",
-        )
-    })?;
-    let message_id = MessageId::parse(id_text)
-        .map_err(|e| BadInput::new(BadInputReason::InvalidMessageId, e.to_string()))?;
-    match raw.kind {
-        Some(kind) if kind == message_type => {}
-        Some(other) => {
-            return Err(BadInput::new(
-                BadInputReason::UnknownType,
-                format!("type {:?} is not {message_type:?}", truncate(other, 64)),
-            ));
-        }
-        None => {
-            return Err(BadInput::new(
-                BadInputReason::UnknownType,
-                format!("the type property is missing (expected {message_type:?})"),
-            ));
-        }
-    }
-    let json: serde_json::Value = serde_json::from_slice(raw.body)
-        .map_err(|e| BadInput::new(BadInputReason::InvalidJson, e.to_string()))?;
-    let message: M = serde_json::from_value(json)
-        .map_err(|e| BadInput::new(BadInputReason::InvalidEvent, e.to_string()))?;
-    validate(&message).map_err(|e| BadInput::new(BadInputReason::InvalidEvent, e))?;
-    Ok((message_id, message))
 }
 
 /// Cuts `text` to at most `max` bytes on a char boundary.

@@ -71,9 +71,10 @@ use crate::availability::StoreCircuit;
 use crate::backoff::jittered;
 use crate::config::WorkerConfig;
 use crate::context::Context;
+use crate::decode::decode;
 use crate::error::chain;
 use crate::handler::Handler;
-use crate::message::{RawMessage, decode, delivery_count, long_string, truncate};
+use crate::message::{RawMessage, delivery_count, long_string, truncate};
 use crate::settle::{DeadLetterReason, Deliveries, ErrorDisposition, Outcome, Settle};
 use crate::shutdown::stopped;
 use crate::tally::{ConsumerTally, bump};
@@ -185,6 +186,7 @@ where
                 raw,
                 self.config.max_body_bytes,
                 self.handler.message_type(),
+                self.handler.identity(),
                 |message| self.handler.validate(message),
             );
             match decoded {

@@ -3,7 +3,7 @@
 //! `parcel.carrier-assigned` (what the carrier consumer enqueues, and the
 //! third consumer takes).
 //!
-//! The runtime's decoding ([`inbox_runtime::message::decode`]) refuses what
+//! The runtime's decoding ([`inbox_runtime::decode::decode`]) refuses what
 //! is not this event (wrong type, not JSON, missing fields) before any
 //! transaction opens; [`ParcelCreatedEvent::validate`] adds the event's own
 //! rules, refused the same way (`invalid_event`).
@@ -13,8 +13,9 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use inbox_runtime::AppError;
+use inbox_runtime::Identity;
 use inbox_runtime::amqp::Outgoing;
-use inbox_runtime::message::{self, BadInput, RawMessage};
+use inbox_runtime::message::{BadInput, RawMessage};
 
 /// The AMQP `type` property of a [`ParcelCreatedEvent`].
 pub const EVENT_TYPE: &str = "parcel.created";
@@ -165,10 +166,11 @@ pub fn decode(
     raw: RawMessage<'_>,
     max_body_bytes: usize,
 ) -> Result<(MessageId, ParcelCreatedEvent), BadInput> {
-    message::decode(
+    inbox_runtime::decode::decode(
         raw,
         max_body_bytes,
         EVENT_TYPE,
+        &Identity::default(),
         ParcelCreatedEvent::validate,
     )
 }
@@ -226,6 +228,7 @@ mod tests {
         RawMessage {
             message_id: id,
             kind,
+            headers: None,
             body,
         }
     }

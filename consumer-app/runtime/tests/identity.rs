@@ -1,0 +1,232 @@
+//! Where a consumer reads its message id, against the real RabbitMQ
+//! (127.0.0.1:5672) on the in-process store: each consumer below takes the
+//! same kind of order from a producer that puts its id somewhere else, and
+//! every copy of an order (republished with a fresh AMQP `message_id`, as a
+//! producer that knows nothing of ours would) is processed once. A missing
+//! or unusable id is dead-lettered with its reason, never processed under
+//! an id of our invention. The run has its own queue prefix; the topology
+//! is removed afterwards.
+
+use std::time::{Duration, Instant};
+
+use inbox_runtime::amqp::{Publisher, close_bounded, connect};
+use inbox_runtime::lapin::BasicProperties;
+use inbox_runtime::lapin::types::{AMQPValue, FieldTable, LongString};
+use inbox_runtime::prelude::*;
+use serde::{Deserialize, Serialize};
+
+const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+#[derive(Clone, Serialize, Deserialize)]
+struct OrderPlaced {
+    /// Any JSON: the identity decides what it must be.
+    order_id: serde_json::Value,
+}
+impl Event for OrderPlaced {
+    const TYPE: &'static str = "order.placed";
+}
+
+async fn record(
+    mut cx: Context<'_, MemoryTransaction>,
+    order: OrderPlaced,
+) -> Result<(), AppError> {
+    let id = cx.message_id();
+    cx.put(format!("orders/{id}"), order.order_id.to_string());
+    Ok(())
+}
+
+/// One consumer: its identity, the deliveries it gets (AMQP id, headers,
+/// body), and what must come of them.
+struct Case {
+    name: &'static str,
+    identity: Identity,
+    deliveries: Vec<(Option<String>, Option<FieldTable>, serde_json::Value)>,
+    processed: u64,
+    duplicates: u64,
+    dead: &'static [(&'static str, u64)],
+}
+
+fn fresh() -> Option<String> {
+    Some(MessageId::new_v7().to_string())
+}
+
+fn header(value: AMQPValue) -> Option<FieldTable> {
+    let mut headers = FieldTable::default();
+    headers.insert("x-order-key".into(), value);
+    Some(headers)
+}
+
+fn cases() -> Vec<Case> {
+    let order = |id: serde_json::Value| serde_json::json!({ "order_id": id });
+    let text = |s: &str| AMQPValue::LongString(LongString::from(s));
+    let uuid = MessageId::new_v7().to_string();
+    vec![
+        Case {
+            name: "by-header",
+            identity: Identity::header("x-order-key").accept_keys(),
+            deliveries: vec![
+                (fresh(), header(text("A-1")), order(1.into())),
+                (fresh(), header(text("A-1")), order(1.into())),
+                (fresh(), header(text("A-2")), order(2.into())),
+                (fresh(), header(AMQPValue::LongLongInt(3)), order(3.into())),
+                (fresh(), header(text("3")), order(3.into())),
+                (fresh(), None, order(4.into())),
+                (fresh(), header(AMQPValue::Boolean(true)), order(5.into())),
+            ],
+            processed: 3,
+            duplicates: 2,
+            dead: &[("invalid_message_id", 1), ("missing_message_id", 1)],
+        },
+        Case {
+            name: "by-field",
+            identity: Identity::body_field("order_id").accept_keys(),
+            deliveries: vec![
+                (fresh(), None, order(10.into())),
+                (fresh(), None, order("10".into())),
+                (None, None, order(10.into())),
+                (fresh(), None, order(11.into())),
+                (fresh(), None, order(1.5.into())),
+                (fresh(), None, serde_json::json!({ "other": 1 })),
+            ],
+            processed: 2,
+            duplicates: 2,
+            dead: &[("invalid_message_id", 1), ("missing_message_id", 1)],
+        },
+        Case {
+            name: "by-content",
+            identity: Identity::content_hash(),
+            deliveries: vec![
+                (None, None, order(20.into())),
+                (fresh(), None, order(20.into())),
+                (None, None, order(21.into())),
+            ],
+            processed: 2,
+            duplicates: 1,
+            dead: &[],
+        },
+        Case {
+            name: "uuids-only",
+            identity: Identity::default(),
+            deliveries: vec![
+                (Some(uuid.clone()), None, order(30.into())),
+                (Some(uuid), None, order(30.into())),
+                (Some("order-31".to_owned()), None, order(31.into())),
+                (None, None, order(32.into())),
+            ],
+            processed: 1,
+            duplicates: 1,
+            dead: &[("invalid_message_id", 1), ("missing_message_id", 1)],
+        },
+        Case {
+            name: "keys",
+            identity: Identity::message_id().accept_keys(),
+            deliveries: vec![
+                (Some("order-40".to_owned()), None, order(40.into())),
+                (Some("order-40".to_owned()), None, order(40.into())),
+                (Some("order-41".to_owned()), None, order(41.into())),
+            ],
+            processed: 2,
+            duplicates: 1,
+            dead: &[],
+        },
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_consumer_reads_its_id_where_its_producer_puts_it() {
+    let prefix = format!(
+        "test-identity-{}.",
+        &uuid::Uuid::new_v4().simple().to_string()[..10]
+    );
+    let exchange = format!("{prefix}orders");
+    let cases = cases();
+    let mut topology = Topology::new(&exchange);
+    for case in &cases {
+        topology = topology.bind(format!("{prefix}{}", case.name), case.name);
+    }
+    let store = MemoryStore::new();
+    let mut service = Service::new(
+        store.clone(),
+        ServiceConfig::new(AMQP_URL, "identity test"),
+        topology.clone(),
+    );
+    for case in &cases {
+        let handler = handler_fn(case.name, record)
+            .expect("valid name")
+            .with_identity(case.identity.clone());
+        service = service.consume(format!("{prefix}{}", case.name), handler);
+    }
+    let service = service
+        .spawn()
+        .expect("the service starts (bash .ci/services.sh)");
+    service
+        .wait_ready(Duration::from_secs(30))
+        .await
+        .expect("consuming");
+
+    let connection = connect(AMQP_URL, "identity test publisher")
+        .await
+        .expect("RabbitMQ reachable (bash .ci/services.sh)");
+    for case in &cases {
+        let publisher = Publisher::new(&connection, &exchange, case.name)
+            .await
+            .expect("publisher");
+        for (message_id, headers, body) in &case.deliveries {
+            let mut properties = BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_type(OrderPlaced::TYPE.into());
+            if let Some(id) = message_id {
+                properties = properties.with_message_id(id.as_str().into());
+            }
+            if let Some(headers) = headers {
+                properties = properties.with_headers(headers.clone());
+            }
+            let body = serde_json::to_vec(body).expect("json");
+            Publisher::publish_raw(publisher.channel(), &exchange, case.name, &body, properties)
+                .await
+                .expect("confirmed");
+        }
+        publisher.close().await;
+    }
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for case in &cases {
+        let tally = service.tally.consumer(case.name);
+        while tally.finished() < case.deliveries.len() as u64 {
+            assert!(
+                Instant::now() < deadline,
+                "{}: every delivery finished within 60 s ({} of {})",
+                case.name,
+                tally.finished(),
+                case.deliveries.len()
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+    for case in &cases {
+        let tally = service.tally.consumer(case.name);
+        let dead: Vec<(String, u64)> = case.dead.iter().map(|&(r, n)| (r.to_owned(), n)).collect();
+        assert_eq!(
+            (
+                tally.processed(),
+                tally.duplicates(),
+                tally.dead_lettered().into_iter().collect::<Vec<_>>()
+            ),
+            (case.processed, case.duplicates, dead),
+            "{}: (processed, duplicates, dead letters by reason)",
+            case.name
+        );
+    }
+    let processed: u64 = cases.iter().map(|case| case.processed).sum();
+    assert_eq!(
+        store.scan_prefix("orders/").len() as u64,
+        processed,
+        "one write per processed order, each under its own id"
+    );
+
+    service.shutdown();
+    service.join().await.expect("clean shutdown");
+    let channel = connection.create_channel().await.expect("channel");
+    topology.delete(&channel).await.expect("delete topology");
+    close_bounded(&connection, "bye").await;
+}
