@@ -19,7 +19,9 @@ diesel::table! {
         consumer_type -> Varchar,
         /// When the claim was made (transaction start, store clock).
         received_at -> Timestamptz,
-        /// Set in the claiming transaction just before COMMIT.
+        /// Set by the claim itself; the row becomes visible at COMMIT.
         processed_at -> Nullable<Timestamptz>,
+        /// SHA-256 of the payload the claim was made for, if given.
+        payload_fingerprint -> Nullable<Bytea>,
     }
 }

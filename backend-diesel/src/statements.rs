@@ -54,8 +54,20 @@ macro_rules! cached_by_text {
 /// or the pipelined form, [`sql::CLAIM_PIPELINED`]); executes to the rows
 /// inserted (0 or 1).
 pub(crate) struct ClaimOne<'k> {
-    pub(crate) sql: &'k str,
-    pub(crate) key: &'k InboxKey,
+    sql: &'k str,
+    key: &'k InboxKey,
+    /// `$3`, owned here so the bind outlives the statement's walk.
+    fingerprint: Option<Vec<u8>>,
+}
+
+impl<'k> ClaimOne<'k> {
+    pub(crate) fn new(sql: &'k str, key: &'k InboxKey) -> Self {
+        Self {
+            sql,
+            key,
+            fingerprint: inbox_postgres::fingerprint_column(key),
+        }
+    }
 }
 
 cached_by_text!(ClaimOne<'_>);
@@ -66,26 +78,24 @@ impl QueryFragment<Pg> for ClaimOne<'_> {
         walk(self.sql, &mut out, |n, out| match n {
             1 => out.push_bind_param::<Uuid, _>(key.message_id.as_uuid()),
             2 => out.push_bind_param::<Text, _>(key.consumer.as_str()),
+            3 => out.push_bind_param::<Nullable<Bytea>, _>(&self.fingerprint),
             n => Err(no_such_parameter(n)),
         })
     }
 }
 
 /// [`sql::CLAIM_BATCH`] (in the store's layout and schema) over the keys as
-/// two parallel arrays; loads the `(id, consumer)` rows inserted.
+/// parallel arrays; loads the `(id, consumer)` rows inserted.
 pub(crate) struct ClaimBatch<'s> {
-    pub(crate) sql: &'s str,
-    pub(crate) ids: Vec<uuid::Uuid>,
-    pub(crate) consumers: Vec<String>,
+    sql: &'s str,
+    columns: inbox_postgres::KeyColumns,
 }
 
 impl<'s> ClaimBatch<'s> {
     pub(crate) fn of(sql: &'s str, keys: &[InboxKey]) -> Self {
-        let (ids, consumers) = inbox_postgres::key_columns(keys);
         Self {
             sql,
-            ids,
-            consumers,
+            columns: inbox_postgres::key_columns(keys),
         }
     }
 }
@@ -99,8 +109,9 @@ impl Query for ClaimBatch<'_> {
 impl QueryFragment<Pg> for ClaimBatch<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         walk(self.sql, &mut out, |n, out| match n {
-            1 => out.push_bind_param::<Array<Uuid>, _>(&self.ids),
-            2 => out.push_bind_param::<Array<Text>, _>(&self.consumers),
+            1 => out.push_bind_param::<Array<Uuid>, _>(&self.columns.ids),
+            2 => out.push_bind_param::<Array<Text>, _>(&self.columns.consumers),
+            3 => out.push_bind_param::<Array<Nullable<Bytea>>, _>(&self.columns.fingerprints),
             n => Err(no_such_parameter(n)),
         })
     }

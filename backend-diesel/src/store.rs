@@ -11,7 +11,7 @@ use chrono::{DateTime, Utc};
 use deadpool::Runtime;
 use deadpool::managed::{Object, Timeouts};
 use diesel::connection::{CacheSize, TransactionDepthChange};
-use diesel::sql_types::{BigInt, Nullable, Text, Timestamptz, Uuid};
+use diesel::sql_types::{BigInt, Bytea, Nullable, Text, Timestamptz, Uuid};
 use diesel::{OptionalExtension, QueryableByName};
 use diesel_async::pooled_connection::deadpool::Pool;
 use diesel_async::pooled_connection::{
@@ -817,11 +817,18 @@ impl InboxStore for DieselStore {
             let row = conn.finish(row).await;
             match row {
                 Ok(row) => {
-                    return Ok(row.map(|times| InboxRecord {
-                        key: key.clone(),
-                        received_at: times.received_at,
-                        processed_at: times.processed_at,
-                    }));
+                    return row
+                        .map(|times| {
+                            Ok(InboxRecord {
+                                key: InboxKey::new(key.message_id, key.consumer.clone()),
+                                received_at: times.received_at,
+                                processed_at: times.processed_at,
+                                fingerprint: inbox_postgres::stored_fingerprint(
+                                    times.payload_fingerprint,
+                                )?,
+                            })
+                        })
+                        .transpose();
                 }
                 Err(error) => {
                     let error = refine(&mut conn, error).await;
@@ -931,4 +938,6 @@ struct Times {
     received_at: DateTime<Utc>,
     #[diesel(sql_type = Nullable<Timestamptz>)]
     processed_at: Option<DateTime<Utc>>,
+    #[diesel(sql_type = Nullable<Bytea>)]
+    payload_fingerprint: Option<Vec<u8>>,
 }

@@ -227,12 +227,9 @@ impl DieselTransaction {
         };
         let claim = async move {
             let mut conn = shared;
-            ClaimOne {
-                sql: &statements.claim_pipelined,
-                key,
-            }
-            .execute(&mut conn)
-            .await
+            ClaimOne::new(&statements.claim_pipelined, key)
+                .execute(&mut conn)
+                .await
         };
         let (begun, claimed) = futures::future::join(begin, claim).await;
         if let Err(error) = begun {
@@ -296,12 +293,9 @@ impl InboxTransaction for DieselTransaction {
     /// together with the work, so a committed row is a processed message.
     async fn claim(&mut self, key: &InboxKey) -> Result<Claim, InboxError> {
         let statements = self.statements();
-        let claimed = ClaimOne {
-            sql: &statements.claim,
-            key,
-        }
-        .execute(self.conn())
-        .await;
+        let claimed = ClaimOne::new(&statements.claim, key)
+            .execute(self.conn())
+            .await;
         self.claimed(key, claimed).await
     }
 

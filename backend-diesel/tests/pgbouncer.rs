@@ -92,18 +92,6 @@ struct EffectCount {
     n: i64,
 }
 
-#[derive(diesel::QueryableByName)]
-struct Row {
-    #[diesel(sql_type = diesel::sql_types::Uuid)]
-    id: uuid::Uuid,
-    #[diesel(sql_type = Text)]
-    consumer_type: String,
-    #[diesel(sql_type = Timestamptz)]
-    received_at: DateTime<Utc>,
-    #[diesel(sql_type = diesel::sql_types::Nullable<Timestamptz>)]
-    processed_at: Option<DateTime<Utc>>,
-}
-
 #[async_trait]
 impl Harness for BouncerHarness {
     type Store = DieselStore;
@@ -155,20 +143,12 @@ impl Harness for BouncerHarness {
     }
 
     async fn inbox_rows(&self, store: &DieselStore) -> Vec<InboxRecord> {
-        let rows: Vec<Row> = diesel::sql_query(
-            "SELECT id, consumer_type::text AS consumer_type, received_at, processed_at \
-             FROM inbox_messages ORDER BY 1, 2",
-        )
-        .load(&mut common::admin_in(store.schema()).await)
-        .await
-        .expect("read inbox rows");
-        rows.into_iter()
-            .map(|row| InboxRecord {
-                key: key_of(row.id, row.consumer_type),
-                received_at: row.received_at,
-                processed_at: row.processed_at,
-            })
-            .collect()
+        let rows: Vec<common::InboxRow> =
+            diesel::sql_query(inbox_conformance::postgres::support::INBOX_ROWS)
+                .load(&mut common::admin_in(store.schema()).await)
+                .await
+                .expect("read inbox rows");
+        rows.into_iter().map(common::InboxRow::record).collect()
     }
 
     async fn crash(&self, _store: &DieselStore, tx: DieselTransaction, kind: CrashKind) {

@@ -633,6 +633,7 @@ async fn schema_rs_matches_the_migrated_table() {
         ("consumer_type", "character varying(500)", false),
         ("received_at", "timestamp with time zone", false),
         ("processed_at", "timestamp with time zone", true),
+        ("payload_fingerprint", "bytea", true),
     ];
     let expected: Vec<Column> = expected
         .iter()
@@ -663,9 +664,16 @@ async fn schema_rs_matches_the_migrated_table() {
         String,
         chrono::DateTime<chrono::Utc>,
         Option<chrono::DateTime<chrono::Utc>>,
+        Option<Vec<u8>>,
     );
     let rows: Vec<Row> = inbox_messages
-        .select((id, consumer_type, received_at, processed_at))
+        .select((
+            id,
+            consumer_type,
+            received_at,
+            processed_at,
+            payload_fingerprint,
+        ))
         .load(&mut admin)
         .await
         .expect("DSL select");
@@ -709,9 +717,9 @@ async fn hot_statements_are_prepared_once_per_connection() {
     .expect("pg_prepared_statements");
     // The statements name the store's schema.
     for start in [
-        ".inbox_messages (id, consumer_type, processed_at) VALUES",
-        ".inbox_messages (id, consumer_type, processed_at) SELECT id",
-        ".inbox_messages (id, consumer_type, processed_at) SELECT $1",
+        ".inbox_messages (id, consumer_type, processed_at, payload_fingerprint) VALUES",
+        ".inbox_messages (id, consumer_type, processed_at, payload_fingerprint) SELECT id",
+        ".inbox_messages (id, consumer_type, processed_at, payload_fingerprint) SELECT $1",
     ] {
         let start = format!("INSERT INTO \"{}\"{start}", store.schema());
         let n = prepared.iter().filter(|s| s.starts_with(&start)).count();
@@ -734,6 +742,7 @@ async fn a_pipelined_claim_without_its_begin_writes_nothing() {
         diesel::sql_query(inbox_postgres::sql::CLAIM_PIPELINED)
             .bind::<diesel::sql_types::Uuid, _>(k.message_id.as_uuid())
             .bind::<Text, _>(k.consumer.as_str())
+            .bind::<diesel::sql_types::Nullable<diesel::sql_types::Bytea>, _>(None::<Vec<u8>>)
             .execute(&mut *conn)
             .await
             .expect("the claim alone")

@@ -11,7 +11,9 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use foldhash::fast::RandomState;
-use inbox_api::{InboxError, InboxKey, InboxRecord, InboxStats, InboxStore, OutgoingMessage};
+use inbox_api::{
+    Fingerprint, InboxError, InboxKey, InboxRecord, InboxStats, InboxStore, OutgoingMessage,
+};
 use smallvec::SmallVec;
 use tokio_sync::sync::Notify;
 
@@ -69,6 +71,8 @@ pub(crate) enum Slot {
         owner: TxId,
         /// When it was claimed; becomes the row's `received_at`.
         received_at: DateTime<Utc>,
+        /// The claiming key's payload fingerprint, kept with the row.
+        fingerprint: Option<Fingerprint>,
         /// Created by the first claimer that has to wait, so an uncontended
         /// claim allocates nothing for waking; signalled when the claim
         /// commits or is released.
@@ -79,6 +83,8 @@ pub(crate) enum Slot {
         /// When the claim was made, which is also when the message counts
         /// as processed: the row became visible only with the work's commit.
         received_at: DateTime<Utc>,
+        /// The payload fingerprint the claim was made with.
+        fingerprint: Option<Fingerprint>,
     },
 }
 
@@ -124,6 +130,7 @@ impl InboxShard {
                 vacant.insert(Slot::Pending {
                     owner: me,
                     received_at: now,
+                    fingerprint: key.fingerprint().copied(),
                     waiters: None,
                 });
                 ClaimAttempt::Fresh
@@ -157,6 +164,7 @@ impl InboxShard {
                 let Slot::Pending {
                     owner: holder,
                     received_at,
+                    fingerprint,
                     waiters,
                 } = slot
                 else {
@@ -165,7 +173,10 @@ impl InboxShard {
                 debug_assert_eq!(*holder, owner, "only the holder commits a claim");
                 let waiters = waiters.take();
                 let at = *received_at;
-                *slot = Slot::Committed { received_at: at };
+                *slot = Slot::Committed {
+                    received_at: at,
+                    fingerprint: *fingerprint,
+                };
                 self.committed += 1;
                 self.processed.insert((at, key.clone()));
                 waiters
@@ -217,10 +228,14 @@ impl InboxShard {
 
     fn record(key: &InboxKey, slot: &Slot) -> Option<InboxRecord> {
         match slot {
-            Slot::Committed { received_at } => Some(InboxRecord {
-                key: key.clone(),
+            Slot::Committed {
+                received_at,
+                fingerprint,
+            } => Some(InboxRecord {
+                key: InboxKey::new(key.message_id, key.consumer.clone()),
                 received_at: *received_at,
                 processed_at: Some(*received_at),
+                fingerprint: *fingerprint,
             }),
             Slot::Pending { .. } => None,
         }

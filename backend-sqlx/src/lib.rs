@@ -102,7 +102,10 @@ use inbox_api::{
 };
 /// The inbox table's layouts, shared with the diesel backend.
 pub use inbox_postgres::Layout;
-use inbox_postgres::{Claims, MigrationConnection, SavepointDriver, Statements, key_columns};
+use inbox_postgres::{
+    Claims, MigrationConnection, SavepointDriver, Statements, fingerprint_column, key_columns,
+    stored_fingerprint,
+};
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgTransactionManager};
 use sqlx::{PgConnection, PgPool, Postgres, Row, TransactionManager};
@@ -632,9 +635,12 @@ impl InboxStore for SqlxStore {
         one.done().await?;
         row.map(|row| {
             Ok(InboxRecord {
-                key: key.clone(),
+                key: InboxKey::new(key.message_id, key.consumer.clone()),
                 received_at: row.try_get("received_at").map_err(classify)?,
                 processed_at: row.try_get("processed_at").map_err(classify)?,
+                fingerprint: stored_fingerprint(
+                    row.try_get("payload_fingerprint").map_err(classify)?,
+                )?,
             })
         })
         .transpose()
@@ -850,6 +856,7 @@ impl InboxTransaction for SqlxTransaction {
         let inserted = sqlx::query(&statements.claim)
             .bind(key.message_id.as_uuid())
             .bind(key.consumer.as_str())
+            .bind(fingerprint_column(key))
             .persistent(self.persistent)
             .execute(self.conn())
             .await
@@ -878,12 +885,13 @@ impl BatchTransaction for SqlxTransaction {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let (ids, consumers) = key_columns(keys);
+        let columns = key_columns(keys);
         let layout = self.layout;
         let statements = Arc::clone(&self.statements);
         let inserted: Vec<(sqlx::types::Uuid, String)> = sqlx::query_as(&statements.claim_batch)
-            .bind(ids)
-            .bind(consumers)
+            .bind(columns.ids)
+            .bind(columns.consumers)
+            .bind(columns.fingerprints)
             .persistent(self.persistent)
             .fetch_all(self.conn())
             .await

@@ -69,7 +69,7 @@ async fn partitioned_harness() -> SqlxHarness {
 
 inbox_conformance::conformance_tests!(harness);
 
-use inbox_conformance::postgres::support::stored_key as key_of;
+use inbox_conformance::postgres::support::{INBOX_ROWS, stored_key as key_of, stored_record};
 
 #[async_trait]
 impl Harness for SqlxHarness {
@@ -134,17 +134,19 @@ impl Harness for SqlxHarness {
     }
 
     async fn inbox_rows(&self, store: &SqlxStore) -> Vec<InboxRecord> {
-        let rows = sqlx::query(
-            "SELECT id, consumer_type, received_at, processed_at FROM inbox_messages ORDER BY 1, 2",
-        )
-        .fetch_all(store.pool())
-        .await
-        .expect("read inbox rows");
+        let rows = sqlx::query(INBOX_ROWS)
+            .fetch_all(store.pool())
+            .await
+            .expect("read inbox rows");
         rows.into_iter()
-            .map(|row| InboxRecord {
-                key: key_of(row.get("id"), row.get("consumer_type")),
-                received_at: row.get("received_at"),
-                processed_at: row.get("processed_at"),
+            .map(|row| {
+                stored_record(
+                    row.get("id"),
+                    row.get("consumer_type"),
+                    row.get("received_at"),
+                    row.get("processed_at"),
+                    row.get("payload_fingerprint"),
+                )
             })
             .collect()
     }

@@ -24,8 +24,8 @@ use inbox_api::{
 };
 use inbox_backend_sqlx::{Pooling, SchemaName, SqlxStore, SqlxTransaction, classify};
 use inbox_conformance::postgres::support::{
-    AGE_ATTEMPTS, AGE_OUTBOX, bouncer_url, record_effect_in, stored_key as key_of,
-    unreachable_bouncer,
+    AGE_ATTEMPTS, AGE_OUTBOX, INBOX_ROWS, bouncer_url, record_effect_in, stored_key as key_of,
+    stored_record, unreachable_bouncer,
 };
 use inbox_conformance::{CrashKind, Harness};
 use sqlx::Row as _;
@@ -142,17 +142,19 @@ impl Harness for BouncerHarness {
     }
 
     async fn inbox_rows(&self, store: &SqlxStore) -> Vec<InboxRecord> {
-        let rows = sqlx::query(
-            "SELECT id, consumer_type, received_at, processed_at FROM inbox_messages ORDER BY 1, 2",
-        )
-        .fetch_all(&mut side(store).await)
-        .await
-        .expect("read inbox rows");
+        let rows = sqlx::query(INBOX_ROWS)
+            .fetch_all(&mut side(store).await)
+            .await
+            .expect("read inbox rows");
         rows.into_iter()
-            .map(|row| InboxRecord {
-                key: key_of(row.get("id"), row.get("consumer_type")),
-                received_at: row.get("received_at"),
-                processed_at: row.get("processed_at"),
+            .map(|row| {
+                stored_record(
+                    row.get("id"),
+                    row.get("consumer_type"),
+                    row.get("received_at"),
+                    row.get("processed_at"),
+                    row.get("payload_fingerprint"),
+                )
             })
             .collect()
     }

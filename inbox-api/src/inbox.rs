@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::metrics as names;
-use crate::{BatchTransaction, Claim, InboxError, InboxKey, InboxStore, InboxTransaction};
+use crate::{
+    BatchTransaction, Claim, Fingerprint, InboxError, InboxKey, InboxStore, InboxTransaction,
+};
 
 /// What [`Inbox::handle`] did with a delivery.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,12 +21,29 @@ pub enum Handled<T> {
     /// The message was already processed by this consumer; the work did not
     /// run. Acknowledge the delivery and drop it.
     Duplicate,
+    /// The key was processed before, for a payload with another
+    /// fingerprint ([`InboxKey::with_fingerprint`]): the producer reused a
+    /// message id for a different message. The work did not run; nothing
+    /// was written. Whether to drop it or keep it for a person (a dead
+    /// letter) is the consumer's policy; redelivering it changes nothing.
+    Conflict {
+        /// The fingerprint stored with the processed message.
+        stored: Fingerprint,
+        /// The fingerprint of this delivery.
+        received: Fingerprint,
+    },
 }
 
 impl<T> Handled<T> {
-    /// Whether the work was skipped as a duplicate.
+    /// Whether the work was skipped as a duplicate (a conflict is not
+    /// one: its payload differs).
     pub fn is_duplicate(&self) -> bool {
         matches!(self, Self::Duplicate)
+    }
+
+    /// Whether the key was processed before for another payload.
+    pub fn is_conflict(&self) -> bool {
+        matches!(self, Self::Conflict { .. })
     }
 }
 
@@ -216,14 +235,15 @@ impl<S: InboxStore> Inbox<S> {
                         tracing::debug!(message_id = %key.message_id, consumer = %key.consumer,
                             error = %error, "rollback after duplicate failed");
                     }
-                    metrics::counter!(names::DUPLICATES_DISCARDED, "consumer" => consumer.clone())
-                        .increment(1);
+                    let handled = self
+                        .repeat(key)
+                        .await
+                        .map_err(|e| store_failed("lookup", e))?;
+                    let outcome = count_repeat(key, &handled);
                     metrics::histogram!(names::HANDLE_DURATION,
-                        "consumer" => consumer.clone(), "outcome" => "duplicate")
+                        "consumer" => consumer.clone(), "outcome" => outcome)
                     .record(started.elapsed().as_secs_f64());
-                    tracing::debug!(message_id = %key.message_id, consumer = %key.consumer,
-                        "duplicate delivery discarded");
-                    return Ok(Handled::Duplicate);
+                    return Ok(handled);
                 }
                 Err((step, error)) => return Err(store_failed(step.as_str(), error)),
             };
@@ -503,7 +523,7 @@ impl<S: InboxStore> Inbox<S> {
                 break 'run Ok(slots);
             };
             match run {
-                Ok(slots) => settle(keys, payloads, slots, started),
+                Ok(slots) => self.settle(keys, payloads, slots, started).await,
                 Err((stage, error)) => abort(keys, payloads, stage, error, started),
             }
         }
@@ -637,7 +657,7 @@ impl<S: InboxStore> Inbox<S> {
             }
             .await;
             match attempt {
-                Ok(AtOnce::Committed(slots)) => settle(keys, payloads, slots, started),
+                Ok(AtOnce::Committed(slots)) => self.settle(keys, payloads, slots, started).await,
                 Err((stage, error)) => abort(keys, payloads, stage, error, started),
                 Ok(AtOnce::Rerun(start)) => {
                     metrics::counter!(names::BATCH_RERUNS).increment(1);
@@ -657,6 +677,100 @@ impl<S: InboxStore> Inbox<S> {
                     .await
                 }
             }
+        }
+    }
+
+    /// What a repeated key is: [`Handled::Duplicate`], or
+    /// [`Handled::Conflict`] when the delivery carries a fingerprint and
+    /// the stored row another. Only repeats pay the lookup; a fresh claim
+    /// costs what it did.
+    async fn repeat<T>(&self, key: &InboxKey) -> Result<Handled<T>, InboxError> {
+        let Some(received) = key.fingerprint() else {
+            return Ok(Handled::Duplicate);
+        };
+        // `None` (no row: purged since the claim; no fingerprint: a row
+        // from before stores kept it) cannot be told apart from the same
+        // payload, and is taken as it.
+        Ok(
+            match self
+                .store
+                .lookup(key)
+                .await?
+                .and_then(|row| row.fingerprint)
+            {
+                Some(stored) if stored != *received => Handled::Conflict {
+                    stored,
+                    received: *received,
+                },
+                _ => Handled::Duplicate,
+            },
+        )
+    }
+
+    /// Turns a committed batch's slots into [`Inbox::handle`]'s outcome
+    /// type, counting each message once.
+    async fn settle<I, T, E: From<InboxError>>(
+        &self,
+        keys: Vec<InboxKey>,
+        payloads: Vec<I>,
+        slots: Vec<Slot<T, E>>,
+        started: Instant,
+    ) -> Vec<(InboxKey, I, Result<Handled<T>, E>)> {
+        let elapsed = started.elapsed().as_secs_f64();
+        let mut settled = Vec::with_capacity(keys.len());
+        for ((key, item), slot) in keys.into_iter().zip(payloads).zip(slots) {
+            let consumer = key.consumer.label();
+            let (outcome, result) = match slot {
+                Slot::Processed(value) => {
+                    metrics::counter!(names::PROCESSED, "consumer" => consumer.clone())
+                        .increment(1);
+                    ("processed", Ok(Handled::Processed(value)))
+                }
+                Slot::Duplicate => match self.repeat(&key).await {
+                    Ok(handled) => (count_repeat(&key, &handled), Ok(handled)),
+                    Err(error) => {
+                        // The batch committed; only this message's lookup
+                        // failed, and its redelivery is a repeat again.
+                        tracing::warn!(message_id = %key.message_id, consumer = %key.consumer,
+                            error = %error, "inbox store failed looking up a duplicate's fingerprint");
+                        metrics::counter!(names::FAILED, "consumer" => consumer.clone(),
+                            "stage" => "lookup",
+                            "retryable" => if error.is_retryable() { "true" } else { "false" })
+                        .increment(1);
+                        ("failed", Err(E::from(error)))
+                    }
+                },
+                Slot::Failed(error) => ("failed", Err(error)),
+                Slot::Deferred => ("failed", Err(E::from(InboxError::Deferred))),
+            };
+            metrics::histogram!(names::HANDLE_DURATION,
+                "consumer" => consumer, "outcome" => outcome)
+            .record(elapsed);
+            settled.push((key, item, result));
+        }
+        settled
+    }
+}
+
+/// Counts and logs a repeated key's outcome ([`Inbox::repeat`]'s), and
+/// returns its `outcome` label.
+fn count_repeat<T>(key: &InboxKey, handled: &Handled<T>) -> &'static str {
+    let consumer = key.consumer.label();
+    match handled {
+        Handled::Conflict { stored, received } => {
+            metrics::counter!(names::CONFLICTING_DUPLICATES, "consumer" => consumer).increment(1);
+            tracing::warn!(message_id = %key.message_id, consumer = %key.consumer,
+                stored = %stored, received = %received,
+                "a processed message id came again with another payload");
+            "conflict"
+        }
+        _ => {
+            metrics::counter!(names::DUPLICATES_DISCARDED, "consumer" => consumer).increment(1);
+            // Normal under at-least-once: the counter tells the rate, the
+            // line is for following one message.
+            tracing::debug!(message_id = %key.message_id, consumer = %key.consumer,
+                "duplicate delivery discarded");
+            "duplicate"
         }
     }
 }
@@ -694,43 +808,6 @@ fn abort<I, T, E: From<InboxError>>(
                 source: Arc::clone(&cause),
             };
             (key, item, Err(E::from(error)))
-        })
-        .collect()
-}
-
-/// Turns a committed batch's slots into [`Inbox::handle`]'s outcome type,
-/// counting each message once.
-fn settle<I, T, E: From<InboxError>>(
-    keys: Vec<InboxKey>,
-    payloads: Vec<I>,
-    slots: Vec<Slot<T, E>>,
-    started: Instant,
-) -> Vec<(InboxKey, I, Result<Handled<T>, E>)> {
-    let elapsed = started.elapsed().as_secs_f64();
-    keys.into_iter()
-        .zip(payloads)
-        .zip(slots)
-        .map(|((key, item), slot)| {
-            let consumer = key.consumer.label();
-            let (outcome, result) = match slot {
-                Slot::Processed(value) => {
-                    metrics::counter!(names::PROCESSED, "consumer" => consumer.clone())
-                        .increment(1);
-                    ("processed", Ok(Handled::Processed(value)))
-                }
-                Slot::Duplicate => {
-                    metrics::counter!(names::DUPLICATES_DISCARDED,
-                        "consumer" => consumer.clone())
-                    .increment(1);
-                    ("duplicate", Ok(Handled::Duplicate))
-                }
-                Slot::Failed(error) => ("failed", Err(error)),
-                Slot::Deferred => ("failed", Err(E::from(InboxError::Deferred))),
-            };
-            metrics::histogram!(names::HANDLE_DURATION,
-                "consumer" => consumer, "outcome" => outcome)
-            .record(elapsed);
-            (key, item, result)
         })
         .collect()
 }

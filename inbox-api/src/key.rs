@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use uuid::Uuid;
 
-use crate::InboxError;
+use crate::{Fingerprint, InboxError};
 
 /// The producer-assigned identity of a message.
 ///
@@ -246,13 +246,20 @@ impl fmt::Debug for ConsumerName {
     }
 }
 
-/// The primary key of the inbox: one message as seen by one consumer.
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+/// The primary key of the inbox: one message as seen by one consumer, and,
+/// optionally, the fingerprint of what the message said.
+///
+/// Equality, hashing and order are the key's alone (`message_id`, then
+/// `consumer`): the fingerprint rides along to be stored with the claim
+/// and compared on a duplicate, never to make two deliveries of one
+/// message two keys.
+#[derive(Clone, Debug)]
 pub struct InboxKey {
     /// Which message.
     pub message_id: MessageId,
     /// Which consumer's scope.
     pub consumer: ConsumerName,
+    fingerprint: Option<Fingerprint>,
 }
 
 impl InboxKey {
@@ -261,7 +268,51 @@ impl InboxKey {
         Self {
             message_id,
             consumer,
+            fingerprint: None,
         }
+    }
+
+    /// The key with the fingerprint of the delivery's payload: the claim
+    /// stores it, and a later delivery of the same key whose fingerprint
+    /// differs is [`crate::Handled::Conflict`] rather than a duplicate.
+    #[must_use]
+    pub fn with_fingerprint(mut self, fingerprint: Fingerprint) -> Self {
+        self.fingerprint = Some(fingerprint);
+        self
+    }
+
+    /// The payload's fingerprint, if the caller gave one.
+    pub fn fingerprint(&self) -> Option<&Fingerprint> {
+        self.fingerprint.as_ref()
+    }
+}
+
+impl PartialEq for InboxKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.message_id == other.message_id && self.consumer == other.consumer
+    }
+}
+
+impl Eq for InboxKey {}
+
+impl std::hash::Hash for InboxKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.message_id.hash(state);
+        self.consumer.hash(state);
+    }
+}
+
+impl PartialOrd for InboxKey {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for InboxKey {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.message_id
+            .cmp(&other.message_id)
+            .then_with(|| self.consumer.cmp(&other.consumer))
     }
 }
 
@@ -492,5 +543,23 @@ mod tests {
             );
             assert!(!err.is_retryable());
         }
+    }
+
+    #[test]
+    fn a_fingerprint_does_not_make_another_key() {
+        use std::collections::HashSet;
+        let key = InboxKey::new(MessageId::new_v7(), ConsumerName::new("c").unwrap());
+        let printed = key.clone().with_fingerprint(Fingerprint::of(b"a"));
+        let other = key.clone().with_fingerprint(Fingerprint::of(b"b"));
+        assert_eq!(printed, other);
+        assert_eq!(printed.cmp(&key), std::cmp::Ordering::Equal);
+        assert_eq!(
+            HashSet::from([key.clone(), printed.clone(), other]).len(),
+            1
+        );
+        assert_eq!(printed.fingerprint(), Some(&Fingerprint::of(b"a")));
+        assert_eq!(key.fingerprint(), None);
+        let later = InboxKey::new(MessageId::new_v7(), ConsumerName::new("a").unwrap());
+        assert!(key < later, "ordered by message id first");
     }
 }

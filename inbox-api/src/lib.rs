@@ -10,6 +10,7 @@
 
 mod attempts;
 mod error;
+mod fingerprint;
 mod inbox;
 mod key;
 pub mod metrics;
@@ -19,6 +20,7 @@ mod store;
 
 pub use attempts::{AttemptLedger, AttemptLedgerExt, AttemptRecord, DeadMark, LastError};
 pub use error::{BoxError, Disposition, InboxError, chain};
+pub use fingerprint::Fingerprint;
 pub use inbox::{AsyncWork, AsyncWorkFn, AsyncWorkMut, Handled, Inbox};
 pub use key::{ConsumerName, InboxKey, MessageId};
 pub use outbox::{

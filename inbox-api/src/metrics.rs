@@ -9,8 +9,9 @@
 //! |---|---|---|---|
 //! | `inbox_processed_total` | counter | `consumer` | [`crate::Inbox::handle`], after commit |
 //! | `inbox_duplicates_discarded_total` | counter | `consumer` | [`crate::Inbox::handle`], on `Duplicate` |
-//! | `inbox_failed_total` | counter | `consumer`, `stage` (`begin`, `claim`, `work`, `commit`), `retryable` (`true`, `false`, `unknown` for the work's own errors) | [`crate::Inbox::handle`] |
-//! | `inbox_handle_duration_seconds` | histogram | `consumer`, `outcome` (`processed`, `duplicate`, `failed`) | [`crate::Inbox::handle`] |
+//! | `inbox_conflicting_duplicates_total` | counter | `consumer` | [`crate::Inbox::handle`], on `Conflict`: a processed id with another payload |
+//! | `inbox_failed_total` | counter | `consumer`, `stage` (`begin`, `claim`, `work`, `commit`, `lookup` of a repeat's fingerprint), `retryable` (`true`, `false`, `unknown` for the work's own errors) | [`crate::Inbox::handle`] |
+//! | `inbox_handle_duration_seconds` | histogram | `consumer`, `outcome` (`processed`, `duplicate`, `conflict`, `failed`) | [`crate::Inbox::handle`] |
 //! | `inbox_batch_reruns_total` | counter | none | [`crate::Inbox::handle_batch`], when a work failure makes it rerun a batch with savepoints |
 //! | `inbox_purged_rows_total` | counter | none | [`crate::InboxStoreExt::purge_processed_before`], once per batch |
 //! | `inbox_attempts_purged_rows_total` | counter | none | [`crate::AttemptLedgerExt::purge_attempts_before`], once per batch |
@@ -29,6 +30,9 @@
 pub const PROCESSED: &str = "inbox_processed_total";
 /// Deliveries recognised as duplicates and dropped without running the work.
 pub const DUPLICATES_DISCARDED: &str = "inbox_duplicates_discarded_total";
+/// Deliveries of a processed key whose payload fingerprint differs from
+/// the stored one: a producer reused an id for another message.
+pub const CONFLICTING_DUPLICATES: &str = "inbox_conflicting_duplicates_total";
 /// Deliveries whose handling failed and rolled back.
 pub const FAILED: &str = "inbox_failed_total";
 /// Wall time of one [`crate::Inbox::handle`] call, begin to commit.
@@ -79,6 +83,10 @@ pub fn describe() {
     describe_counter!(
         DUPLICATES_DISCARDED,
         "Duplicate deliveries acknowledged without running the work, per consumer"
+    );
+    describe_counter!(
+        CONFLICTING_DUPLICATES,
+        "Deliveries of a processed message id with another payload fingerprint, per consumer"
     );
     describe_counter!(
         FAILED,
@@ -156,6 +164,7 @@ mod tests {
             for name in [
                 PROCESSED,
                 DUPLICATES_DISCARDED,
+                CONFLICTING_DUPLICATES,
                 FAILED,
                 BATCH_RERUNS,
                 PURGED_ROWS,
@@ -185,7 +194,7 @@ mod tests {
                 (key.key().name().to_owned(), unit, help)
             })
             .collect();
-        assert_eq!(described.len(), 18, "{described:?}");
+        assert_eq!(described.len(), 19, "{described:?}");
         for (name, unit, help) in &described {
             assert!(help.len() > 10, "{name} has no help text: {help:?}");
             let expected = [HANDLE_DURATION, OUTBOX_PUBLISH_DURATION]

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 
-use crate::{InboxError, InboxKey};
+use crate::{Fingerprint, InboxError, InboxKey};
 
 /// The answer to a claim.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -55,6 +55,10 @@ pub struct InboxRecord {
     /// column stays nullable (rows written before the claim recorded it may
     /// lack it).
     pub processed_at: Option<DateTime<Utc>>,
+    /// The fingerprint of the payload the claim was made for
+    /// ([`InboxKey::with_fingerprint`]); `None` for a claim made without
+    /// one, and for rows written before stores kept it.
+    pub fingerprint: Option<Fingerprint>,
 }
 
 /// A store of inbox rows with transactions the consumer's own writes share.
@@ -74,6 +78,11 @@ pub struct InboxRecord {
 ///    (the row becomes visible only at COMMIT, with the work), and cleanup
 ///    deletes processed rows in bounded batches.
 /// 6. Every error is classified retryable or permanent.
+/// 7. The claim stores the key's payload fingerprint
+///    ([`InboxKey::fingerprint`]) in the row, single and batched claims
+///    alike, and [`InboxStore::lookup`] gives it back; the fingerprint is
+///    not part of the key (a copy with another fingerprint is still the
+///    same key, a `Duplicate` to the store).
 #[async_trait]
 pub trait InboxStore: Send + Sync + 'static {
     /// The backend's transaction. It also gives the consumer the backend's

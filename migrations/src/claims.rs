@@ -11,7 +11,7 @@
 use std::collections::HashSet;
 
 use async_trait::async_trait;
-use inbox_api::{Claim, ConsumerName, InboxError, InboxKey, MessageId};
+use inbox_api::{Claim, ConsumerName, Fingerprint, InboxError, InboxKey, MessageId};
 
 /// The claim and savepoint state of one open transaction.
 #[derive(Debug, Default)]
@@ -320,11 +320,48 @@ macro_rules! savepoint_methods {
     };
 }
 
-/// The keys as the two parallel arrays [`crate::sql::CLAIM_BATCH`] unnests.
-pub fn key_columns(keys: &[InboxKey]) -> (Vec<uuid::Uuid>, Vec<String>) {
-    keys.iter()
-        .map(|k| (*k.message_id.as_uuid(), k.consumer.as_str().to_owned()))
-        .unzip()
+/// The keys as the parallel arrays [`crate::sql::CLAIM_BATCH`] unnests:
+/// ids, consumers, fingerprints.
+pub fn key_columns(keys: &[InboxKey]) -> KeyColumns {
+    let mut columns = KeyColumns {
+        ids: Vec::with_capacity(keys.len()),
+        consumers: Vec::with_capacity(keys.len()),
+        fingerprints: Vec::with_capacity(keys.len()),
+    };
+    for key in keys {
+        columns.ids.push(*key.message_id.as_uuid());
+        columns.consumers.push(key.consumer.as_str().to_owned());
+        columns.fingerprints.push(fingerprint_column(key));
+    }
+    columns
+}
+
+/// [`key_columns`]' answer, one array per parameter of the batch claim.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KeyColumns {
+    /// `$1`: the message ids.
+    pub ids: Vec<uuid::Uuid>,
+    /// `$2`: the consumer names.
+    pub consumers: Vec<String>,
+    /// `$3`: the payload fingerprints, `None` (NULL) where a key has none.
+    pub fingerprints: Vec<Option<Vec<u8>>>,
+}
+
+/// The claim's `$3`: the key's payload fingerprint as the column stores it
+/// (32 bytes), or NULL.
+pub fn fingerprint_column(key: &InboxKey) -> Option<Vec<u8>> {
+    key.fingerprint().map(|f| f.as_bytes().to_vec())
+}
+
+/// The fingerprint a row's `payload_fingerprint` holds, read back.
+///
+/// # Errors
+/// [`InboxError::InvalidArgument`] when the column holds something other
+/// than 32 bytes.
+pub fn stored_fingerprint(column: Option<Vec<u8>>) -> Result<Option<Fingerprint>, InboxError> {
+    column
+        .map(|bytes| Fingerprint::from_bytes(&bytes))
+        .transpose()
 }
 
 fn savepoint_name(depth: usize) -> String {
@@ -361,10 +398,20 @@ mod tests {
     #[test]
     fn batch_outcomes_follow_the_keys() {
         let mut claims = Claims::new();
-        let keys = [key(2), key(1), key(2), key(3)];
-        let (ids, consumers) = key_columns(&keys);
-        assert_eq!(ids.len(), 4);
-        assert_eq!(consumers, vec!["c"; 4]);
+        let printed = Fingerprint::of(b"body");
+        let keys = [key(2).with_fingerprint(printed), key(1), key(2), key(3)];
+        let columns = key_columns(&keys);
+        assert_eq!(columns.ids.len(), 4);
+        assert_eq!(columns.consumers, vec!["c"; 4]);
+        assert_eq!(
+            columns.fingerprints,
+            vec![Some(printed.as_bytes().to_vec()), None, None, None]
+        );
+        assert_eq!(
+            stored_fingerprint(columns.fingerprints[0].clone()).expect("32 bytes"),
+            Some(printed)
+        );
+        assert!(stored_fingerprint(Some(vec![1, 2])).is_err());
         let returned = vec![
             (uuid::Uuid::from_u128(1), "c".to_owned()),
             (uuid::Uuid::from_u128(2), "c".to_owned()),

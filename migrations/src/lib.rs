@@ -58,7 +58,10 @@ mod sqlstate;
 mod statements;
 
 pub use attempts::{AttemptColumns, attempt_count, attempt_record};
-pub use claims::{Claims, SavepointDriver, key_columns, rollback_to_savepoint, savepoint};
+pub use claims::{
+    Claims, KeyColumns, SavepointDriver, fingerprint_column, key_columns, rollback_to_savepoint,
+    savepoint, stored_fingerprint,
+};
 pub use layout::{
     DAYS_AHEAD, Layout, NO_PARTITION, PARTITIONED_DDL, Partition, create_partitions, day_expired,
     drop_expired_partitions, id_day, partition_day, partitions, require_session_schema,

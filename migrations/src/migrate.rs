@@ -129,6 +129,11 @@ pub static MIGRATIONS: &[Migration] = &[
         description: "functions keep their schema",
         sql: include_str!("../20261208000001_functions_keep_their_schema.sql"),
     },
+    Migration {
+        version: 20261209000001,
+        description: "inbox payload fingerprint",
+        sql: include_str!("../20261209000001_inbox_payload_fingerprint.sql"),
+    },
 ];
 
 /// The ledger: one row per applied migration, in the store's schema.

@@ -10,8 +10,10 @@
 //! positional `$n`; [`pieces`] splits a statement at them for drivers that
 //! build statements from fragments and bind markers (diesel).
 
-/// Claims one key: `$1` message id (uuid), `$2` consumer name (text).
-/// Affects one row when the claim is fresh, none for a duplicate.
+/// Claims one key: `$1` message id (uuid), `$2` consumer name (text), `$3`
+/// the payload's fingerprint (bytea, NULL when the caller gave none; see
+/// [`crate::fingerprint_column`]). Affects one row when the claim is fresh,
+/// none for a duplicate (whose stored fingerprint is left as it was).
 ///
 /// `INSERT … ON CONFLICT DO NOTHING`, the first statement of the
 /// transaction: a concurrent claim of the same key waits on the primary
@@ -21,8 +23,9 @@
 /// row only becomes visible at COMMIT, together with the work, so a
 /// committed row is a processed message. `now()` is the transaction's
 /// start, like `received_at`'s default.
-pub const CLAIM: &str = "INSERT INTO inbox_messages (id, consumer_type, processed_at) \
-     VALUES ($1, $2, now()) ON CONFLICT DO NOTHING";
+pub const CLAIM: &str = "INSERT INTO inbox_messages \
+     (id, consumer_type, processed_at, payload_fingerprint) \
+     VALUES ($1, $2, now(), $3) ON CONFLICT DO NOTHING";
 
 /// The mark [`BEGIN_PIPELINED`] sets and the pipelined claims require, as
 /// the condition of their `SELECT`.
@@ -51,8 +54,8 @@ pub const BEGIN_PIPELINED: &str = "BEGIN; SET LOCAL inbox.pipelined_claim = 'on'
 /// waiting on a concurrent holder alike), inserting only inside the
 /// transaction that BEGIN opened.
 pub const CLAIM_PIPELINED: &str = concat!(
-    "INSERT INTO inbox_messages (id, consumer_type, processed_at) \
-     SELECT $1::uuid, $2::text, now()",
+    "INSERT INTO inbox_messages (id, consumer_type, processed_at, payload_fingerprint) \
+     SELECT $1::uuid, $2::text, now(), $3::bytea",
     pipelined_claim_guard!(),
     " ON CONFLICT DO NOTHING"
 );
@@ -61,24 +64,26 @@ pub const CLAIM_PIPELINED: &str = concat!(
 /// [`CLAIM_PIPELINED`].
 pub const CLAIM_PARTITIONED_PIPELINED: &str = concat!(
     "INSERT INTO inbox_messages \
-     (id, consumer_type, processed_at, time_ordered) \
-     SELECT k.id, k.consumer_type, now(), inbox_time_ordered(k.id) \
-     FROM (SELECT $1::uuid AS id, $2::text AS consumer_type) AS k",
+     (id, consumer_type, processed_at, time_ordered, payload_fingerprint) \
+     SELECT k.id, k.consumer_type, now(), inbox_time_ordered(k.id), k.fingerprint \
+     FROM (SELECT $1::uuid AS id, $2::text AS consumer_type, $3::bytea AS fingerprint) AS k",
     pipelined_claim_guard!(),
     " ON CONFLICT DO NOTHING"
 );
 
 /// Claims a batch: `$1` message ids (uuid[]), `$2` consumer names (text[]),
-/// parallel arrays (see [`crate::key_columns`]). Returns `(id uuid,
+/// `$3` fingerprints (bytea[], NULL where none), parallel arrays (see
+/// [`crate::key_columns`]). Returns `(id uuid,
 /// consumer_type text)` for each key inserted.
 ///
 /// The keys are inserted in sorted order (bytewise, like `InboxKey`'s
 /// `Ord`), so two overlapping batches take their row locks in one global
 /// order and cannot deadlock. A key repeated in the batch conflicts with its
 /// own first copy and is skipped. `processed_at` as in [`CLAIM`].
-pub const CLAIM_BATCH: &str = "INSERT INTO inbox_messages (id, consumer_type, processed_at) \
-     SELECT id, consumer_type, now() \
-     FROM unnest($1::uuid[], $2::text[]) AS k(id, consumer_type) \
+pub const CLAIM_BATCH: &str = "INSERT INTO inbox_messages \
+     (id, consumer_type, processed_at, payload_fingerprint) \
+     SELECT id, consumer_type, now(), fingerprint \
+     FROM unnest($1::uuid[], $2::text[], $3::bytea[]) AS k(id, consumer_type, fingerprint) \
      ORDER BY id, consumer_type COLLATE \"C\" \
      ON CONFLICT DO NOTHING RETURNING id, consumer_type::text";
 
@@ -88,15 +93,16 @@ pub const CLAIM_BATCH: &str = "INSERT INTO inbox_messages (id, consumer_type, pr
 /// CHECK holds every row to. A subquery names the id once, so each
 /// parameter occurs once, in order (see [`pieces`]).
 pub const CLAIM_PARTITIONED: &str = "INSERT INTO inbox_messages \
-     (id, consumer_type, processed_at, time_ordered) \
-     SELECT k.id, k.consumer_type, now(), inbox_time_ordered(k.id) \
-     FROM (SELECT $1::uuid AS id, $2::text AS consumer_type) AS k ON CONFLICT DO NOTHING";
+     (id, consumer_type, processed_at, time_ordered, payload_fingerprint) \
+     SELECT k.id, k.consumer_type, now(), inbox_time_ordered(k.id), k.fingerprint \
+     FROM (SELECT $1::uuid AS id, $2::text AS consumer_type, $3::bytea AS fingerprint) AS k \
+     ON CONFLICT DO NOTHING";
 
 /// [`CLAIM_BATCH`] in the partitioned layout, as [`CLAIM_PARTITIONED`].
 pub const CLAIM_BATCH_PARTITIONED: &str = "INSERT INTO inbox_messages \
-     (id, consumer_type, processed_at, time_ordered) \
-     SELECT id, consumer_type, now(), inbox_time_ordered(id) \
-     FROM unnest($1::uuid[], $2::text[]) AS k(id, consumer_type) \
+     (id, consumer_type, processed_at, time_ordered, payload_fingerprint) \
+     SELECT id, consumer_type, now(), inbox_time_ordered(id), fingerprint \
+     FROM unnest($1::uuid[], $2::text[], $3::bytea[]) AS k(id, consumer_type, fingerprint) \
      ORDER BY id, consumer_type COLLATE \"C\" \
      ON CONFLICT DO NOTHING RETURNING id, consumer_type::text";
 
@@ -107,8 +113,9 @@ pub const CLAIM_BATCH_PARTITIONED: &str = "INSERT INTO inbox_messages \
 pub const UNCLAIM: &str = "DELETE FROM inbox_messages WHERE id = $1 AND consumer_type = $2";
 
 /// One committed row: `$1` id, `$2` consumer. Returns `(received_at
-/// timestamptz, processed_at timestamptz NULL)`.
-pub const LOOKUP: &str = "SELECT received_at, processed_at FROM inbox_messages \
+/// timestamptz, processed_at timestamptz NULL, payload_fingerprint bytea
+/// NULL)`.
+pub const LOOKUP: &str = "SELECT received_at, processed_at, payload_fingerprint FROM inbox_messages \
      WHERE id = $1 AND consumer_type = $2";
 
 /// One batch of the inbox's cleanup on `$table` ([`PURGE_BATCH`] says
@@ -450,12 +457,12 @@ mod tests {
     #[test]
     fn statements_use_their_parameters_in_order() {
         for (sql, count) in [
-            (CLAIM, 2),
-            (CLAIM_BATCH, 2),
-            (CLAIM_PARTITIONED, 2),
-            (CLAIM_BATCH_PARTITIONED, 2),
-            (CLAIM_PIPELINED, 2),
-            (CLAIM_PARTITIONED_PIPELINED, 2),
+            (CLAIM, 3),
+            (CLAIM_BATCH, 3),
+            (CLAIM_PARTITIONED, 3),
+            (CLAIM_BATCH_PARTITIONED, 3),
+            (CLAIM_PIPELINED, 3),
+            (CLAIM_PARTITIONED_PIPELINED, 3),
             (BEGIN_PIPELINED, 0),
             (PURGE_UNTIMED_BATCH, 3),
             (DAY_PARTITIONS, 0),

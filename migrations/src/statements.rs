@@ -192,8 +192,9 @@ mod tests {
         let s = schema();
         assert_eq!(
             qualify(sql::CLAIM, &s),
-            "INSERT INTO \"app_inbox\".inbox_messages (id, consumer_type, processed_at) \
-             VALUES ($1, $2, now()) ON CONFLICT DO NOTHING"
+            "INSERT INTO \"app_inbox\".inbox_messages \
+             (id, consumer_type, processed_at, payload_fingerprint) \
+             VALUES ($1, $2, now(), $3) ON CONFLICT DO NOTHING"
         );
         assert_eq!(
             qualify(

@@ -34,7 +34,7 @@ pub const LAYOUT_PARTITIONED_BY_ARRIVAL: &str = "DO $$ BEGIN \
      CREATE TABLE inbox_messages ( \
          id uuid NOT NULL, consumer_type varchar(500) NOT NULL, \
          received_at timestamptz NOT NULL DEFAULT now(), processed_at timestamptz, \
-         time_ordered boolean NOT NULL, \
+         time_ordered boolean NOT NULL, payload_fingerprint bytea, \
          PRIMARY KEY (id, consumer_type, received_at)) PARTITION BY RANGE (received_at); \
      CREATE TABLE inbox_messages_by_arrival PARTITION OF inbox_messages DEFAULT; \
      CREATE INDEX inbox_messages_processed_at_idx ON inbox_messages (processed_at) \
@@ -65,6 +65,10 @@ pub enum Broken {
     /// Treats a key claimed by another *open* transaction as done instead of
     /// waiting for it: if that transaction rolls back, the message is lost.
     ClaimWithoutWaiting,
+    /// Claims without the key's payload fingerprint (a store whose claim
+    /// never binds it): a copy with another payload passes as a duplicate,
+    /// without a word.
+    ForgetsFingerprints,
     /// An outbox whose enqueue commits in a transaction of its own, before
     /// the business transaction: the message is published even when the
     /// business writes roll back (a producer that publishes before COMMIT).
@@ -90,6 +94,11 @@ impl Broken {
         Broken::WorkBeforeClaim,
         Broken::ClaimWithoutWaiting,
     ];
+
+    /// Every store whose inbox deduplicates soundly but forgets what a
+    /// message said: the contract tests must reject each (the crash-point
+    /// model publishes no copies with other payloads).
+    pub const FINGERPRINTS: [Broken; 1] = [Broken::ForgetsFingerprints];
 
     /// Every store with a broken outbox (its inbox is sound): the outbox
     /// suite must reject each.
@@ -281,6 +290,10 @@ impl<S: InboxStore + Clone> InboxTransaction for BrokenTransaction<S> {
                 lock(&self.store.in_flight).insert(key.clone());
                 self.held.keys.push(key.clone());
                 self.inner.claim(key).await
+            }
+            Broken::ForgetsFingerprints => {
+                let bare = InboxKey::new(key.message_id, key.consumer.clone());
+                self.inner.claim(&bare).await
             }
             // Outbox and ledger bugs: the inbox is sound.
             Broken::PublishBeforeCommit

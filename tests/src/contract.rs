@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use futures::future::join_all;
 use inbox_api::{
-    BatchTransaction, Claim, ConsumerName, Handled, Inbox, InboxError, InboxKey, InboxRecord,
-    InboxStats, InboxStore, InboxStoreExt, InboxTransaction, MessageId,
+    BatchTransaction, Claim, ConsumerName, Fingerprint, Handled, Inbox, InboxError, InboxKey,
+    InboxRecord, InboxStats, InboxStore, InboxStoreExt, InboxTransaction, MessageId,
 };
 use std::collections::BTreeMap;
 
@@ -680,6 +680,11 @@ pub async fn concurrent_first_deliveries_run_work_once<H: Harness>(h: &H) -> Out
         match result? {
             Handled::Processed(()) => processed += 1,
             Handled::Duplicate => {}
+            conflict @ Handled::Conflict { .. } => {
+                return Err(Failure::new(format!(
+                    "{conflict:?} for a key without a fingerprint"
+                )));
+            }
         }
     }
     check_eq!(processed, 1, "deliveries that ran the work");
@@ -970,6 +975,135 @@ pub async fn handle_batch_runs_each_message_once<H: Harness>(h: &H) -> Outcome {
     check_eq!(runs.load(Ordering::SeqCst), 2, "work runs");
     for key in [&a, &b, &done] {
         expect_processed_once(h, &store, key).await?;
+    }
+    Ok(())
+}
+
+/// A payload fingerprint, for the conflict scenario.
+fn print(payload: &str) -> Fingerprint {
+    Fingerprint::of(payload.as_bytes())
+}
+
+/// Contract 7: the claim stores the key's fingerprint and lookup returns
+/// it; a repeat with another fingerprint is a `Conflict`, with the same one
+/// (or none, or against a row without one) a `Duplicate`. Single and both
+/// batched paths alike; the work runs once per key either way.
+pub async fn a_copy_with_another_payload_is_a_conflict<H: Harness>(h: &H) -> Outcome {
+    let store = h.fresh_store().await;
+    let inbox = Inbox::new(store.clone());
+    let key = new_key("c1");
+    let run = async |key: &InboxKey| {
+        inbox
+            .handle(key, async |tx| h.record_effect(tx, key).await)
+            .await
+    };
+    check_eq!(
+        run(&key.clone().with_fingerprint(print("a"))).await?,
+        Handled::Processed(()),
+        "first delivery"
+    );
+    for (copy, expected) in [
+        (key.clone().with_fingerprint(print("a")), Handled::Duplicate),
+        (key.clone(), Handled::Duplicate),
+        (
+            key.clone().with_fingerprint(print("b")),
+            Handled::Conflict {
+                stored: print("a"),
+                received: print("b"),
+            },
+        ),
+    ] {
+        check_eq!(
+            run(&copy).await?,
+            expected,
+            "a copy with {:?}",
+            copy.fingerprint()
+        );
+    }
+    expect_processed_once(h, &store, &key).await?;
+    let stored = store.lookup(&key).await?.and_then(|row| row.fingerprint);
+    check_eq!(stored, Some(print("a")), "lookup's fingerprint");
+    let read = row_of(h, &store, &key)
+        .await
+        .and_then(|row| row.fingerprint);
+    check_eq!(read, Some(print("a")), "the row's fingerprint, read back");
+
+    // A row claimed without a fingerprint cannot tell: a duplicate.
+    let bare = new_key("c1");
+    process_once(h, &store, &bare).await?;
+    check_eq!(
+        run(&bare.clone().with_fingerprint(print("b"))).await?,
+        Handled::Duplicate,
+        "a row without a fingerprint"
+    );
+
+    // Both batch paths store each key's fingerprint with its claim, and
+    // answer a conflict per message, a copy inside the batch included.
+    let (x, y) = (new_key("c1"), new_key("c1"));
+    let batch = vec![
+        (x.clone().with_fingerprint(print("x")), 0),
+        (key.clone().with_fingerprint(print("c")), 1),
+        (x.clone().with_fingerprint(print("x2")), 2),
+        (key.clone().with_fingerprint(print("a")), 3),
+    ];
+    let outcomes = inbox
+        .handle_batch(batch, async |tx, i: &usize| {
+            if *i == 0 {
+                h.record_effect(tx, &x).await?;
+            }
+            Ok::<_, InboxError>(())
+        })
+        .await;
+    let conflict = |stored: &str, received: &str| {
+        format!(
+            "{:?}",
+            Handled::<()>::Conflict {
+                stored: print(stored),
+                received: print(received)
+            }
+        )
+    };
+    check_eq!(
+        outcome_summary(&outcomes),
+        vec![
+            "Processed(())".to_owned(),
+            conflict("a", "c"),
+            conflict("x", "x2"),
+            "Duplicate".to_owned(),
+        ],
+        "handle_batch"
+    );
+    let at_once = vec![
+        (y.clone().with_fingerprint(print("y")), ()),
+        (x.clone().with_fingerprint(print("x3")), ()),
+    ];
+    let outcomes = inbox
+        .handle_batch_at_once(at_once, async |tx, fresh: &[&()]| {
+            check_eq!(fresh.len(), 1, "fresh messages of the batch");
+            h.record_effect(tx, &y).await?;
+            Ok::<_, Failure>(())
+        })
+        .await;
+    let summary: Vec<String> = outcomes
+        .iter()
+        .map(|(_, _, outcome)| match outcome {
+            Ok(handled) => format!("{handled:?}"),
+            Err(error) => format!("Err({error:?})"),
+        })
+        .collect();
+    check_eq!(
+        summary,
+        vec!["Processed(())".to_owned(), conflict("x", "x3")],
+        "handle_batch_at_once"
+    );
+    for (batched, payload) in [(&x, "x"), (&y, "y")] {
+        expect_processed_once(h, &store, batched).await?;
+        let stored = store.lookup(batched).await?.and_then(|row| row.fingerprint);
+        check_eq!(
+            stored,
+            Some(print(payload)),
+            "{batched}'s stored fingerprint"
+        );
     }
     Ok(())
 }

@@ -241,6 +241,7 @@ macro_rules! __with_contract_tests {
             processed_counts_are_per_consumer,
             a_shared_store_forwards_every_call,
             handle_runs_work_once,
+            a_copy_with_another_payload_is_a_conflict,
             handle_rolls_back_on_work_error,
             handle_rolls_back_when_cancelled,
             concurrent_first_deliveries_run_work_once,

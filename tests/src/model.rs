@@ -198,6 +198,14 @@ async fn work<H: Harness>(
     Ok(())
 }
 
+/// A conflict answered for a key the model gave no fingerprint: the inbox
+/// invented one.
+fn no_fingerprint(key: &InboxKey, answer: &Handled<()>) -> Failure {
+    Failure::new(format!(
+        "{key} has no fingerprint, yet handle answered {answer:?}"
+    ))
+}
+
 /// One delivery of `key` meeting `fault`.
 async fn deliver<H: Harness>(
     h: &H,
@@ -226,6 +234,7 @@ async fn deliver<H: Harness>(
                 Ok(Handled::Processed(())) => Err(Failure::new(format!(
                     "handle of {key} reported Processed for work that failed"
                 ))),
+                Ok(conflict @ Handled::Conflict { .. }) => Err(no_fingerprint(key, &conflict)),
                 Err(InboxError::Handler { .. }) => Ok(Ack::Redeliver),
                 Err(error) => on_error(key, error),
             }
@@ -285,6 +294,7 @@ async fn deliver<H: Harness>(
                 result = handling => match result {
                     Ok(Handled::Duplicate) => Ok(Ack::Ack),
                     Ok(Handled::Processed(())) => Err(Failure::new("pending work finished")),
+                    Ok(conflict @ Handled::Conflict { .. }) => Err(no_fingerprint(key, &conflict)),
                     Err(error) => on_error(key, error),
                 },
                 _ = work_started => Ok(Ack::Redeliver),

@@ -15,7 +15,7 @@ const MODEL_CASES: u32 = 300;
 #[test]
 fn contract_tests_reject_every_broken_store() {
     let rt = runtime();
-    for kind in Broken::ALL {
+    for kind in Broken::ALL.into_iter().chain(Broken::FINGERPRINTS) {
         let harness = BrokenHarness::new(common::MemoryHarness, kind);
         let failures = rt.block_on(contract::run_all(&harness));
         assert!(
@@ -25,6 +25,17 @@ fn contract_tests_reject_every_broken_store() {
         let names: Vec<_> = failures.iter().map(|(name, _)| *name).collect();
         println!("{kind:?} rejected by {names:?}");
     }
+}
+
+/// A store that forgets fingerprints still deduplicates: only the
+/// scenario about copies with another payload catches it.
+#[test]
+fn only_the_conflict_scenario_catches_forgotten_fingerprints() {
+    let rt = runtime();
+    let harness = BrokenHarness::new(common::MemoryHarness, Broken::ForgetsFingerprints);
+    let failures = rt.block_on(contract::run_all(&harness));
+    let names: Vec<_> = failures.iter().map(|(name, _)| *name).collect();
+    assert_eq!(names, ["a_copy_with_another_payload_is_a_conflict"]);
 }
 
 fn model_rejects_every_broken_store(mode: Mode) {

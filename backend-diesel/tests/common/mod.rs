@@ -23,8 +23,37 @@ use inbox_backend_diesel::{
 
 pub use inbox_conformance::postgres::support::{
     EFFECTS_TABLE, LIST_SCHEMAS, RECORD_EFFECT, TEST_PREFIX, database_url, drop_schema_sql,
-    like_prefix, redacted, stale_schemas, unique_schema,
+    like_prefix, redacted, stale_schemas, stored_record, unique_schema,
 };
+
+/// A row `inbox_conformance::postgres::support::INBOX_ROWS` reads back.
+#[derive(diesel::QueryableByName)]
+pub struct InboxRow {
+    #[diesel(sql_type = diesel::sql_types::Uuid)]
+    id: uuid::Uuid,
+    #[diesel(sql_type = Text)]
+    consumer_type: String,
+    #[diesel(sql_type = diesel::sql_types::Timestamptz)]
+    received_at: chrono::DateTime<chrono::Utc>,
+    #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Timestamptz>)]
+    processed_at: Option<chrono::DateTime<chrono::Utc>>,
+    #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Bytea>)]
+    payload_fingerprint: Option<Vec<u8>>,
+}
+
+impl InboxRow {
+    /// The store's record of this row.
+    #[allow(dead_code, reason = "not every test file reads inbox rows")]
+    pub fn record(self) -> inbox_api::InboxRecord {
+        stored_record(
+            self.id,
+            self.consumer_type,
+            self.received_at,
+            self.processed_at,
+            self.payload_fingerprint,
+        )
+    }
+}
 
 /// `url` with `application_name` set, so a test can find a store's
 /// connections in `pg_stat_activity`.

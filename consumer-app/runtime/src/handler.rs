@@ -17,6 +17,7 @@ use serde::de::DeserializeOwned;
 use crate::AppError;
 use crate::context::{Context, Event};
 use crate::identity::{DEFAULT as DEFAULT_IDENTITY, Identity};
+use crate::settle::ConflictPolicy;
 
 /// One consumer's business code, over the store's transaction type `Tx`.
 ///
@@ -43,6 +44,13 @@ pub trait Handler<Tx>: Send + Sync + 'static {
     /// [`Identity`].
     fn identity(&self) -> &Identity {
         &DEFAULT_IDENTITY
+    }
+
+    /// What to do with a delivery whose id this consumer processed before
+    /// for another payload: acknowledge and drop it (the default), or
+    /// dead-letter it as `conflicting_duplicate`. See [`ConflictPolicy`].
+    fn conflict_policy(&self) -> ConflictPolicy {
+        ConflictPolicy::default()
     }
 
     /// Rules the message must meet beyond its JSON shape; a refusal
@@ -121,6 +129,7 @@ where
 pub struct FnHandler<F, M> {
     name: ConsumerName,
     identity: Identity,
+    conflicts: ConflictPolicy,
     f: F,
     message: PhantomData<fn() -> M>,
 }
@@ -154,6 +163,7 @@ where
     Ok(FnHandler {
         name: ConsumerName::new(name)?,
         identity: Identity::default(),
+        conflicts: ConflictPolicy::default(),
         f,
         message: PhantomData,
     })
@@ -185,6 +195,14 @@ impl<F, M> FnHandler<F, M> {
         self.identity = identity;
         self
     }
+
+    /// Sets what happens to a delivery whose id was processed before for
+    /// another payload (acknowledged and dropped by default).
+    #[must_use]
+    pub fn with_conflict_policy(mut self, policy: ConflictPolicy) -> Self {
+        self.conflicts = policy;
+        self
+    }
 }
 
 impl<Tx, M, F> Handler<Tx> for FnHandler<F, M>
@@ -206,6 +224,10 @@ where
 
     fn identity(&self) -> &Identity {
         &self.identity
+    }
+
+    fn conflict_policy(&self) -> ConflictPolicy {
+        self.conflicts
     }
 
     fn handle(

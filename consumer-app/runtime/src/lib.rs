@@ -97,7 +97,7 @@ pub use handler::{FnHandler, Handler, HandlerFn, handler_fn};
 pub use identity::Identity;
 pub use relay::{Relay, RelayConfig, RelayHandle};
 pub use service::{BrokerReadiness, Service, ServiceHandle};
-pub use settle::{Deliveries, ErrorDisposition, Outcome, Settle, SettlePolicy};
+pub use settle::{ConflictPolicy, Deliveries, ErrorDisposition, Outcome, Settle, SettlePolicy};
 pub use tally::{ConsumerTally, Tally};
 pub use topology::{QueueType, Topology};
 pub use wakeups::OutboxWakeups;
@@ -119,8 +119,8 @@ impl<S> ServiceStore for S where
 /// What a service on the runtime names, in one `use`.
 pub mod prelude {
     pub use crate::{
-        AppError, Context, Event, Handler, Identity, RelayConfig, Service, ServiceConfig,
-        ServiceHandle, ServiceStore, Topology, handler_fn,
+        AppError, ConflictPolicy, Context, Event, Handler, Identity, RelayConfig, Service,
+        ServiceConfig, ServiceHandle, ServiceStore, Topology, handler_fn,
     };
     pub use inbox_api::{ConsumerName, MessageId};
 

@@ -11,6 +11,7 @@
 //!
 //! ```text
 //! Processed / Duplicate                          ─► Ack
+//! Conflict (a processed id, another payload)     ─► Ack, or DeadLetter(conflicting_duplicate) by the consumer's ConflictPolicy
 //! failed, Retry, attempts left                   ─► Retry after a backoff, in process
 //! failed, Retry, no attempts left, below the cap ─► Requeue (reject: charged) after a pause that grows per failure
 //! failed, Retry, no attempts left, at the cap    ─► DeadLetter(retries_exhausted)
@@ -74,6 +75,24 @@ pub enum ErrorDisposition {
     DeadLetter,
 }
 
+/// What a consumer does with a delivery whose message id it processed
+/// before for another payload ([`inbox_api::Handled::Conflict`]): the
+/// producer reused an id for a different message. Either way the work does
+/// not run (the id is taken) and the inbox logs both fingerprints and
+/// counts it in `inbox_conflicting_duplicates_total`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ConflictPolicy {
+    /// Acknowledge and drop it, as a duplicate would be: the default, so
+    /// that a producer's harmless edits (a re-serialised body, a new
+    /// timestamp field) cost nothing but the log line and the counter.
+    #[default]
+    Acknowledge,
+    /// Dead-letter it with reason `conflicting_duplicate`, for a person to
+    /// look at: where a second message under a used id may be a lost
+    /// order rather than a re-serialised one.
+    DeadLetter,
+}
+
 /// How one attempt at a delivery ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Outcome {
@@ -81,6 +100,9 @@ pub enum Outcome {
     Processed,
     /// The message was already processed by this consumer.
     Duplicate,
+    /// The message id was processed before for another payload; the
+    /// consumer's policy says what follows.
+    Conflict(ConflictPolicy),
     /// The attempt failed (rolled back), and its error says this.
     Failed(ErrorDisposition),
 }
@@ -92,6 +114,9 @@ pub enum DeadLetterReason {
     Permanent,
     /// Retryable failures until the delivery cap: `retries_exhausted`.
     RetriesExhausted,
+    /// A processed id with another payload, under
+    /// [`ConflictPolicy::DeadLetter`]: `conflicting_duplicate`.
+    ConflictingDuplicate,
 }
 
 /// How often a message failed before and during this delivery, by each
@@ -181,7 +206,12 @@ impl SettlePolicy {
     /// delivery of a message with the failure counts `deliveries`.
     pub fn decide(&self, outcome: Outcome, attempt: u32, deliveries: Deliveries) -> Settle {
         match outcome {
-            Outcome::Processed | Outcome::Duplicate => Settle::Ack,
+            Outcome::Processed
+            | Outcome::Duplicate
+            | Outcome::Conflict(ConflictPolicy::Acknowledge) => Settle::Ack,
+            Outcome::Conflict(ConflictPolicy::DeadLetter) => {
+                Settle::DeadLetter(DeadLetterReason::ConflictingDuplicate)
+            }
             Outcome::Failed(ErrorDisposition::DeadLetter) => {
                 Settle::DeadLetter(DeadLetterReason::Permanent)
             }
@@ -225,9 +255,11 @@ mod tests {
         retry_base_delay: Duration::from_millis(100),
     };
 
-    const OUTCOMES: [Outcome; 6] = [
+    const OUTCOMES: [Outcome; 8] = [
         Outcome::Processed,
         Outcome::Duplicate,
+        Outcome::Conflict(ConflictPolicy::Acknowledge),
+        Outcome::Conflict(ConflictPolicy::DeadLetter),
         Outcome::Failed(ErrorDisposition::Retry),
         Outcome::Failed(ErrorDisposition::Requeue),
         Outcome::Failed(ErrorDisposition::StoreUnavailable),
@@ -254,7 +286,16 @@ mod tests {
             earlier + 1
         };
         match (outcome, attempt, failed) {
-            (Outcome::Processed | Outcome::Duplicate, _, _) => Settle::Ack,
+            (
+                Outcome::Processed
+                | Outcome::Duplicate
+                | Outcome::Conflict(ConflictPolicy::Acknowledge),
+                _,
+                _,
+            ) => Settle::Ack,
+            (Outcome::Conflict(ConflictPolicy::DeadLetter), _, _) => {
+                Settle::DeadLetter(DeadLetterReason::ConflictingDuplicate)
+            }
             (Outcome::Failed(D::DeadLetter), _, _) => {
                 Settle::DeadLetter(DeadLetterReason::Permanent)
             }
@@ -312,7 +353,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(cases, 480);
+        assert_eq!(cases, 640);
     }
 
     /// Exactly the decisions that can requeue a message for its own failure

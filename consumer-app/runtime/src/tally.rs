@@ -15,6 +15,9 @@ pub struct ConsumerTally {
     pub(crate) processed: AtomicU64,
     /// Deliveries recognised as duplicates and acknowledged.
     pub(crate) duplicates: AtomicU64,
+    /// Deliveries of a processed id with another payload, acknowledged and
+    /// dropped ([`crate::settle::ConflictPolicy::Acknowledge`]).
+    pub(crate) conflicts: AtomicU64,
     /// Deliveries requeued for a later redelivery.
     pub(crate) requeued: AtomicU64,
     /// Attempts that failed with a retryable error and were retried in
@@ -44,6 +47,13 @@ impl ConsumerTally {
     /// Deliveries recognised as duplicates and acknowledged.
     pub fn duplicates(&self) -> u64 {
         self.duplicates.load(Ordering::Relaxed)
+    }
+
+    /// Deliveries of a processed id with another payload that were
+    /// acknowledged and dropped; those dead-lettered instead count under
+    /// [`ConsumerTally::dead_lettered`]'s `conflicting_duplicate`.
+    pub fn conflicts(&self) -> u64 {
+        self.conflicts.load(Ordering::Relaxed)
     }
 
     /// Deliveries requeued for a later redelivery.
@@ -104,10 +114,10 @@ impl ConsumerTally {
         self.dead_lettered().values().sum()
     }
 
-    /// Processed plus duplicates plus dead-lettered: deliveries finished
-    /// with an ack.
+    /// Processed, duplicates, acknowledged conflicts and dead-lettered:
+    /// deliveries finished with an ack.
     pub fn finished(&self) -> u64 {
-        self.processed() + self.duplicates() + self.dead_lettered_total()
+        self.processed() + self.duplicates() + self.conflicts() + self.dead_lettered_total()
     }
 }
 

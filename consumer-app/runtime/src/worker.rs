@@ -60,7 +60,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use inbox_api::metrics as names;
-use inbox_api::{Handled, Inbox, InboxKey, LastError, MessageId};
+use inbox_api::{Fingerprint, Handled, Inbox, InboxKey, LastError, MessageId};
 use lapin::Channel;
 use lapin::message::Delivery;
 use tokio::sync::{OwnedSemaphorePermit, watch};
@@ -191,7 +191,10 @@ where
             );
             match decoded {
                 Ok((message_id, message)) => {
-                    let key = InboxKey::new(message_id, self.handler.name().clone());
+                    // The body's fingerprint rides with the key: stored by
+                    // the claim, compared when the id comes again.
+                    let key = InboxKey::new(message_id, self.handler.name().clone())
+                        .with_fingerprint(Fingerprint::of(&delivery.data));
                     let earlier = delivery_count(&delivery.properties);
                     items.push(Item {
                         delivery,
@@ -235,12 +238,16 @@ where
             let mut requeue = Vec::new();
             let mut pause = Duration::ZERO;
             let mut dead = Vec::new();
+            let mut conflicts = Vec::new();
             let mut released = Vec::new();
             for (i, result) in results {
                 let item = &mut items[i];
                 let outcome = match &result {
                     Ok(Handled::Processed(_)) => Outcome::Processed,
                     Ok(Handled::Duplicate) => Outcome::Duplicate,
+                    Ok(Handled::Conflict { .. }) => {
+                        Outcome::Conflict(self.handler.conflict_policy())
+                    }
                     Err(error) => Outcome::Failed(self.disposition(error)),
                 };
                 if let Outcome::Failed(ErrorDisposition::Retry) = outcome
@@ -261,6 +268,11 @@ where
                     (Settle::Ack, Ok(Handled::Processed(intent))) => {
                         // (The ledger is not cleared: the inbox row says done.)
                         self.processed(item, intent).await;
+                        acks.push(i);
+                    }
+                    (Settle::Ack, Ok(Handled::Conflict { .. })) => {
+                        // The inbox logged both fingerprints and counted it.
+                        bump(&self.tally.conflicts);
                         acks.push(i);
                     }
                     (Settle::Ack, _) => {
@@ -304,6 +316,19 @@ where
                             "store unavailable: handing the delivery back uncharged");
                         released.push(i);
                     }
+                    (
+                        Settle::DeadLetter(DeadLetterReason::ConflictingDuplicate),
+                        Ok(Handled::Conflict { stored, received }),
+                    ) => {
+                        conflicts.push((
+                            i,
+                            format!(
+                                "message id {} was processed for a payload with fingerprint \
+                                 {stored}; this delivery's is {received}",
+                                item.message_id
+                            ),
+                        ));
+                    }
                     (Settle::DeadLetter(why), result) => {
                         let failed = deliveries.failed();
                         let (reason, detail, last_error) = match (why, result) {
@@ -330,6 +355,7 @@ where
                 && handed_back.is_empty()
                 && requeue.is_empty()
                 && dead.is_empty()
+                && conflicts.is_empty()
                 && released.is_empty();
             if only_acks {
                 drop(slot.take());
@@ -352,6 +378,20 @@ where
                 };
                 self.dead_letter(&item.delivery, Some(&id), reason, &detail, Some(failure))
                     .await;
+            }
+            for (i, detail) in conflicts {
+                // Not the key's failure (the key was processed): the
+                // ledger is left alone, as for bad input.
+                let item = &items[i];
+                let id = item.message_id.to_string();
+                self.dead_letter(
+                    &item.delivery,
+                    Some(&id),
+                    "conflicting_duplicate",
+                    &detail,
+                    None,
+                )
+                .await;
             }
             if !requeue.is_empty() {
                 // Hold the worker's slot for a while, longer with each

@@ -43,6 +43,8 @@ struct Case {
     deliveries: Vec<(Option<String>, Option<FieldTable>, serde_json::Value)>,
     processed: u64,
     duplicates: u64,
+    /// Copies under a processed id with another body.
+    conflicts: u64,
     dead: &'static [(&'static str, u64)],
 }
 
@@ -75,6 +77,7 @@ fn cases() -> Vec<Case> {
             ],
             processed: 3,
             duplicates: 2,
+            conflicts: 0,
             dead: &[("invalid_message_id", 1), ("missing_message_id", 1)],
         },
         Case {
@@ -82,14 +85,17 @@ fn cases() -> Vec<Case> {
             identity: Identity::body_field("order_id").accept_keys(),
             deliveries: vec![
                 (fresh(), None, order(10.into())),
-                (fresh(), None, order("10".into())),
                 (None, None, order(10.into())),
+                // The same key (an integer is its decimal text) with
+                // another body: a conflict, acknowledged by default.
+                (fresh(), None, order("10".into())),
                 (fresh(), None, order(11.into())),
                 (fresh(), None, order(1.5.into())),
                 (fresh(), None, serde_json::json!({ "other": 1 })),
             ],
             processed: 2,
-            duplicates: 2,
+            duplicates: 1,
+            conflicts: 1,
             dead: &[("invalid_message_id", 1), ("missing_message_id", 1)],
         },
         Case {
@@ -102,6 +108,7 @@ fn cases() -> Vec<Case> {
             ],
             processed: 2,
             duplicates: 1,
+            conflicts: 0,
             dead: &[],
         },
         Case {
@@ -115,6 +122,7 @@ fn cases() -> Vec<Case> {
             ],
             processed: 1,
             duplicates: 1,
+            conflicts: 0,
             dead: &[("invalid_message_id", 1), ("missing_message_id", 1)],
         },
         Case {
@@ -127,6 +135,7 @@ fn cases() -> Vec<Case> {
             ],
             processed: 2,
             duplicates: 1,
+            conflicts: 0,
             dead: &[],
         },
     ]
@@ -145,11 +154,12 @@ async fn each_consumer_reads_its_id_where_its_producer_puts_it() {
         topology = topology.bind(format!("{prefix}{}", case.name), case.name);
     }
     let store = MemoryStore::new();
-    let mut service = Service::new(
-        store.clone(),
-        ServiceConfig::new(AMQP_URL, "identity test"),
-        topology.clone(),
-    );
+    // One delivery at a time, in queue order: which copy of an id comes
+    // first (processed) and which later (duplicate or conflict) is then
+    // the order of publishing, not a race.
+    let mut config = ServiceConfig::new(AMQP_URL, "identity test");
+    config.worker.concurrency = 1;
+    let mut service = Service::new(store.clone(), config, topology.clone());
     for case in &cases {
         let handler = handler_fn(case.name, record)
             .expect("valid name")
@@ -210,10 +220,11 @@ async fn each_consumer_reads_its_id_where_its_producer_puts_it() {
             (
                 tally.processed(),
                 tally.duplicates(),
+                tally.conflicts(),
                 tally.dead_lettered().into_iter().collect::<Vec<_>>()
             ),
-            (case.processed, case.duplicates, dead),
-            "{}: (processed, duplicates, dead letters by reason)",
+            (case.processed, case.duplicates, case.conflicts, dead),
+            "{}: (processed, duplicates, conflicts, dead letters by reason)",
             case.name
         );
     }
@@ -227,6 +238,147 @@ async fn each_consumer_reads_its_id_where_its_producer_puts_it() {
     service.shutdown();
     service.join().await.expect("clean shutdown");
     let channel = connection.create_channel().await.expect("channel");
+    topology.delete(&channel).await.expect("delete topology");
+    close_bounded(&connection, "bye").await;
+}
+
+/// A copy of a processed message with another body is a conflict, not a
+/// duplicate: one consumer acknowledges it (the default) and counts it, the
+/// other dead-letters it as `conflicting_duplicate`. The copies are sent
+/// once the first delivery is processed, so which body is "first" is not a
+/// race.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_with_another_body_follows_the_consumers_conflict_policy() {
+    let prefix = format!(
+        "test-conflict-{}.",
+        &uuid::Uuid::new_v4().simple().to_string()[..10]
+    );
+    let exchange = format!("{prefix}orders");
+    let consumers = [
+        ("acknowledge", ConflictPolicy::Acknowledge),
+        ("dead-letter", ConflictPolicy::DeadLetter),
+    ];
+    let mut topology = Topology::new(&exchange);
+    for (name, _) in consumers {
+        topology = topology.bind(format!("{prefix}{name}"), name);
+    }
+    let mut service = Service::new(
+        MemoryStore::new(),
+        ServiceConfig::new(AMQP_URL, "conflict test"),
+        topology.clone(),
+    );
+    for (name, policy) in consumers {
+        let handler = handler_fn(name, record)
+            .expect("valid name")
+            .with_conflict_policy(policy);
+        service = service.consume(format!("{prefix}{name}"), handler);
+    }
+    let service = service
+        .spawn()
+        .expect("the service starts (bash .ci/services.sh)");
+    service
+        .wait_ready(Duration::from_secs(30))
+        .await
+        .expect("consuming");
+    let connection = connect(AMQP_URL, "conflict test publisher")
+        .await
+        .expect("RabbitMQ reachable (bash .ci/services.sh)");
+
+    let id = MessageId::new_v7().to_string();
+    let send = async |routing_key: &str, destination: &str| {
+        let publisher = Publisher::new(&connection, &exchange, routing_key)
+            .await
+            .expect("publisher");
+        let properties = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_type(OrderPlaced::TYPE.into())
+            .with_message_id(id.as_str().into());
+        let body = serde_json::json!({ "order_id": 7, "destination": destination });
+        let body = serde_json::to_vec(&body).expect("json");
+        Publisher::publish_raw(
+            publisher.channel(),
+            &exchange,
+            routing_key,
+            &body,
+            properties,
+        )
+        .await
+        .expect("confirmed");
+        publisher.close().await;
+    };
+    let until = async |name: &str, finished: u64| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let tally = service.tally.consumer(name);
+        while tally.finished() < finished {
+            assert!(
+                Instant::now() < deadline,
+                "{name}: {finished} deliveries finished within 60 s"
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    };
+    for (name, _) in consumers {
+        send(name, "Lyon").await;
+        until(name, 1).await;
+        send(name, "Lyon").await;
+        send(name, "Nantes").await;
+        until(name, 3).await;
+    }
+
+    let acknowledge = service.tally.consumer("acknowledge");
+    assert_eq!(
+        (
+            acknowledge.processed(),
+            acknowledge.duplicates(),
+            acknowledge.conflicts()
+        ),
+        (1, 1, 1),
+        "acknowledge: (processed, duplicates, conflicts)"
+    );
+    assert_eq!(acknowledge.dead_lettered_total(), 0);
+    let dead_letter = service.tally.consumer("dead-letter");
+    assert_eq!(
+        (
+            dead_letter.processed(),
+            dead_letter.duplicates(),
+            dead_letter.conflicts()
+        ),
+        (1, 1, 0),
+        "dead-letter: (processed, duplicates, conflicts acknowledged)"
+    );
+    assert_eq!(
+        dead_letter.dead_lettered().into_iter().collect::<Vec<_>>(),
+        vec![("conflicting_duplicate".to_owned(), 1)]
+    );
+
+    // The dead letter holds the second body, with its reason.
+    let channel = connection.create_channel().await.expect("channel");
+    let dlq = Topology::dead_letter_queue(&format!("{prefix}dead-letter"));
+    let got = channel
+        .basic_get(
+            dlq.as_str().into(),
+            inbox_runtime::lapin::options::BasicGetOptions::default(),
+        )
+        .await
+        .expect("basic.get")
+        .expect("one dead letter");
+    let body: serde_json::Value = serde_json::from_slice(&got.delivery.data).expect("json");
+    assert_eq!(body["destination"], "Nantes");
+    let reason = got
+        .delivery
+        .properties
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get("x-dead-letter-reason").cloned());
+    assert_eq!(
+        reason,
+        Some(AMQPValue::LongString(LongString::from(
+            "conflicting_duplicate"
+        )))
+    );
+
+    service.shutdown();
+    service.join().await.expect("clean shutdown");
     topology.delete(&channel).await.expect("delete topology");
     close_bounded(&connection, "bye").await;
 }

@@ -166,6 +166,28 @@ pub fn drop_schema_sql(schema: &inbox_postgres::SchemaName) -> String {
     format!("DROP SCHEMA IF EXISTS {} CASCADE", schema.quoted())
 }
 
+/// Every inbox row of the schema on the search path, with the columns an
+/// [`inbox_api::InboxRecord`] holds: what the suites read back.
+pub const INBOX_ROWS: &str = "SELECT id, consumer_type::text AS consumer_type, received_at, \
+     processed_at, payload_fingerprint FROM inbox_messages ORDER BY 1, 2";
+
+/// A row [`INBOX_ROWS`] read back, as the store's record.
+pub fn stored_record(
+    id: uuid::Uuid,
+    consumer: String,
+    received_at: chrono::DateTime<chrono::Utc>,
+    processed_at: Option<chrono::DateTime<chrono::Utc>>,
+    fingerprint: Option<Vec<u8>>,
+) -> inbox_api::InboxRecord {
+    inbox_api::InboxRecord {
+        key: stored_key(id, consumer),
+        received_at,
+        processed_at,
+        fingerprint: inbox_postgres::stored_fingerprint(fingerprint)
+            .expect("stored fingerprints are 32 bytes"),
+    }
+}
+
 /// The key of a stored row, as the suites read rows back.
 pub fn stored_key(id: uuid::Uuid, consumer: String) -> inbox_api::InboxKey {
     inbox_api::InboxKey::new(
