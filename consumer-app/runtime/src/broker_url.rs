@@ -102,11 +102,27 @@ pub(crate) fn is_login_refused(error: &lapin::Error) -> bool {
 
 /// What a failed connect most likely means when lapin's error does not say
 /// it: a plain `amqp://` connection to a TLS port reads the TLS alert as a
-/// frame that does not parse.
+/// frame that does not parse, or, when the server's close overtakes the
+/// alert (a race of the two sockets: the kernel drops unread data on a
+/// reset), finds the connection reset or cut before any answer.
 pub(crate) fn hint(url: &str, error: &lapin::Error) -> &'static str {
+    if !url.starts_with("amqp://") {
+        return "";
+    }
     match error.kind() {
-        lapin::ErrorKind::ParsingError(_) if url.starts_with("amqp://") => {
+        lapin::ErrorKind::ParsingError(_) => {
             " (the server's answer is not AMQP: a TLS-only port wants amqps://)"
+        }
+        lapin::ErrorKind::IOError(io)
+            if matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+                    | std::io::ErrorKind::UnexpectedEof
+            ) =>
+        {
+            " (the server closed the connection before answering AMQP: \
+             a TLS-only port wants amqps://)"
         }
         _ => "",
     }
@@ -145,6 +161,32 @@ mod tests {
         assert!(
             error.contains("cannot read cacertfile /nonexistent/ca.pem"),
             "{error}"
+        );
+    }
+
+    #[test]
+    fn a_plain_url_cut_off_before_any_answer_hints_at_tls() {
+        let io = |kind| {
+            lapin::Error::from(lapin::ErrorKind::IOError(std::sync::Arc::new(
+                std::io::Error::from(kind),
+            )))
+        };
+        for kind in [
+            std::io::ErrorKind::ConnectionReset,
+            std::io::ErrorKind::ConnectionAborted,
+            std::io::ErrorKind::UnexpectedEof,
+        ] {
+            assert!(
+                hint("amqp://h/%2f", &io(kind)).contains("amqps://"),
+                "{kind:?}"
+            );
+            assert_eq!(hint("amqps://h/%2f", &io(kind)), "", "{kind:?} over TLS");
+        }
+        let refused = io(std::io::ErrorKind::ConnectionRefused);
+        assert_eq!(
+            hint("amqp://h/%2f", &refused),
+            "",
+            "nothing listens: no hint"
         );
     }
 }
