@@ -30,5 +30,5 @@ pub use outbox::{
 pub use redact::redact_url;
 pub use store::{
     BatchTransaction, Claim, FirstStep, InboxRecord, InboxStats, InboxStore, InboxStoreExt,
-    InboxTransaction, PurgedBatch,
+    InboxTransaction, PurgedBatch, claim_each,
 };

@@ -42,6 +42,29 @@ impl FirstStep {
     }
 }
 
+/// [`BatchTransaction::claim_batch`]'s default: each key claimed on its
+/// own, in sorted order. Public so that a transaction wrapping another (a
+/// decorator that changes one step) can answer a batch as the default does.
+///
+/// Sorted, so overlapping batches take their keys in one global order and
+/// cannot wait on each other in a cycle; ties by position, so the first
+/// occurrence of a repeated key is the one that gets `Fresh`.
+///
+/// # Errors
+/// The first claim's error; the transaction must then be rolled back.
+pub async fn claim_each<T: InboxTransaction + ?Sized>(
+    tx: &mut T,
+    keys: &[InboxKey],
+) -> Result<Vec<Claim>, InboxError> {
+    let mut order: Vec<usize> = (0..keys.len()).collect();
+    order.sort_by(|&a, &b| keys[a].cmp(&keys[b]).then(a.cmp(&b)));
+    let mut claims = vec![Claim::Duplicate; keys.len()];
+    for index in order {
+        claims[index] = tx.claim(&keys[index]).await?;
+    }
+    Ok(claims)
+}
+
 /// One committed inbox row, as read back for diagnostics.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InboxRecord {
@@ -272,16 +295,7 @@ pub trait BatchTransaction: InboxTransaction {
     /// As [`InboxTransaction::claim`]; on error the transaction must be
     /// rolled back.
     async fn claim_batch(&mut self, keys: &[InboxKey]) -> Result<Vec<Claim>, InboxError> {
-        // Sorted, so overlapping batches take their keys in one global order
-        // and cannot wait on each other in a cycle; ties by position, so the
-        // first occurrence of a repeated key is the one that gets `Fresh`.
-        let mut order: Vec<usize> = (0..keys.len()).collect();
-        order.sort_by(|&a, &b| keys[a].cmp(&keys[b]).then(a.cmp(&b)));
-        let mut claims = vec![Claim::Duplicate; keys.len()];
-        for index in order {
-            claims[index] = self.claim(&keys[index]).await?;
-        }
-        Ok(claims)
+        claim_each(self, keys).await
     }
 
     /// Opens a savepoint: the writes made after it can be undone alone with

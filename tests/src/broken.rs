@@ -69,6 +69,11 @@ pub enum Broken {
     /// never binds it): a copy with another payload passes as a duplicate,
     /// without a word.
     ForgetsFingerprints,
+    /// Answers a batch claim with the claims of the fresh keys only (a
+    /// `RETURNING` read as the whole answer): the claims no longer line up
+    /// with the keys, and a batch that trusted them would run one message's
+    /// work for another.
+    ClaimBatchAnswersFreshOnly,
     /// An outbox whose enqueue commits in a transaction of its own, before
     /// the business transaction: the message is published even when the
     /// business writes roll back (a producer that publishes before COMMIT).
@@ -99,6 +104,11 @@ impl Broken {
     /// message said: the contract tests must reject each (the crash-point
     /// model publishes no copies with other payloads).
     pub const FINGERPRINTS: [Broken; 1] = [Broken::ForgetsFingerprints];
+
+    /// Every store whose single claims are sound and whose batch claim is
+    /// not: the contract tests and the batched crash-point model must
+    /// reject each.
+    pub const BATCH: [Broken; 1] = [Broken::ClaimBatchAnswersFreshOnly];
 
     /// Every store with a broken outbox (its inbox is sound): the outbox
     /// suite must reject each.
@@ -299,7 +309,8 @@ impl<S: InboxStore + Clone> InboxTransaction for BrokenTransaction<S> {
             Broken::PublishBeforeCommit
             | Broken::LeaseIgnored
             | Broken::LedgerForgetsCounts
-            | Broken::LedgerInFailedTransaction => self.inner.claim(key).await,
+            | Broken::LedgerInFailedTransaction
+            | Broken::ClaimBatchAnswersFreshOnly => self.inner.claim(key).await,
         }
     }
 
@@ -324,6 +335,14 @@ impl<S> BatchTransaction for BrokenTransaction<S>
 where
     S: InboxStore<Transaction: BatchTransaction> + Clone,
 {
+    async fn claim_batch(&mut self, keys: &[InboxKey]) -> Result<Vec<Claim>, InboxError> {
+        let claims = inbox_api::claim_each(self, keys).await?;
+        if self.store.kind != Broken::ClaimBatchAnswersFreshOnly {
+            return Ok(claims);
+        }
+        Ok(claims.into_iter().filter(|c| *c == Claim::Fresh).collect())
+    }
+
     async fn savepoint(&mut self) -> Result<(), InboxError> {
         self.inner.savepoint().await
     }

@@ -31,6 +31,7 @@
 
 pub mod broken;
 pub mod contract;
+pub mod failing;
 mod harness;
 pub mod ledger;
 pub mod model;

@@ -15,7 +15,11 @@ const MODEL_CASES: u32 = 300;
 #[test]
 fn contract_tests_reject_every_broken_store() {
     let rt = runtime();
-    for kind in Broken::ALL.into_iter().chain(Broken::FINGERPRINTS) {
+    for kind in Broken::ALL
+        .into_iter()
+        .chain(Broken::FINGERPRINTS)
+        .chain(Broken::BATCH)
+    {
         let harness = BrokenHarness::new(common::MemoryHarness, kind);
         let failures = rt.block_on(contract::run_all(&harness));
         assert!(
@@ -57,6 +61,21 @@ fn crash_point_model_rejects_every_broken_store() {
 #[test]
 fn batched_crash_point_model_rejects_every_broken_store() {
     model_rejects_every_broken_store(Mode::Batched);
+}
+
+/// A batch claim whose answer does not line up with its keys is caught by
+/// the batched model too, not only by the contract test that reads the
+/// claims directly.
+#[test]
+fn batched_crash_point_model_rejects_a_batch_claim_that_miscounts() {
+    let rt = runtime();
+    for kind in Broken::BATCH {
+        let harness = BrokenHarness::new(common::MemoryHarness, kind);
+        match model::run_deterministic(&rt, &harness, MODEL_CASES, Mode::Batched) {
+            Ok(()) => panic!("the batched crash-point model accepted a store broken by {kind:?}"),
+            Err(failure) => println!("{kind:?} rejected by the batched model:\n{failure}\n"),
+        }
+    }
 }
 
 #[test]
