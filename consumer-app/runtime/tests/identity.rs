@@ -10,8 +10,8 @@
 use std::time::{Duration, Instant};
 
 use inbox_runtime::amqp::{Publisher, close_bounded, connect};
-use inbox_runtime::lapin::BasicProperties;
 use inbox_runtime::lapin::types::{AMQPValue, FieldTable, LongString};
+use inbox_runtime::lapin::{BasicProperties, Connection};
 use inbox_runtime::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -33,6 +33,22 @@ async fn record(
     let id = cx.message_id();
     cx.put(format!("orders/{id}"), order.order_id.to_string());
     Ok(())
+}
+
+/// Starts `service`, waits until it consumes, and connects a publisher of
+/// the test's own.
+async fn start(service: Service<MemoryStore>, publisher: &str) -> (ServiceHandle, Connection) {
+    let service = service
+        .spawn()
+        .expect("the service starts (bash .ci/services.sh)");
+    service
+        .wait_ready(Duration::from_secs(30))
+        .await
+        .expect("consuming");
+    let connection = connect(AMQP_URL, publisher)
+        .await
+        .expect("RabbitMQ reachable (bash .ci/services.sh)");
+    (service, connection)
 }
 
 /// One consumer: its identity, the deliveries it gets (AMQP id, headers,
@@ -166,17 +182,7 @@ async fn each_consumer_reads_its_id_where_its_producer_puts_it() {
             .with_identity(case.identity.clone());
         service = service.consume(format!("{prefix}{}", case.name), handler);
     }
-    let service = service
-        .spawn()
-        .expect("the service starts (bash .ci/services.sh)");
-    service
-        .wait_ready(Duration::from_secs(30))
-        .await
-        .expect("consuming");
-
-    let connection = connect(AMQP_URL, "identity test publisher")
-        .await
-        .expect("RabbitMQ reachable (bash .ci/services.sh)");
+    let (service, connection) = start(service, "identity test publisher").await;
     for case in &cases {
         let publisher = Publisher::new(&connection, &exchange, case.name)
             .await
@@ -273,16 +279,7 @@ async fn a_copy_with_another_body_follows_the_consumers_conflict_policy() {
             .with_conflict_policy(policy);
         service = service.consume(format!("{prefix}{name}"), handler);
     }
-    let service = service
-        .spawn()
-        .expect("the service starts (bash .ci/services.sh)");
-    service
-        .wait_ready(Duration::from_secs(30))
-        .await
-        .expect("consuming");
-    let connection = connect(AMQP_URL, "conflict test publisher")
-        .await
-        .expect("RabbitMQ reachable (bash .ci/services.sh)");
+    let (service, connection) = start(service, "conflict test publisher").await;
 
     let id = MessageId::new_v7().to_string();
     let send = async |routing_key: &str, destination: &str| {
