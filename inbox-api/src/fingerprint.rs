@@ -82,6 +82,15 @@ mod tests {
         assert_ne!(Fingerprint::of(b"abc"), Fingerprint::of(b"abd"));
     }
 
+    /// What a log line or a `{:?}` of `Handled::Conflict` shows: the
+    /// fingerprint itself, comparable with `sha256sum`'s output.
+    #[test]
+    fn debug_shows_the_hex() {
+        let print = Fingerprint::of(b"abc");
+        assert_eq!(format!("{print:?}"), format!("Fingerprint({print})"));
+        assert!(format!("{print:?}").contains("ba7816bf"));
+    }
+
     #[test]
     fn only_32_bytes_read_back_as_a_fingerprint() {
         let print = Fingerprint::of(b"x");
