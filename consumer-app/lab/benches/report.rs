@@ -34,6 +34,9 @@
 //!   new messages, the work writing their business rows in one multi-row
 //!   INSERT (sqlx: `UNNEST` of one array parameter; diesel: its multi-row
 //!   `VALUES`), against the per-message inbox of the same driver;
+//! - (l), (m) (b) and (g) with every key carrying its payload's
+//!   fingerprint (hashed per message, stored by the claim), as the runtime
+//!   sends every delivery: what conflict detection costs a fresh message;
 //! - the memory store through `Inbox::handle`, on one core (a
 //!   current-thread runtime on its own thread);
 //! - end to end through RabbitMQ (`support/e2e.rs`): bare consume+ack with
@@ -82,7 +85,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use inbox_api::{ConsumerName, Handled, Inbox, InboxError, InboxKey, MessageId};
+use inbox_api::{ConsumerName, Fingerprint, Handled, Inbox, InboxError, InboxKey, MessageId};
 use inbox_backend_sqlx::sqlx::{self, PgPool, postgres::PgPoolOptions};
 use inbox_backend_sqlx::{SqlxStore, classify};
 
@@ -135,15 +138,21 @@ enum Variant {
     SqlxBatchAtOnce(usize),
     /// (e) batched at once.
     DieselBatchAtOnce(usize),
+    /// (b) with each key carrying its payload's fingerprint, as the
+    /// runtime sends every delivery: the hash and the claim's third column.
+    InboxFingerprinted,
+    /// (g) with fingerprinted keys.
+    SqlxBatchFingerprinted(usize),
 }
 
 impl Variant {
-    const ALL: [Self; 5] = [
+    const ALL: [Self; 6] = [
         Self::BareTx,
         Self::Inbox,
         Self::Article,
         Self::DieselBareTx,
         Self::DieselInbox,
+        Self::InboxFingerprinted,
     ];
 
     fn header(self) -> &'static str {
@@ -163,6 +172,8 @@ impl Variant {
             Self::DieselBatchAtOnce(_) => {
                 "(k) inbox batched at once K=100, one multi-row write (diesel)"
             }
+            Self::InboxFingerprinted => "(l) (b) with the payload fingerprinted (sqlx)",
+            Self::SqlxBatchFingerprinted(_) => "(m) (g) with the payloads fingerprinted (sqlx)",
         }
     }
 }
@@ -180,10 +191,17 @@ impl Bench {
     /// more new messages); how many messages' work ran.
     async fn deliver(&self, variant: Variant, key: &InboxKey) -> Result<u64, InboxError> {
         match variant {
-            Variant::SqlxBatch(k) => {
+            Variant::SqlxBatch(k) | Variant::SqlxBatchFingerprinted(k) => {
+                let mut items = batch_items(key, k);
+                if variant == Variant::SqlxBatchFingerprinted(k) {
+                    items = items
+                        .into_iter()
+                        .map(|(key, id)| (fingerprinted(key), id))
+                        .collect();
+                }
                 let outcomes = self
                     .inbox
-                    .handle_batch(batch_items(key, k), async |tx, id: &uuid::Uuid| {
+                    .handle_batch(items, async |tx, id: &uuid::Uuid| {
                         sqlx::query(BUSINESS)
                             .bind(id)
                             .bind(PAYLOAD)
@@ -265,7 +283,8 @@ impl Bench {
             Variant::SqlxBatch(_)
             | Variant::DieselBatch(_)
             | Variant::SqlxBatchAtOnce(_)
-            | Variant::DieselBatchAtOnce(_) => Ok(false),
+            | Variant::DieselBatchAtOnce(_)
+            | Variant::SqlxBatchFingerprinted(_) => Ok(false),
             Variant::BareTx => {
                 let mut tx = self.pool.begin().await.map_err(classify)?;
                 sqlx::query(BUSINESS)
@@ -277,7 +296,14 @@ impl Bench {
                 tx.commit().await.map_err(classify)?;
                 Ok(true)
             }
-            Variant::Inbox => {
+            Variant::Inbox | Variant::InboxFingerprinted => {
+                let printed;
+                let key = if variant == Variant::InboxFingerprinted {
+                    printed = fingerprinted(key.clone());
+                    &printed
+                } else {
+                    key
+                };
                 let handled = self
                     .inbox
                     .handle(key, async |tx| {
@@ -375,6 +401,13 @@ fn batch_items(key: &InboxKey, k: usize) -> Vec<(InboxKey, uuid::Uuid)> {
             (key, id)
         })
         .collect()
+}
+
+/// `key` with the fingerprint of its message's body, computed per message
+/// as the runtime does for every delivery.
+fn fingerprinted(key: InboxKey) -> InboxKey {
+    let body = format!("{PAYLOAD} {}", key.message_id);
+    key.with_fingerprint(Fingerprint::of(body.as_bytes()))
 }
 
 /// How many messages of a batch ran their work; the first error, if any.
@@ -620,13 +653,14 @@ use e2e::{BoxError, E2e};
 use spread::Spread;
 
 /// The batched variants, measured in the same interleaved slices.
-const BATCHED: [Variant; 6] = [
+const BATCHED: [Variant; 7] = [
     Variant::SqlxBatch(10),
     Variant::SqlxBatch(100),
     Variant::DieselBatch(10),
     Variant::DieselBatch(100),
     Variant::SqlxBatchAtOnce(100),
     Variant::DieselBatchAtOnce(100),
+    Variant::SqlxBatchFingerprinted(100),
 ];
 
 fn load_average() -> String {
@@ -985,6 +1019,20 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
             reps: e2e_reps[4].clone(),
             baseline: Some(15),
         },
+        // 18, 19: what the payload fingerprint costs, against the same
+        // variant without it, in the same slices.
+        Row {
+            label: Variant::InboxFingerprinted.header().into(),
+            rates: of(Variant::InboxFingerprinted).0,
+            reps: of(Variant::InboxFingerprinted).1,
+            baseline: Some(2),
+        },
+        Row {
+            label: Variant::SqlxBatchFingerprinted(100).header().into(),
+            rates: of(Variant::SqlxBatchFingerprinted(100)).0,
+            reps: of(Variant::SqlxBatchFingerprinted(100)).1,
+            baseline: Some(5),
+        },
     ];
 
     let _ = write!(out, "| messages/s | ");
@@ -1069,6 +1117,8 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
             0.5,
         ),
         ("per-message inbox ≥ 0.80 × bare tx (sqlx)", 2, 0, 0.8),
+        ("fingerprinted per message ≥ 0.95 × (b)", 18, 2, 0.95),
+        ("fingerprinted batched K=100 ≥ 0.95 × (g)", 19, 5, 0.95),
         ("per-message inbox ≥ 0.80 × bare tx (diesel)", 3, 1, 0.8),
         (
             "runtime per message ≥ 0.8 × database-only inbox (b)",
