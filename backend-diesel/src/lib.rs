@@ -89,6 +89,9 @@
 //! match outcome {
 //!     Handled::Processed(()) => { /* ack */ }
 //!     Handled::Duplicate => { /* already done: ack and drop */ }
+//!     // Only for keys made `with_fingerprint`: the id came again with
+//!     // another payload; the work did not run. Log, then ack or dead-letter.
+//!     Handled::Conflict { .. } => { /* ack or dead-letter */ }
 //! }
 //! # Ok(())
 //! # }
