@@ -20,7 +20,9 @@ use crate::parcel::downstream::Downstreams;
 use crate::parcel::service::{Wrap, consumers, with_handlers};
 use crate::parcel::store::ParcelStore;
 use crate::parcel::topology::Topology;
-use inbox_runtime::{AppError, Context, Handler, ServiceConfig, ServiceHandle};
+use inbox_runtime::{
+    AppError, ConflictPolicy, Context, Handler, Identity, ServiceConfig, ServiceHandle,
+};
 
 /// Every consumer of [`crate::parcel::service::Consumers`] wrapped in the
 /// same faults.
@@ -192,6 +194,17 @@ impl<Tx: Send, H: Handler<Tx>> Handler<Tx> for Faulty<H> {
         self.inner.message_type()
     }
 
+    // The decorator changes what happens before the commit, never which id
+    // a delivery has or what a conflicting copy means: both are the inner
+    // handler's.
+    fn identity(&self) -> &Identity {
+        self.inner.identity()
+    }
+
+    fn conflict_policy(&self) -> ConflictPolicy {
+        self.inner.conflict_policy()
+    }
+
     fn validate(&self, message: &Self::Message) -> Result<(), String> {
         self.inner.validate(message)
     }
@@ -241,6 +254,24 @@ mod tests {
         assert!(faults.before_commit(&k).await.is_ok());
         assert_eq!(faults.crashes("c1"), 1);
         assert_eq!(faults.crashes("c2"), 0);
+    }
+
+    #[test]
+    fn the_wrapped_handler_keeps_its_identity_and_conflict_policy() {
+        use crate::parcel::events::CarrierAssignedEvent;
+        async fn noop(_cx: Context<'_, ()>, _event: CarrierAssignedEvent) -> Result<(), AppError> {
+            Ok(())
+        }
+        let inner = inbox_runtime::handler_fn("c1", noop)
+            .expect("handler")
+            .with_identity(Identity::header("x-event-id"))
+            .with_conflict_policy(ConflictPolicy::DeadLetter);
+        let faulty = std::sync::Arc::new(Faults::default()).wrap(inner);
+        assert!(Handler::<()>::identity(&faulty) == &Identity::header("x-event-id"));
+        assert_eq!(
+            Handler::<()>::conflict_policy(&faulty),
+            ConflictPolicy::DeadLetter
+        );
     }
 
     #[tokio::test]
