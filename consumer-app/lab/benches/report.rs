@@ -55,6 +55,10 @@
 //!   pre-filled with 1,000,000 and 10,000,000 rows of v4 and of v7 ids,
 //!   against an empty one, both drivers, per message and batched; written
 //!   to `docs/benchmark-table-size.svg` too;
+//! - what TLS costs (`support/tls.rs`): the runtime alone per message at
+//!   each concurrency, with the database, the broker, both or neither over
+//!   TLS, and the sqlx relay over TLS against plain, on a private RabbitMQ
+//!   node with both listeners;
 //! - the full loop's latency (`support/latency.rs`): `POST /parcels` at a
 //!   steady rate, from the 201 to the last consumer's transaction of the
 //!   parcel (p50, p99).
@@ -69,7 +73,8 @@
 //! cell, default 10,000; 0 skips) and `INBOX_BENCH_RELAY_BATCH` (the relay's
 //! batch size and the bare publisher's window, default 100),
 //! `INBOX_BENCH_RELAY_DEPTH` (the relay's pipeline depth, default
-//! `RelayConfig`'s),
+//! `RelayConfig`'s), `INBOX_BENCH_TLS_EVENTS` (messages per TLS cell,
+//! default 4,000; 0 skips),
 //! `INBOX_BENCH_REPS` (repetitions behind each ratio's spread, at least and
 //! by default 3), `INBOX_BENCH_TABLE_SIZES` (pre-filled sizes, default
 //! `1000000,10000000`; empty skips), `INBOX_BENCH_TABLE_TASKS` (default
@@ -567,6 +572,25 @@ fn env_count(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
+/// The relay's batch size and pipeline depth, for the relay and the TLS
+/// sections alike.
+fn relay_window() -> (std::num::NonZeroU32, std::num::NonZeroU32) {
+    let batch = std::num::NonZeroU32::new(
+        u32::try_from(env_count("INBOX_BENCH_RELAY_BATCH", 100)).unwrap_or(100),
+    )
+    .unwrap_or(std::num::NonZeroU32::MIN);
+    let default_depth = inbox_runtime::relay::RelayConfig::new("", "").pipeline_depth;
+    let depth = std::num::NonZeroU32::new(
+        u32::try_from(env_count(
+            "INBOX_BENCH_RELAY_DEPTH",
+            usize::try_from(default_depth.get()).unwrap_or(1),
+        ))
+        .unwrap_or(1),
+    )
+    .unwrap_or(default_depth);
+    (batch, depth)
+}
+
 fn env_tasks() -> Vec<usize> {
     std::env::var("INBOX_BENCH_TASKS")
         .ok()
@@ -648,6 +672,8 @@ mod sections;
 mod spread;
 #[path = "support/table_size.rs"]
 mod table_size;
+#[path = "support/tls.rs"]
+mod tls;
 
 use e2e::{BoxError, E2e};
 use spread::Spread;
@@ -872,7 +898,8 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
                     let prefix = format!("{schema}.{m}.{n}.{rep}.");
                     let rate = if mode == E2e::Runtime {
                         let store = bench.inbox.store();
-                        let (rate, took) = e2e::runtime_cell(n, e2e_events, store, &prefix).await?;
+                        let (rate, took) =
+                            e2e::runtime_cell(e2e::AMQP_URL, n, e2e_events, store, &prefix).await?;
                         let db = run_slice(&bench, Variant::Inbox, n, 1, took).await;
                         let db_rate = db.processed as f64 / db.elapsed.as_secs_f64();
                         eprintln!("{n:>2} tasks, rep {rep}, (b) beside the runtime: {db_rate:.0}");
@@ -1210,20 +1237,8 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
 
     // The outbox relay against a bare publisher.
     let relay_messages = env_count("INBOX_BENCH_RELAY_MESSAGES", 10_000);
+    let (batch, depth) = relay_window();
     if relay_messages > 0 && sections.has(Section::Relay) {
-        let batch = std::num::NonZeroU32::new(
-            u32::try_from(env_count("INBOX_BENCH_RELAY_BATCH", 100)).unwrap_or(100),
-        )
-        .unwrap_or(std::num::NonZeroU32::MIN);
-        let default_depth = inbox_runtime::relay::RelayConfig::new("", "").pipeline_depth;
-        let depth = std::num::NonZeroU32::new(
-            u32::try_from(env_count(
-                "INBOX_BENCH_RELAY_DEPTH",
-                usize::try_from(default_depth.get()).unwrap_or(1),
-            ))
-            .unwrap_or(1),
-        )
-        .unwrap_or(default_depth);
         match relay::run(
             bench.inbox.store(),
             bench.diesel.store(),
@@ -1239,6 +1254,28 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
                 let _ = write!(out, "\n{}", rates.markdown());
             }
             Err(error) => eprintln!("relay rows skipped (is RabbitMQ running?): {error}"),
+        }
+    }
+
+    // The runtime and the relay over TLS, against plain connections.
+    let tls_events = env_count("INBOX_BENCH_TLS_EVENTS", 4_000);
+    if tls_events > 0 && sections.has(Section::Tls) {
+        match tls::run(
+            url,
+            schema,
+            &format!("{schema}."),
+            &tasks,
+            tls_events,
+            batch,
+            depth,
+            spread::reps(),
+        )
+        .await
+        {
+            Ok(cost) => {
+                let _ = write!(out, "\n{}", cost.markdown());
+            }
+            Err(error) => eprintln!("TLS rows skipped: {error}"),
         }
     }
 

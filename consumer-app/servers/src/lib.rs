@@ -286,6 +286,9 @@ pub struct PrivateRabbit {
     dir: PathBuf,
     node: String,
     port: u16,
+    /// The TLS listener of a node started with
+    /// [`PrivateRabbit::start_tls_beside_plain`].
+    tls_port: Option<u16>,
 }
 
 impl PrivateRabbit {
@@ -306,13 +309,63 @@ impl PrivateRabbit {
     /// certificate's common name is the login.
     pub async fn start_tls(pki: &pki::Pki) -> Self {
         let rabbit = Self::create();
-        pki.install_server_files(&rabbit.dir);
-        let file = |name: &str| rabbit.dir.join(name).display().to_string();
         let port = rabbit.port;
-        let config = format!(
-            "listeners.tcp = none\n\
-             listeners.ssl.1 = 127.0.0.1:{port}\n\
-             listeners.ssl.2 = 127.0.0.2:{port}\n\
+        let config = rabbit.tls_config(
+            pki,
+            &format!(
+                "listeners.tcp = none\n\
+                 listeners.ssl.1 = 127.0.0.1:{port}\n\
+                 listeners.ssl.2 = 127.0.0.2:{port}\n"
+            ),
+        );
+        rabbit.boot(&config, "[rabbitmq_auth_mechanism_ssl]");
+        listening(port, "the private RabbitMQ (TLS)", Duration::from_secs(120)).await;
+        rabbit.ctl_args(&["await_startup", "--timeout", "120"]);
+        rabbit
+    }
+
+    /// Starts a node with a plain listener ([`Self::port`], [`Self::url`])
+    /// and a TLS listener beside it ([`Self::tls_port`]), both on
+    /// 127.0.0.1, with `pki`'s server certificate as in
+    /// [`Self::start_tls`]: one node, so that a comparison of the two
+    /// differs by TLS alone.
+    pub async fn start_tls_beside_plain(pki: &pki::Pki) -> Self {
+        let mut rabbit = Self::create();
+        let (port, tls_port) = (rabbit.port, free_port());
+        rabbit.tls_port = Some(tls_port);
+        let config = rabbit.tls_config(
+            pki,
+            &format!(
+                "listeners.tcp.local = 127.0.0.1:{port}\n\
+                 listeners.ssl.1 = 127.0.0.1:{tls_port}\n"
+            ),
+        );
+        rabbit.boot(&config, "[rabbitmq_auth_mechanism_ssl]");
+        rabbit.up().await;
+        listening(
+            tls_port,
+            "the private RabbitMQ (TLS)",
+            Duration::from_secs(120),
+        )
+        .await;
+        rabbit
+    }
+
+    /// The TLS listener of a node started with
+    /// [`Self::start_tls_beside_plain`]; `None` for any other.
+    #[must_use]
+    pub fn tls_port(&self) -> Option<u16> {
+        self.tls_port
+    }
+
+    /// `listeners` and the TLS options every TLS node shares: `pki`'s
+    /// files, installed into the node's directory; client certificates
+    /// asked for, not required; EXTERNAL login by common name.
+    fn tls_config(&self, pki: &pki::Pki, listeners: &str) -> String {
+        pki.install_server_files(&self.dir);
+        let file = |name: &str| self.dir.join(name).display().to_string();
+        format!(
+            "{listeners}\
              ssl_options.cacertfile = {}\n\
              ssl_options.certfile = {}\n\
              ssl_options.keyfile = {}\n\
@@ -325,11 +378,7 @@ impl PrivateRabbit {
             file("ca.pem"),
             file("server.pem"),
             file("server.key"),
-        );
-        rabbit.boot(&config, "[rabbitmq_auth_mechanism_ssl]");
-        listening(port, "the private RabbitMQ (TLS)", Duration::from_secs(120)).await;
-        rabbit.ctl_args(&["await_startup", "--timeout", "120"]);
-        rabbit
+        )
     }
 
     fn create() -> Self {
@@ -339,6 +388,7 @@ impl PrivateRabbit {
         Self {
             node: format!("inbox-test-{id}@localhost"),
             port: free_port(),
+            tls_port: None,
             dir,
         }
     }

@@ -83,11 +83,12 @@ fn per_message_prefetch(tasks: usize) -> u16 {
 /// `routing_key`, with confirms: the queue to drain. Returns the connection
 /// and publisher, to delete the topology with after the drain.
 async fn prepublish(
+    amqp_url: &str,
     topology: &inbox_runtime::Topology,
     routing_key: &str,
     messages: &[Outgoing],
 ) -> Result<(lapin::Connection, Publisher), BoxError> {
-    let connection = connect(AMQP_URL, "inbox bench publisher").await?;
+    let connection = connect(amqp_url, "inbox bench publisher").await?;
     let publisher = Publisher::new(&connection, topology.exchange(), routing_key).await?;
     topology.declare(publisher.channel()).await?;
     publisher.publish_all(messages, 512, |_| {}).await?;
@@ -134,7 +135,8 @@ pub(crate) async fn cell(
     }
     let topology = Topology::new(prefix);
     let amqp = topology.runtime();
-    let (connection, publisher) = prepublish(&amqp, ROUTING_KEY, &events(n, prefix)?).await?;
+    let (connection, publisher) =
+        prepublish(AMQP_URL, &amqp, ROUTING_KEY, &events(n, prefix)?).await?;
     let deliveries = 2 * n as u64;
 
     let started;
@@ -272,14 +274,15 @@ struct Writes {
 }
 
 impl Writes {
-    async fn publish(n: usize, prefix: &str) -> Result<Self, BoxError> {
+    async fn publish(amqp_url: &str, n: usize, prefix: &str) -> Result<Self, BoxError> {
         let queue = format!("{prefix}writes");
         let topology =
             inbox_runtime::Topology::new(format!("{prefix}bench")).bind(&queue, BUSINESS_WRITE);
         let messages = (0..n)
             .map(|_| Outgoing::json(&MessageId::new_v7(), BUSINESS_WRITE, &crate::PAYLOAD))
             .collect::<Result<Vec<_>, _>>()?;
-        let (connection, publisher) = prepublish(&topology, BUSINESS_WRITE, &messages).await?;
+        let (connection, publisher) =
+            prepublish(amqp_url, &topology, BUSINESS_WRITE, &messages).await?;
         Ok(Self {
             queue,
             topology,
@@ -297,15 +300,17 @@ impl Writes {
 
 /// The runtime alone: `n` messages pre-published to one queue, drained by
 /// [`Service`] per message at concurrency `tasks` on `store` (whose schema
-/// has the report's `bench_events`), with [`BusinessWrite`] as the handler.
-/// Returns deliveries/s and the drain's time.
+/// has the report's `bench_events`), with [`BusinessWrite`] as the handler,
+/// through the broker at `amqp_url`. Returns deliveries/s and the drain's
+/// time.
 pub(crate) async fn runtime_cell(
+    amqp_url: &str,
     tasks: usize,
     n: usize,
     store: &SqlxStore,
     prefix: &str,
 ) -> Result<(f64, Duration), BoxError> {
-    let writes = Writes::publish(n, prefix).await?;
+    let writes = Writes::publish(amqp_url, n, prefix).await?;
     let handler = BusinessWrite(ConsumerName::new("bench-runtime")?);
     let config = ServiceConfig {
         worker: WorkerConfig {
@@ -314,7 +319,7 @@ pub(crate) async fn runtime_cell(
             ..WorkerConfig::default()
         },
         cleanup: None,
-        ..ServiceConfig::new(AMQP_URL, format!("inbox bench {prefix}"))
+        ..ServiceConfig::new(amqp_url, format!("inbox bench {prefix}"))
     };
     let service = Service::new(store.clone(), config, writes.topology.clone())
         .consume(writes.queue.clone(), handler)
@@ -339,7 +344,7 @@ pub(crate) async fn lapin_loop_cell(
     store: &SqlxStore,
     prefix: &str,
 ) -> Result<f64, BoxError> {
-    let writes = Writes::publish(n, prefix).await?;
+    let writes = Writes::publish(AMQP_URL, n, prefix).await?;
     let inbox = Arc::new(Inbox::new(store.clone()));
     let consumer_name = ConsumerName::new("bench-lapin-loop")?;
     let done = Arc::new(AtomicU64::new(0));

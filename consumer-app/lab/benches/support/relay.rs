@@ -70,11 +70,54 @@ pub(crate) struct RelayRates {
     pub(crate) rates: [Vec<f64>; 3],
 }
 
-/// The run's exchange and queue.
-struct Target {
+/// The run's exchange and queue, on the node the connection reaches.
+pub(crate) struct Target {
+    connection: lapin::Connection,
     channel: Channel,
-    exchange: String,
+    pub(crate) exchange: String,
     queue: String,
+}
+
+impl Target {
+    /// Declares `<prefix>relay` and its durable queue on the node at
+    /// `amqp_url`.
+    pub(crate) async fn open(amqp_url: &str, prefix: &str) -> Result<Self, BoxError> {
+        let connection = connect(amqp_url, "inbox bench relay setup").await?;
+        let channel = connection.create_channel().await?;
+        let target = Self {
+            connection,
+            channel,
+            exchange: format!("{prefix}relay"),
+            queue: format!("{prefix}relay.q"),
+        };
+        declare(&target).await?;
+        Ok(target)
+    }
+
+    /// Empties the queue: every cell starts alike.
+    pub(crate) async fn purge(&self) -> Result<(), BoxError> {
+        self.channel
+            .queue_purge(self.queue.as_str().into(), QueuePurgeOptions::default())
+            .await?;
+        Ok(())
+    }
+
+    /// Deletes the queue and the exchange, best effort, and closes the
+    /// connection.
+    pub(crate) async fn close(self) {
+        let _ = self
+            .channel
+            .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
+            .await;
+        let _ = self
+            .channel
+            .exchange_delete(
+                self.exchange.as_str().into(),
+                ExchangeDeleteOptions::default(),
+            )
+            .await;
+        close_bounded(&self.connection, "bye").await;
+    }
 }
 
 /// Runs the relay cells: `reps` repetitions of the three publishers.
@@ -91,14 +134,7 @@ where
     S: OutboxStore + Clone + 'static,
     D: OutboxStore + Clone + 'static,
 {
-    let connection = connect(AMQP_URL, "inbox bench relay setup").await?;
-    let channel = connection.create_channel().await?;
-    let target = Target {
-        channel,
-        exchange: format!("{prefix}relay"),
-        queue: format!("{prefix}relay.q"),
-    };
-    declare(&target).await?;
+    let target = Target::open(AMQP_URL, prefix).await?;
     let mut rates: [Vec<f64>; 3] = Default::default();
     let result = async {
         for rep in 0..reps {
@@ -106,14 +142,15 @@ where
             order.rotate_left(rep % Publisher::ALL.len());
             for publisher in order {
                 let batch_of = events(messages, &target.exchange)?;
-                target
-                    .channel
-                    .queue_purge(target.queue.as_str().into(), QueuePurgeOptions::default())
-                    .await?;
+                target.purge().await?;
                 let rate = match publisher {
                     Publisher::Bare => bare(&target, &batch_of, batch).await?,
-                    Publisher::RelaySqlx => relayed(sqlx, &batch_of, batch, depth).await?,
-                    Publisher::RelayDiesel => relayed(diesel, &batch_of, batch, depth).await?,
+                    Publisher::RelaySqlx => {
+                        relayed(AMQP_URL, sqlx, &batch_of, batch, depth).await?
+                    }
+                    Publisher::RelayDiesel => {
+                        relayed(AMQP_URL, diesel, &batch_of, batch, depth).await?
+                    }
                 };
                 eprintln!("relay rep {rep}, {publisher:?}: {rate:.0} messages/s");
                 let i = Publisher::ALL
@@ -126,18 +163,7 @@ where
         Ok::<(), BoxError>(())
     }
     .await;
-    let _ = target
-        .channel
-        .queue_delete(target.queue.as_str().into(), QueueDeleteOptions::default())
-        .await;
-    let _ = target
-        .channel
-        .exchange_delete(
-            target.exchange.as_str().into(),
-            ExchangeDeleteOptions::default(),
-        )
-        .await;
-    close_bounded(&connection, "bye").await;
+    target.close().await;
     result?;
     Ok(RelayRates {
         messages,
@@ -182,7 +208,7 @@ async fn declare(target: &Target) -> Result<(), BoxError> {
 }
 
 /// `n` Parcel events for `exchange`, each with a new id.
-fn events(n: usize, exchange: &str) -> Result<Vec<OutgoingMessage>, BoxError> {
+pub(crate) fn events(n: usize, exchange: &str) -> Result<Vec<OutgoingMessage>, BoxError> {
     (0..n)
         .map(|i| {
             let body = serde_json::to_vec(&ParcelCreatedEvent {
@@ -256,9 +282,11 @@ async fn bare(
     Ok(messages.len() as f64 / elapsed.as_secs_f64())
 }
 
-/// The relay over `store`: `messages` enqueued, then a relay started and
-/// timed until it has marked them all published; messages/s.
-async fn relayed<S: OutboxStore + Clone + 'static>(
+/// The relay over `store` to the broker at `amqp_url`: `messages`
+/// enqueued, then a relay started and timed until it has marked them all
+/// published; messages/s.
+pub(crate) async fn relayed<S: OutboxStore + Clone + 'static>(
+    amqp_url: &str,
     store: &S,
     messages: &[OutgoingMessage],
     batch: NonZeroU32,
@@ -283,7 +311,7 @@ async fn relayed<S: OutboxStore + Clone + 'static>(
         }
         tx.commit().await?;
     }
-    let mut config = RelayConfig::new(AMQP_URL, "inbox bench relay");
+    let mut config = RelayConfig::new(amqp_url, "inbox bench relay");
     config.batch_size = batch;
     config.pipeline_depth = depth;
     let relay = Relay::new(store.clone(), config)?;

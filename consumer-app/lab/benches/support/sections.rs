@@ -22,6 +22,8 @@ pub(crate) enum Section {
     Race,
     /// The outbox relay against a bare publisher.
     Relay,
+    /// The runtime and the relay over TLS against plain connections.
+    Tls,
     /// The full loop's latency, endpoint to last consumer.
     Latency,
     /// Cleanup at scale.
@@ -32,13 +34,14 @@ pub(crate) enum Section {
 
 impl Section {
     /// Every section, in the report's order.
-    pub(crate) const ALL: [Self; 9] = [
+    pub(crate) const ALL: [Self; 10] = [
         Self::Postgres,
         Self::Memory,
         Self::EndToEnd,
         Self::Runtime,
         Self::Race,
         Self::Relay,
+        Self::Tls,
         Self::Latency,
         Self::Cleanup,
         Self::TableSize,
@@ -53,6 +56,7 @@ impl Section {
             Self::Runtime => "runtime",
             Self::Race => "race",
             Self::Relay => "relay",
+            Self::Tls => "tls",
             Self::Latency => "latency",
             Self::Cleanup => "cleanup",
             Self::TableSize => "table-size",
