@@ -46,7 +46,10 @@ async fn partitioned_harness() -> DieselHarness {
     }
 }
 
-inbox_conformance::conformance_tests!(harness);
+inbox_conformance::conformance_tests!(
+    harness,
+    cases = inbox_conformance::postgres::support::MODEL_CASES
+);
 
 use inbox_conformance::postgres::support::stored_key as key_of;
 

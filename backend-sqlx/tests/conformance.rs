@@ -67,7 +67,10 @@ async fn partitioned_harness() -> SqlxHarness {
     }
 }
 
-inbox_conformance::conformance_tests!(harness);
+inbox_conformance::conformance_tests!(
+    harness,
+    cases = inbox_conformance::postgres::support::MODEL_CASES
+);
 
 use inbox_conformance::postgres::support::{INBOX_ROWS, stored_key as key_of, stored_record};
 

@@ -101,8 +101,8 @@ impl Broken {
     ];
 
     /// Every store whose inbox deduplicates soundly but forgets what a
-    /// message said: the contract tests must reject each (the crash-point
-    /// model publishes no copies with other payloads).
+    /// message said: the contract tests and the crash-point models (whose
+    /// schedules publish copies with other payloads) must reject each.
     pub const FINGERPRINTS: [Broken; 1] = [Broken::ForgetsFingerprints];
 
     /// Every store whose single claims are sound and whose batch claim is

@@ -26,7 +26,8 @@
 //! Stores that keep an attempt ledger implement [`LedgerHarness`] and call
 //! [`ledger_conformance_tests!`]: the ledger's contract tests ([`ledger`]).
 //!
-//! `PROPTEST_CASES` sets the models' case count (default 1,000).
+//! `PROPTEST_CASES` sets the models' case count (default 1,000 on the memory
+//! store, [`postgres::support::MODEL_CASES`] on a Postgres backend).
 #![deny(missing_docs)]
 
 pub mod broken;
@@ -133,18 +134,22 @@ pub mod __private {
 
 /// Expands to one `#[test]` per conformance test, each building its harness
 /// with `$setup` (an `async fn() -> impl Harness`) on its own runtime, plus
-/// `crash_point_model`, the proptest model with `PROPTEST_CASES` cases
-/// (default 1,000).
+/// `crash_point_model` and `crash_point_model_batched`, the proptest models
+/// with `PROPTEST_CASES` cases (default: `cases = N` when given, else
+/// 1,000).
 #[macro_export]
 macro_rules! conformance_tests {
     ($setup:path) => {
+        $crate::conformance_tests!($setup, cases = 1000);
+    };
+    ($setup:path, cases = $cases:expr) => {
         $crate::__with_contract_tests!(conformance $setup);
 
         #[test]
         fn crash_point_model() {
             let rt = $crate::runtime();
             let harness = rt.block_on($setup());
-            let cases = $crate::proptest_cases(1000);
+            let cases = $crate::proptest_cases($cases);
             if let Err(failure) =
                 $crate::model::run(&rt, &harness, cases, $crate::model::Mode::PerMessage)
             {
@@ -156,7 +161,7 @@ macro_rules! conformance_tests {
         fn crash_point_model_batched() {
             let rt = $crate::runtime();
             let harness = rt.block_on($setup());
-            let cases = $crate::proptest_cases(1000);
+            let cases = $crate::proptest_cases($cases);
             if let Err(failure) =
                 $crate::model::run(&rt, &harness, cases, $crate::model::Mode::Batched)
             {
@@ -170,14 +175,15 @@ macro_rules! conformance_tests {
 }
 
 /// Every suite a PostgreSQL store runs, in one call: the contract and both
-/// crash-point models, the Postgres scenarios, the outbox (its model with
+/// crash-point models (with [`postgres::support::MODEL_CASES`] cases), the
+/// Postgres scenarios, the outbox (its model with
 /// [`postgres::support::OUTBOX_MODEL_CASES`] cases) and the ledger. For a
 /// second instance of a backend's harness (the partitioned inbox layout),
 /// called inside a module of its own so the test names do not collide.
 #[macro_export]
 macro_rules! postgres_store_tests {
     ($setup:path) => {
-        $crate::conformance_tests!($setup);
+        $crate::conformance_tests!($setup, cases = $crate::postgres::support::MODEL_CASES);
         $crate::postgres_tests!($setup);
         $crate::outbox_conformance_tests!(
             $setup,

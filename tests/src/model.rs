@@ -8,15 +8,24 @@
 //! cancelled middleware future); once the schedule's faults are spent, the
 //! broker drains with healthy deliveries.
 //!
+//! Every publish carries its payload's fingerprint, and some extra
+//! publishes carry another payload under the same id (a producer that
+//! reused an id).
+//!
 //! The invariant after draining: every (message, consumer) has its effect
-//! committed exactly once and an inbox row (processed) iff the effect.
-//! Failures shrink to a minimal schedule.
+//! committed exactly once and an inbox row (processed) iff the effect; the
+//! row keeps the fingerprint of a payload that was published; and every
+//! repeat was answered by what its payload says: `Duplicate` for the
+//! payload the row keeps, `Conflict` (naming both fingerprints) for
+//! another. Failures shrink to a minimal schedule.
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::sync::Mutex;
 
 use inbox_api::{
-    BatchTransaction, Claim, Handled, Inbox, InboxError, InboxKey, InboxStore, InboxTransaction,
+    BatchTransaction, Claim, Fingerprint, Handled, Inbox, InboxError, InboxKey, InboxStore,
+    InboxTransaction,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner};
@@ -24,6 +33,7 @@ use tokio::task::yield_now;
 
 use crate::contract::new_key;
 use crate::{CrashKind, Failure, Harness};
+use inbox_api::InboxRecord;
 
 /// What befalls one delivery.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,6 +95,9 @@ pub struct Schedule {
     pub consumers: usize,
     /// Extra publishes per (message, consumer), cycled.
     pub extra_copies: Vec<u8>,
+    /// Whether an extra publish carries another payload than the first,
+    /// cycled over the extra publishes.
+    pub other_payloads: Vec<bool>,
     /// The faulty prefix of the run.
     pub steps: Vec<Step>,
 }
@@ -93,8 +106,8 @@ impl fmt::Display for Schedule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} message(s) x {} consumer(s), extra copies {:?}, steps:",
-            self.messages, self.consumers, self.extra_copies
+            "{} message(s) x {} consumer(s), extra copies {:?}, other payloads {:?}, steps:",
+            self.messages, self.consumers, self.extra_copies, self.other_payloads
         )?;
         for step in &self.steps {
             write!(
@@ -156,14 +169,18 @@ pub fn schedule() -> impl Strategy<Value = Schedule> {
         1usize..=3,
         1usize..=2,
         prop::collection::vec(0u8..=2, 1..=6),
+        prop::collection::vec(prop::bool::weighted(0.3), 1..=4),
         prop::collection::vec(step(), 0..=12),
     )
-        .prop_map(|(messages, consumers, extra_copies, steps)| Schedule {
-            messages,
-            consumers,
-            extra_copies,
-            steps,
-        })
+        .prop_map(
+            |(messages, consumers, extra_copies, other_payloads, steps)| Schedule {
+                messages,
+                consumers,
+                extra_copies,
+                other_payloads,
+                steps,
+            },
+        )
 }
 
 /// What the consumer tells the broker about one delivery.
@@ -198,18 +215,25 @@ async fn work<H: Harness>(
     Ok(())
 }
 
-/// A conflict answered for a key the model gave no fingerprint: the inbox
-/// invented one.
-fn no_fingerprint(key: &InboxKey, answer: &Handled<()>) -> Failure {
-    Failure::new(format!(
-        "{key} has no fingerprint, yet handle answered {answer:?}"
-    ))
+/// The repeats' answers (`Duplicate`, `Conflict`), with the delivered key
+/// and its fingerprint, checked against the rows after draining.
+type Answers = Mutex<Vec<(InboxKey, Handled<()>)>>;
+
+/// Notes `handled` for `key` when it answers a repeat.
+fn note(answers: &Answers, key: &InboxKey, handled: Handled<()>) {
+    if !matches!(handled, Handled::Processed(())) {
+        answers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push((key.clone(), handled));
+    }
 }
 
 /// One delivery of `key` meeting `fault`.
 async fn deliver<H: Harness>(
     h: &H,
     inbox: &Inbox<H::Store>,
+    answers: &Answers,
     key: &InboxKey,
     fault: Fault,
 ) -> Result<Ack, Failure> {
@@ -217,8 +241,14 @@ async fn deliver<H: Harness>(
     match fault {
         Fault::None | Fault::AckLost => {
             match inbox.handle(key, async |tx| work(h, tx, key).await).await {
-                Ok(_) if fault == Fault::AckLost => Ok(Ack::Redeliver),
-                Ok(_) => Ok(Ack::Ack),
+                Ok(handled) => {
+                    note(answers, key, handled);
+                    Ok(if fault == Fault::AckLost {
+                        Ack::Redeliver
+                    } else {
+                        Ack::Ack
+                    })
+                }
                 Err(error) => on_error(key, error),
             }
         }
@@ -230,11 +260,13 @@ async fn deliver<H: Harness>(
                 })
                 .await;
             match handled {
-                Ok(Handled::Duplicate) => Ok(Ack::Ack),
                 Ok(Handled::Processed(())) => Err(Failure::new(format!(
                     "handle of {key} reported Processed for work that failed"
                 ))),
-                Ok(conflict @ Handled::Conflict { .. }) => Err(no_fingerprint(key, &conflict)),
+                Ok(repeat) => {
+                    note(answers, key, repeat);
+                    Ok(Ack::Ack)
+                }
                 Err(InboxError::Handler { .. }) => Ok(Ack::Redeliver),
                 Err(error) => on_error(key, error),
             }
@@ -292,9 +324,11 @@ async fn deliver<H: Harness>(
             });
             tokio::select! {
                 result = handling => match result {
-                    Ok(Handled::Duplicate) => Ok(Ack::Ack),
                     Ok(Handled::Processed(())) => Err(Failure::new("pending work finished")),
-                    Ok(conflict @ Handled::Conflict { .. }) => Err(no_fingerprint(key, &conflict)),
+                    Ok(repeat) => {
+                        note(answers, key, repeat);
+                        Ok(Ack::Ack)
+                    }
                     Err(error) => on_error(key, error),
                 },
                 _ = work_started => Ok(Ack::Redeliver),
@@ -308,6 +342,7 @@ async fn deliver<H: Harness>(
 async fn deliver_batch<H: Harness>(
     h: &H,
     inbox: &Inbox<H::Store>,
+    answers: &Answers,
     keys: &[InboxKey],
     fault: Fault,
     failing: usize,
@@ -326,7 +361,10 @@ async fn deliver_batch<H: Harness>(
         outcomes
             .into_iter()
             .map(|(key, _, outcome)| match outcome {
-                Ok(_) => Ok(Ack::Ack),
+                Ok(handled) => {
+                    note(answers, &key, handled);
+                    Ok(Ack::Ack)
+                }
                 Err(error) => on_error(&key, error),
             })
             .collect()
@@ -448,25 +486,45 @@ pub async fn run_schedule<H: Harness>(
     mode: Mode,
 ) -> Result<(), Failure> {
     let inbox = Inbox::new(store.clone());
+    let answers = Answers::default();
     let consumers = ["notification", "carrier"];
-    let mut keys = Vec::new();
-    for _ in 0..schedule.messages {
+    // `keys[i]` carries the first payload's fingerprint, `others[i]` the
+    // other payload's: one id, two payloads.
+    let (mut keys, mut others) = (Vec::new(), Vec::new());
+    for m in 0..schedule.messages {
         let message = new_key(consumers[0]).message_id;
         for consumer in consumers.iter().take(schedule.consumers) {
-            keys.push(InboxKey::new(
+            let key = InboxKey::new(
                 message,
                 inbox_api::ConsumerName::new(*consumer).expect("valid consumer name"),
-            ));
+            );
+            others.push(
+                key.clone()
+                    .with_fingerprint(Fingerprint::of(format!("other {m}").as_bytes())),
+            );
+            keys.push(key.with_fingerprint(Fingerprint::of(format!("payload {m}").as_bytes())));
         }
     }
-    // Every publish is one delivery in the queue; duplicates share the key.
-    let mut queue: VecDeque<usize> = VecDeque::new();
+    // Every publish is one delivery in the queue, (key, other payload);
+    // duplicates share the key.
+    let mut queue: VecDeque<(usize, bool)> = VecDeque::new();
+    let mut extras = 0usize;
     for (i, _) in keys.iter().enumerate() {
         let extra = schedule.extra_copies[i % schedule.extra_copies.len()];
-        for _ in 0..=extra {
-            queue.push_back(i);
+        queue.push_back((i, false));
+        for _ in 0..extra {
+            let other = schedule.other_payloads[extras % schedule.other_payloads.len()];
+            extras += 1;
+            queue.push_back((i, other));
         }
     }
+    let delivered = |(i, other): (usize, bool)| {
+        if other {
+            others[i].clone()
+        } else {
+            keys[i].clone()
+        }
+    };
 
     let mut steps = schedule.steps.iter();
     let mut rounds = 0usize;
@@ -507,7 +565,7 @@ pub async fn run_schedule<H: Harness>(
         // nowhere, and only the copy's ack counts.
         let mut orphaned = false;
         let copy = if concurrent {
-            match queue.iter().position(|&k| k == head) {
+            match queue.iter().position(|&(k, _)| k == head.0) {
                 Some(position) => queue.remove(position),
                 None => {
                     orphaned = true;
@@ -518,24 +576,27 @@ pub async fn run_schedule<H: Harness>(
             None
         };
 
-        let taken_keys: Vec<InboxKey> = taken.iter().map(|&i| keys[i].clone()).collect();
-        let run = async |delivered: &[InboxKey], fault: Fault| -> Result<Vec<Ack>, Failure> {
+        let taken_keys: Vec<InboxKey> = taken.iter().map(|&d| delivered(d)).collect();
+        let answers = &answers;
+        let run = async |keys: &[InboxKey], fault: Fault| -> Result<Vec<Ack>, Failure> {
             match mode {
-                Mode::PerMessage => Ok(vec![deliver(h, &inbox, &delivered[0], fault).await?]),
-                Mode::Batched => deliver_batch(h, &inbox, delivered, fault, pick, at_once).await,
+                Mode::PerMessage => Ok(vec![deliver(h, &inbox, answers, &keys[0], fault).await?]),
+                Mode::Batched => {
+                    deliver_batch(h, &inbox, answers, keys, fault, pick, at_once).await
+                }
             }
         };
         let (first_acks, copy_acks) = match copy {
             Some(copy) => {
-                let copy_keys = [keys[copy].clone()];
+                let copy_keys = [delivered(copy)];
                 let (a, b) = tokio::join!(run(&taken_keys, first), run(&copy_keys, second));
                 (a?, Some((copy, b?)))
             }
             None => (run(&taken_keys, first).await?, None),
         };
-        for (position, (&index, ack)) in taken.iter().zip(first_acks).enumerate() {
+        for (position, (&publish, ack)) in taken.iter().zip(first_acks).enumerate() {
             if ack == Ack::Redeliver && !(position == 0 && orphaned) {
-                queue.push_back(index);
+                queue.push_back(publish);
             }
         }
         if let Some((copy, acks)) = copy_acks
@@ -562,6 +623,36 @@ pub async fn run_schedule<H: Harness>(
                     "{key}: effect committed but inbox row is {other:?}"
                 )));
             }
+        }
+    }
+    check_answers(&rows, answers.into_inner().unwrap_or_default())
+}
+
+/// Every repeat's answer against the row it repeated: `Duplicate` only
+/// for the payload the row keeps, `Conflict` only for another, naming the
+/// row's fingerprint and the delivery's.
+fn check_answers(
+    rows: &[InboxRecord],
+    answers: Vec<(InboxKey, Handled<()>)>,
+) -> Result<(), Failure> {
+    for (key, answer) in answers {
+        let received = key.fingerprint().copied();
+        let stored = rows
+            .iter()
+            .find(|r| r.key == key)
+            .and_then(|row| row.fingerprint);
+        let sound = match &answer {
+            Handled::Duplicate => stored.is_some() && stored == received,
+            Handled::Conflict {
+                stored: s,
+                received: r,
+            } => Some(*s) == stored && Some(*r) == received && s != r,
+            Handled::Processed(()) => true,
+        };
+        if !sound {
+            return Err(Failure::new(format!(
+                "{key}: a repeat carrying {received:?} was answered {answer:?}, but the row keeps {stored:?}"
+            )));
         }
     }
     Ok(())

@@ -44,7 +44,7 @@ fn only_the_conflict_scenario_catches_forgotten_fingerprints() {
 
 fn model_rejects_every_broken_store(mode: Mode) {
     let rt = runtime();
-    for kind in Broken::ALL {
+    for kind in Broken::ALL.into_iter().chain(Broken::FINGERPRINTS) {
         let harness = BrokenHarness::new(common::MemoryHarness, kind);
         match model::run_deterministic(&rt, &harness, MODEL_CASES, mode) {
             Ok(()) => panic!("the {mode:?} crash-point model accepted a store broken by {kind:?}"),

@@ -46,6 +46,12 @@ pub const AGE_ATTEMPTS: &str = "UPDATE inbox_attempts SET \
      last_failed_at = last_failed_at - make_interval(secs => $1), \
      dead_at = dead_at - make_interval(secs => $1)";
 
+/// Crash-point model cases (each model, each layout) for a Postgres
+/// backend's default run: a case runs dozens of real statements and the
+/// four models of a backend take minutes at this count, so CI keeps it
+/// below the memory store's 1,000; run more with `PROPTEST_CASES`.
+pub const MODEL_CASES: u32 = 500;
+
 /// Outbox model cases for a Postgres backend's default run: each case runs
 /// a few dozen real statements, so CI keeps it short; run more with
 /// `PROPTEST_CASES`.
