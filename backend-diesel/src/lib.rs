@@ -106,6 +106,7 @@ mod listen;
 mod migrate;
 mod migrations;
 mod outbox;
+mod responses;
 pub mod schema;
 mod statements;
 mod store;

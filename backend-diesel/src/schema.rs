@@ -23,5 +23,7 @@ diesel::table! {
         processed_at -> Nullable<Timestamptz>,
         /// SHA-256 of the payload the claim was made for, if given.
         payload_fingerprint -> Nullable<Bytea>,
+        /// The response an idempotent endpoint kept with its claim, if any.
+        response -> Nullable<Bytea>,
     }
 }

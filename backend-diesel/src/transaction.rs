@@ -45,7 +45,7 @@ pub struct DieselTransaction {
     /// commit/rollback/drop, after the connection was handed back or closed.
     conn: Option<Pooled>,
     /// The keys it holds and its savepoints.
-    claims: Claims,
+    pub(crate) claims: Claims,
     /// The store's layout, for its claim statements.
     layout: Layout,
     /// The store's statements (its schema qualified).
@@ -123,7 +123,7 @@ impl DieselTransaction {
     /// Classifies an error of one of our own statements; when the error is
     /// not recognised, a probe tells a dead connection (retryable) from a
     /// real failure.
-    async fn refine(&mut self, error: diesel::result::Error) -> InboxError {
+    pub(crate) async fn refine(&mut self, error: diesel::result::Error) -> InboxError {
         refine(self.conn(), error).await
     }
 }

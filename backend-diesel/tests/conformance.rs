@@ -206,6 +206,8 @@ impl inbox_conformance::OutboxHarness for DieselHarness {
 
 inbox_conformance::ledger_conformance_tests!(harness);
 
+inbox_conformance::response_conformance_tests!(harness);
+
 /// The whole suite again, every store with the partitioned inbox layout in
 /// a schema of its own: the contract and both crash-point models, the
 /// Postgres scenarios, the outbox and the ledger. The suite's keys mix

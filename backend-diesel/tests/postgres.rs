@@ -634,6 +634,7 @@ async fn schema_rs_matches_the_migrated_table() {
         ("received_at", "timestamp with time zone", false),
         ("processed_at", "timestamp with time zone", true),
         ("payload_fingerprint", "bytea", true),
+        ("response", "bytea", true),
     ];
     let expected: Vec<Column> = expected
         .iter()

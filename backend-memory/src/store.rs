@@ -13,6 +13,7 @@ use chrono::{DateTime, Utc};
 use foldhash::fast::RandomState;
 use inbox_api::{
     Fingerprint, InboxError, InboxKey, InboxRecord, InboxStats, InboxStore, OutgoingMessage,
+    ResponseStore,
 };
 use smallvec::SmallVec;
 use tokio_sync::sync::Notify;
@@ -85,6 +86,8 @@ pub(crate) enum Slot {
         received_at: DateTime<Utc>,
         /// The payload fingerprint the claim was made with.
         fingerprint: Option<Fingerprint>,
+        /// The response kept with the claim (idempotent HTTP), if any.
+        response: Option<Arc<[u8]>>,
     },
 }
 
@@ -158,7 +161,12 @@ impl InboxShard {
 
     /// Turns `owner`'s pending claim of `key` into a committed row, and
     /// hands back whom to wake.
-    pub(crate) fn commit_claim(&mut self, key: &InboxKey, owner: TxId) -> Option<Arc<Notify>> {
+    pub(crate) fn commit_claim(
+        &mut self,
+        key: &InboxKey,
+        owner: TxId,
+        response: Option<Arc<[u8]>>,
+    ) -> Option<Arc<Notify>> {
         match self.rows.get_mut(key) {
             Some(slot @ Slot::Pending { .. }) => {
                 let Slot::Pending {
@@ -176,6 +184,7 @@ impl InboxShard {
                 *slot = Slot::Committed {
                     received_at: at,
                     fingerprint: *fingerprint,
+                    response,
                 };
                 self.committed += 1;
                 self.processed.insert((at, key.clone()));
@@ -226,11 +235,20 @@ impl InboxShard {
         deleted
     }
 
+    /// The response kept with `key`'s committed row, if any.
+    pub(crate) fn kept_response(&self, key: &InboxKey) -> Option<Vec<u8>> {
+        match self.rows.get(key) {
+            Some(Slot::Committed { response, .. }) => response.as_deref().map(<[u8]>::to_vec),
+            _ => None,
+        }
+    }
+
     fn record(key: &InboxKey, slot: &Slot) -> Option<InboxRecord> {
         match slot {
             Slot::Committed {
                 received_at,
                 fingerprint,
+                ..
             } => Some(InboxRecord {
                 key: InboxKey::new(key.message_id, key.consumer.clone()),
                 received_at: *received_at,
@@ -371,7 +389,7 @@ impl Shared {
             .zip(inbox_guards.iter_mut())
         {
             for claim in group {
-                wake.extend(shard.commit_claim(&claim.key, owner));
+                wake.extend(shard.commit_claim(&claim.key, owner, claim.response.clone()));
             }
         }
         for (group, shard) in writes
@@ -569,6 +587,14 @@ impl InboxStore for MemoryStore {
 }
 
 #[async_trait]
+impl ResponseStore for MemoryStore {
+    async fn kept_response(&self, key: &InboxKey) -> Result<Option<Vec<u8>>, InboxError> {
+        let shard = self.shared.lock_inbox(self.shared.inbox_shard_of(key));
+        Ok(shard.kept_response(key))
+    }
+}
+
+#[async_trait]
 impl InboxStats for MemoryStore {
     async fn processed_counts(&self) -> Result<BTreeMap<String, u64>, InboxError> {
         let guards = self.shared.lock_all_inbox();
@@ -686,7 +712,7 @@ mod tests {
             let k = key();
             let at = t0 + chrono::TimeDelta::seconds(second);
             assert!(matches!(shard.try_claim(&k, 1, at), ClaimAttempt::Fresh));
-            assert!(shard.commit_claim(&k, 1).is_none());
+            assert!(shard.commit_claim(&k, 1, None).is_none());
         }
         let cutoff = t0 + chrono::TimeDelta::seconds(7);
         assert_eq!(shard.purge(cutoff, 3), 3);

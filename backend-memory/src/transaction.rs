@@ -7,7 +7,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use inbox_api::{
     BatchTransaction, Claim, EnqueueOutcome, InboxError, InboxKey, InboxTransaction,
-    OutboxTransaction, OutgoingMessage,
+    OutboxTransaction, OutgoingMessage, ResponseTransaction,
 };
 use smallvec::SmallVec;
 
@@ -26,6 +26,8 @@ pub(crate) struct OwnClaim {
     /// Given back by `unclaim`: still held (as Postgres holds a deleted
     /// row's lock) until the transaction ends, but committed as nothing.
     pub(crate) given_back: bool,
+    /// The response kept with the claim, committed with it.
+    pub(crate) response: Option<Arc<[u8]>>,
 }
 
 /// The keys a transaction holds: inline for the usual one, so a message's
@@ -65,6 +67,9 @@ pub struct MemoryTransaction {
     /// Positions in `claims` whose `given_back` flipped while a savepoint
     /// was open, oldest first: what rolling back to it undoes.
     flips: Vec<usize>,
+    /// Responses replaced while a savepoint was open, oldest first: the
+    /// claim's position and the response it had before.
+    kept: Vec<(usize, Option<Arc<[u8]>>)>,
 }
 
 /// What a savepoint restores: the buffered writes as they were, and which
@@ -76,6 +81,7 @@ struct Savepoint {
     claims: usize,
     outgoing: usize,
     flips: usize,
+    kept: usize,
 }
 
 impl MemoryTransaction {
@@ -90,6 +96,7 @@ impl MemoryTransaction {
             aborted: false,
             given_back: 0,
             flips: Vec::new(),
+            kept: Vec::new(),
             savepoints: Vec::new(),
         }
     }
@@ -203,6 +210,28 @@ impl MemoryTransaction {
         }
     }
 
+    /// Sets the response of the claim at `index`, undoably while a
+    /// savepoint is open.
+    fn set_response(&mut self, index: usize, response: Option<Arc<[u8]>>) {
+        if let Some(claim) = self.claims.get_mut(index) {
+            let before = std::mem::replace(&mut claim.response, response);
+            if !self.savepoints.is_empty() {
+                self.kept.push((index, before));
+            }
+        }
+    }
+
+    /// The position of this transaction's claim of `key`, which `what`
+    /// needs it to hold (claimed `Fresh`, not given back).
+    fn held(&self, key: &InboxKey, what: &str) -> Result<usize, InboxError> {
+        self.claims
+            .iter()
+            .rposition(|claim| !claim.given_back && claim.key == *key)
+            .ok_or_else(|| InboxError::InvalidArgument {
+                message: format!("{what}({key}): the key is not held by this transaction"),
+            })
+    }
+
     fn no_savepoint(&self) -> InboxError {
         InboxError::InvalidArgument {
             message: "no savepoint is open in this transaction".to_owned(),
@@ -220,6 +249,7 @@ impl MemoryTransaction {
         self.unreserve(&outgoing);
         self.savepoints.clear();
         self.flips.clear();
+        self.kept.clear();
         self.given_back = 0;
         let claims = std::mem::take(&mut self.claims);
         for claim in &claims {
@@ -267,8 +297,9 @@ impl InboxTransaction for MemoryTransaction {
                 .rposition(|claim| claim.given_back && claim.key == *key)
         {
             // Postgres: the unclaim's DELETE left no row, so the insert
-            // inserts again.
+            // inserts again, keeping no response.
             self.flip(index);
+            self.set_response(index, None);
             return Ok(Claim::Fresh);
         }
         let shard = self.shared.inbox_shard_of(key);
@@ -283,6 +314,7 @@ impl InboxTransaction for MemoryTransaction {
                         key: key.clone(),
                         shard,
                         given_back: false,
+                        response: None,
                     });
                     return Ok(Claim::Fresh);
                 }
@@ -332,6 +364,7 @@ impl BatchTransaction for MemoryTransaction {
             claims: self.claims.len(),
             outgoing: self.outgoing.len(),
             flips: self.flips.len(),
+            kept: self.kept.len(),
         });
         Ok(())
     }
@@ -346,6 +379,12 @@ impl BatchTransaction for MemoryTransaction {
         let undone: Vec<usize> = self.flips.drain(savepoint.flips..).collect();
         for index in undone.into_iter().rev() {
             self.toggle(index);
+        }
+        let replaced: Vec<_> = self.kept.drain(savepoint.kept..).collect();
+        for (index, before) in replaced.into_iter().rev() {
+            if let Some(claim) = self.claims.get_mut(index) {
+                claim.response = before;
+            }
         }
         let keep = savepoint.outgoing.min(self.outgoing.len());
         let later: Vec<_> = self.outgoing.drain(keep..).collect();
@@ -365,6 +404,7 @@ impl BatchTransaction for MemoryTransaction {
         if self.savepoints.is_empty() {
             // Nothing can roll back to before these flips any more.
             self.flips.clear();
+            self.kept.clear();
         }
         Ok(())
     }
@@ -376,16 +416,20 @@ impl BatchTransaction for MemoryTransaction {
     /// restores the claim) and finds no row once this transaction ends.
     async fn unclaim(&mut self, key: &InboxKey) -> Result<(), InboxError> {
         self.ensure_open()?;
-        let Some(position) = self
-            .claims
-            .iter()
-            .rposition(|claim| !claim.given_back && claim.key == *key)
-        else {
-            return Err(InboxError::InvalidArgument {
-                message: format!("cannot unclaim {key}: this transaction does not hold it"),
-            });
-        };
+        let position = self.held(key, "unclaim")?;
         self.flip(position);
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl ResponseTransaction for MemoryTransaction {
+    /// Keeps `response` on this transaction's claim of `key`: published
+    /// with the claim at commit, dropped with it on rollback.
+    async fn keep_response(&mut self, key: &InboxKey, response: &[u8]) -> Result<(), InboxError> {
+        self.ensure_open()?;
+        let position = self.held(key, "keep_response")?;
+        self.set_response(position, Some(Arc::from(response)));
         Ok(())
     }
 }

@@ -89,6 +89,7 @@ mod attempts;
 mod error;
 pub mod migrations;
 mod outbox;
+mod responses;
 
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;

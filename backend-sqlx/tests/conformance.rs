@@ -281,6 +281,8 @@ impl inbox_conformance::OutboxHarness for SqlxHarness {
 
 inbox_conformance::ledger_conformance_tests!(harness);
 
+inbox_conformance::response_conformance_tests!(harness);
+
 /// The suite can fail on a layout: a partitioned inbox whose partition is
 /// chosen by arrival time instead of by the id lets a later duplicate miss
 /// its first copy, and the contract tests reject it.

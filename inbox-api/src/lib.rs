@@ -3,8 +3,9 @@
 //! Start at [`Inbox`] (the middleware), [`InboxStore`] and [`InboxTransaction`]
 //! (the contract), [`InboxError`] (retryable or permanent), and
 //! [`OutboxTransaction`] / [`OutboxStore`] (the outbox); the optional
-//! capabilities are [`BatchTransaction`], [`InboxStats`] and
-//! [`AttemptLedger`]; [`InboxStoreExt`] and [`OutboxStoreExt`] hold the
+//! capabilities are [`BatchTransaction`], [`InboxStats`],
+//! [`AttemptLedger`] and [`ResponseStore`] (responses kept with a claim,
+//! for idempotent HTTP endpoints); [`InboxStoreExt`] and [`OutboxStoreExt`] hold the
 //! conveniences; [`metrics`] the metric names.
 #![deny(missing_docs)]
 
@@ -16,6 +17,7 @@ mod key;
 pub mod metrics;
 mod outbox;
 mod redact;
+mod response;
 mod store;
 
 pub use attempts::{AttemptLedger, AttemptLedgerExt, AttemptRecord, DeadMark, LastError};
@@ -28,6 +30,7 @@ pub use outbox::{
     OutboxTransaction, OutgoingMessage, PublishRetry, Refused,
 };
 pub use redact::redact_url;
+pub use response::{ResponseStore, ResponseTransaction};
 pub use store::{
     BatchTransaction, Claim, FirstStep, InboxRecord, InboxStats, InboxStore, InboxStoreExt,
     InboxTransaction, PurgedBatch, claim_each,

@@ -133,6 +133,22 @@ impl Claims {
         }
     }
 
+    /// Whether a response may be kept with `key`: only with a key this
+    /// transaction holds (claimed `Fresh`, not given back), so that a
+    /// response never lands on another transaction's committed row.
+    ///
+    /// # Errors
+    /// [`InboxError::InvalidArgument`] when it does not hold `key`.
+    pub fn may_keep_response(&self, key: &InboxKey) -> Result<(), InboxError> {
+        if self.claimed.contains(key) {
+            Ok(())
+        } else {
+            Err(InboxError::InvalidArgument {
+                message: format!("keep_response({key}): the key is not held by this transaction"),
+            })
+        }
+    }
+
     /// Records that `key`'s row was deleted, undoably.
     pub fn unclaimed(&mut self, key: &InboxKey) {
         if self.claimed.remove(key) && !self.savepoints.is_empty() {

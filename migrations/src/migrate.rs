@@ -134,6 +134,11 @@ pub static MIGRATIONS: &[Migration] = &[
         description: "inbox payload fingerprint",
         sql: include_str!("../20261209000001_inbox_payload_fingerprint.sql"),
     },
+    Migration {
+        version: 20261210000001,
+        description: "inbox kept response",
+        sql: include_str!("../20261210000001_inbox_kept_response.sql"),
+    },
 ];
 
 /// The ledger: one row per applied migration, in the store's schema.

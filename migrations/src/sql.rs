@@ -118,6 +118,22 @@ pub const UNCLAIM: &str = "DELETE FROM inbox_messages WHERE id = $1 AND consumer
 pub const LOOKUP: &str = "SELECT received_at, processed_at, payload_fingerprint FROM inbox_messages \
      WHERE id = $1 AND consumer_type = $2";
 
+/// Keeps a response with a key this transaction claimed: `$1` id, `$2`
+/// consumer, `$3` the response (bytea). Affects one row; none when the key
+/// has no row (never claimed, or given back), which the stores refuse as
+/// an invalid argument.
+///
+/// An UPDATE of the row the claim inserted, in the same transaction: it
+/// becomes visible at COMMIT with the claim and the work, and vanishes
+/// with them on rollback.
+pub const KEEP_RESPONSE: &str = "UPDATE inbox_messages SET response = $3 \
+     WHERE id = $1 AND consumer_type = $2";
+
+/// The response kept with one committed row: `$1` id, `$2` consumer.
+/// Returns `(response bytea NULL)`, no row when the key has none.
+pub const KEPT_RESPONSE: &str = "SELECT response FROM inbox_messages \
+     WHERE id = $1 AND consumer_type = $2";
+
 /// One batch of the inbox's cleanup on `$table` ([`PURGE_BATCH`] says
 /// what it does), written once for both layouts.
 macro_rules! purge_batch {

@@ -79,6 +79,10 @@ pub struct Statements {
     pub unclaim: String,
     /// [`sql::LOOKUP`].
     pub lookup: String,
+    /// [`sql::KEEP_RESPONSE`].
+    pub keep_response: String,
+    /// [`sql::KEPT_RESPONSE`].
+    pub kept_response: String,
     /// The inbox's cleanup batch in the layout ([`sql::PURGE_BATCH`]).
     pub purge_batch: String,
     /// [`sql::PROCESSED_COUNTS`].
@@ -128,6 +132,8 @@ impl Statements {
             claim_batch: q(layout.claim_batch()),
             unclaim: q(sql::UNCLAIM),
             lookup: q(sql::LOOKUP),
+            keep_response: q(sql::KEEP_RESPONSE),
+            kept_response: q(sql::KEPT_RESPONSE),
             purge_batch: q(layout.purge_batch()),
             processed_counts: q(sql::PROCESSED_COUNTS),
             record_failure: q(sql::RECORD_FAILURE),
@@ -150,13 +156,15 @@ impl Statements {
     }
 
     /// Every statement, for checks over all of them.
-    pub fn all(&self) -> [&str; 23] {
+    pub fn all(&self) -> [&str; 25] {
         [
             &self.claim,
             &self.claim_pipelined,
             &self.claim_batch,
             &self.unclaim,
             &self.lookup,
+            &self.keep_response,
+            &self.kept_response,
             &self.purge_batch,
             &self.processed_counts,
             &self.record_failure,

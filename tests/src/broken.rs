@@ -17,6 +17,7 @@ use inbox_api::{
     AttemptLedger, AttemptRecord, BatchTransaction, Claim, ConsumerName, EnqueueOutcome,
     InboxError, InboxKey, InboxRecord, InboxStats, InboxStore, InboxTransaction, LastError,
     MessageId, OutboxLease, OutboxRecord, OutboxStore, OutboxTransaction, OutgoingMessage,
+    ResponseStore, ResponseTransaction,
 };
 
 use crate::{CrashKind, Harness, LedgerHarness, OutboxHarness, TxOf};
@@ -34,7 +35,7 @@ pub const LAYOUT_PARTITIONED_BY_ARRIVAL: &str = "DO $$ BEGIN \
      CREATE TABLE inbox_messages ( \
          id uuid NOT NULL, consumer_type varchar(500) NOT NULL, \
          received_at timestamptz NOT NULL DEFAULT now(), processed_at timestamptz, \
-         time_ordered boolean NOT NULL, payload_fingerprint bytea, \
+         time_ordered boolean NOT NULL, payload_fingerprint bytea, response bytea, \
          PRIMARY KEY (id, consumer_type, received_at)) PARTITION BY RANGE (received_at); \
      CREATE TABLE inbox_messages_by_arrival PARTITION OF inbox_messages DEFAULT; \
      CREATE INDEX inbox_messages_processed_at_idx ON inbox_messages (processed_at) \
@@ -89,6 +90,11 @@ pub enum Broken {
     /// An attempt ledger that writes its count in the consumer's
     /// transaction: the failed attempt rolls back, and the count with it.
     LedgerInFailedTransaction,
+    /// Keeps an idempotent endpoint's response outside the transaction
+    /// (a response cache beside the database): a reader sees it before
+    /// the work commits, and it outlives a rollback, so a retry is
+    /// answered with the response of work that never happened.
+    ResponseOutsideTransaction,
 }
 
 impl Broken {
@@ -114,6 +120,10 @@ impl Broken {
     /// suite must reject each.
     pub const OUTBOX: [Broken; 2] = [Broken::PublishBeforeCommit, Broken::LeaseIgnored];
 
+    /// Every store that keeps responses wrongly (its inbox is sound): the
+    /// kept-response suite must reject each.
+    pub const RESPONSES: [Broken; 1] = [Broken::ResponseOutsideTransaction];
+
     /// Every store with a broken attempt ledger (its inbox and outbox are
     /// sound): the ledger suite must reject each.
     pub const LEDGER: [Broken; 2] = [
@@ -125,6 +135,12 @@ impl Broken {
 /// Keys claimed by open transactions of one [`BrokenStore`], so that
 /// [`Broken::ClaimWithoutWaiting`] can answer without waiting.
 type InFlight = Arc<Mutex<HashSet<InboxKey>>>;
+
+fn guard<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 fn lock(set: &InFlight) -> std::sync::MutexGuard<'_, HashSet<InboxKey>> {
     set.lock()
@@ -145,6 +161,8 @@ pub struct BrokenStore<S> {
     /// Those of them a commit kept, not yet written to the ledger
     /// underneath.
     kept: Arc<Mutex<Vec<(InboxKey, LastError)>>>,
+    /// [`Broken::ResponseOutsideTransaction`]'s responses, written at once.
+    responses: Arc<Mutex<BTreeMap<InboxKey, Vec<u8>>>>,
 }
 
 impl<S> BrokenStore<S> {
@@ -157,6 +175,7 @@ impl<S> BrokenStore<S> {
             leased: Arc::default(),
             unflushed: Arc::default(),
             kept: Arc::default(),
+            responses: Arc::default(),
         }
     }
 
@@ -252,6 +271,35 @@ impl<S: InboxStore + Clone> InboxStore for BrokenStore<S> {
 }
 
 #[async_trait]
+impl<S> ResponseTransaction for BrokenTransaction<S>
+where
+    S: InboxStore<Transaction: ResponseTransaction> + Clone,
+{
+    async fn keep_response(&mut self, key: &InboxKey, response: &[u8]) -> Result<(), InboxError> {
+        if self.store.kind == Broken::ResponseOutsideTransaction {
+            guard(&self.store.responses).insert(key.clone(), response.to_vec());
+            Ok(())
+        } else {
+            self.inner.keep_response(key, response).await
+        }
+    }
+}
+
+#[async_trait]
+impl<S> ResponseStore for BrokenStore<S>
+where
+    S: ResponseStore<Transaction: ResponseTransaction> + Clone,
+{
+    async fn kept_response(&self, key: &InboxKey) -> Result<Option<Vec<u8>>, InboxError> {
+        if self.kind == Broken::ResponseOutsideTransaction {
+            Ok(guard(&self.responses).get(key).cloned())
+        } else {
+            self.inner.kept_response(key).await
+        }
+    }
+}
+
+#[async_trait]
 impl<S: InboxStats + Clone> InboxStats for BrokenStore<S> {
     async fn processed_counts(&self) -> Result<BTreeMap<String, u64>, InboxError> {
         self.inner.processed_counts().await
@@ -310,6 +358,7 @@ impl<S: InboxStore + Clone> InboxTransaction for BrokenTransaction<S> {
             | Broken::LeaseIgnored
             | Broken::LedgerForgetsCounts
             | Broken::LedgerInFailedTransaction
+            | Broken::ResponseOutsideTransaction
             | Broken::ClaimBatchAnswersFreshOnly => self.inner.claim(key).await,
         }
     }

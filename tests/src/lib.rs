@@ -38,6 +38,7 @@ pub mod ledger;
 pub mod model;
 pub mod outbox;
 pub mod postgres;
+pub mod response;
 
 use std::fmt;
 
@@ -177,7 +178,8 @@ macro_rules! conformance_tests {
 /// Every suite a PostgreSQL store runs, in one call: the contract and both
 /// crash-point models (with [`postgres::support::MODEL_CASES`] cases), the
 /// Postgres scenarios, the outbox (its model with
-/// [`postgres::support::OUTBOX_MODEL_CASES`] cases) and the ledger. For a
+/// [`postgres::support::OUTBOX_MODEL_CASES`] cases), the ledger and the
+/// kept responses. For a
 /// second instance of a backend's harness (the partitioned inbox layout),
 /// called inside a module of its own so the test names do not collide.
 #[macro_export]
@@ -190,6 +192,7 @@ macro_rules! postgres_store_tests {
             cases = $crate::postgres::support::OUTBOX_MODEL_CASES
         );
         $crate::ledger_conformance_tests!($setup);
+        $crate::response_conformance_tests!($setup);
     };
 }
 

@@ -6,7 +6,7 @@ mod common;
 
 use inbox_conformance::broken::{Broken, BrokenHarness};
 use inbox_conformance::model::Mode;
-use inbox_conformance::{contract, ledger, model, outbox, runtime};
+use inbox_conformance::{contract, ledger, model, outbox, response, runtime};
 
 /// Cases the model gets to find each bug (with a fixed seed, so the test is
 /// stable); the healthy store passes the same schedules.
@@ -136,6 +136,21 @@ fn ledger_contract_tests_reject_every_broken_ledger() {
 }
 
 #[test]
+fn response_contract_tests_reject_every_broken_store() {
+    let rt = runtime();
+    for kind in Broken::RESPONSES {
+        let harness = BrokenHarness::new(common::MemoryHarness, kind);
+        let failures = rt.block_on(response::run_all(&harness));
+        assert!(
+            !failures.is_empty(),
+            "the kept-response tests accepted a store broken by {kind:?}"
+        );
+        let names: Vec<_> = failures.iter().map(|(name, _)| *name).collect();
+        println!("{kind:?} rejected by {names:?}");
+    }
+}
+
+#[test]
 fn healthy_store_passes_what_rejects_the_broken_ones() {
     let rt = runtime();
     let failures = rt.block_on(contract::run_all(&common::MemoryHarness));
@@ -158,5 +173,10 @@ fn healthy_store_passes_what_rejects_the_broken_ones() {
     assert!(
         failures.is_empty(),
         "healthy memory ledger failed: {failures:?}"
+    );
+    let failures = rt.block_on(response::run_all(&common::MemoryHarness));
+    assert!(
+        failures.is_empty(),
+        "healthy memory store failed the kept-response tests: {failures:?}"
     );
 }

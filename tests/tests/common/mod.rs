@@ -43,6 +43,13 @@ impl inbox_api::InboxStore for MemoryUnderTest {
 }
 
 #[async_trait]
+impl inbox_api::ResponseStore for MemoryUnderTest {
+    async fn kept_response(&self, key: &InboxKey) -> Result<Option<Vec<u8>>, InboxError> {
+        self.store.kept_response(key).await
+    }
+}
+
+#[async_trait]
 impl inbox_api::InboxStats for MemoryUnderTest {
     async fn processed_counts(&self) -> Result<BTreeMap<String, u64>, InboxError> {
         self.store.processed_counts().await
