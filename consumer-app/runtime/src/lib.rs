@@ -55,6 +55,8 @@ pub mod error;
 pub mod handler;
 #[cfg(feature = "http")]
 pub mod http;
+#[cfg(feature = "http")]
+pub mod idempotency;
 pub mod identity;
 pub mod message;
 pub mod redact;
