@@ -11,7 +11,7 @@ use consumer_app::parcel::api::ParcelApi;
 use consumer_app::parcel::events::{EVENT_TYPE, ParcelCreatedEvent, ROUTING_KEY};
 use consumer_app::parcel::store::ParcelStore;
 use consumer_app::parcel::topology::Topology;
-use consumer_app::tools::http::{Answer, post_json, request};
+use consumer_app::tools::http::{Answer, post_json, request, request_with};
 use inbox_api::MessageId;
 use serde_json::json;
 
@@ -264,8 +264,108 @@ async fn bad_requests_write_nothing<S: ParcelStore>(store: S) {
     store.drop_schema().await.expect("drop schema");
 }
 
+/// `POST /parcels` with `Idempotency-Key: key`.
+async fn post_keyed(addr: SocketAddr, key: &str, body: &serde_json::Value) -> Answer {
+    request_with(
+        addr,
+        "POST",
+        "/parcels",
+        Some("application/json"),
+        &[("idempotency-key", key)],
+        body.to_string(),
+    )
+    .await
+    .expect("POST /parcels")
+}
+
+/// An `Idempotency-Key` makes a creation with a server-picked id safe to
+/// retry: the retry gets the first response (the same parcel id) and
+/// writes nothing; another body under the key is 422; a bad key is 400;
+/// a request refused before its work does not use the key up. Eight
+/// concurrent requests with one key, on one server and on two servers of
+/// one store, write once: the others are answered the first response
+/// (after waiting for it) or 409.
+async fn an_idempotency_key_answers_retries_with_the_first_response<S: ParcelStore>(store: S) {
+    let (server, addr) = serve(&store).await;
+    let body = json!({"tracking_number": "TN-K", "destination": "Porto"});
+    let first = post_keyed(addr, "order-1", &body).await;
+    assert_eq!(first.status, 201, "{first:?}");
+    assert!(!first.replayed, "{first:?}");
+    let again = post_keyed(addr, "order-1", &body).await;
+    assert_eq!(again.status, 201, "{again:?}");
+    assert!(again.replayed, "a retry must say it is replayed: {again:?}");
+    assert_eq!(again.json(), first.json(), "the retry's answer");
+    assert_eq!(again.location, first.location);
+    assert_eq!(counts(&store).await, (1, 1));
+
+    let other = post_keyed(
+        addr,
+        "order-1",
+        &json!({"tracking_number": "TN-K", "destination": "Faro"}),
+    )
+    .await;
+    assert_eq!(other.status, 422, "{other:?}");
+    assert!(other.body.contains("Idempotency-Key"), "{other:?}");
+    let bad_key = post_keyed(addr, "two words", &body).await;
+    assert_eq!(bad_key.status, 400, "{bad_key:?}");
+    let refused = request_with(
+        addr,
+        "POST",
+        "/parcels",
+        Some("application/json"),
+        &[("idempotency-key", "order-2")],
+        "{not json",
+    )
+    .await
+    .expect("POST");
+    assert_eq!(refused.status, 400, "{refused:?}");
+    assert_eq!(counts(&store).await, (1, 1));
+    let after_refusal = post_keyed(addr, "order-2", &body).await;
+    assert_eq!(
+        after_refusal.status, 201,
+        "a key whose request was refused before its work is still free: {after_refusal:?}"
+    );
+    assert_eq!(counts(&store).await, (2, 2));
+
+    // One server, then two servers on the same store (in-flight keys are
+    // per process; the claim is what makes the second server wait).
+    let (second, addr2) = serve(&store).await;
+    for (round, addrs) in [("order-3", [addr, addr]), ("order-4", [addr, addr2])] {
+        let answers =
+            futures::future::join_all((0..8).map(|i| post_keyed(addrs[i % 2], round, &body))).await;
+        let processed: Vec<&Answer> = answers
+            .iter()
+            .filter(|a| a.status == 201 && !a.replayed)
+            .collect();
+        assert_eq!(
+            processed.len(),
+            1,
+            "{round}: one request does the work: {answers:?}"
+        );
+        for answer in &answers {
+            match answer.status {
+                201 => assert_eq!(answer.json(), processed[0].json(), "{round}: {answer:?}"),
+                409 => assert_eq!(answer.retry_after, "1", "{round}: {answer:?}"),
+                _ => panic!("{round}: unexpected answer {answer:?}"),
+            }
+        }
+    }
+    assert_eq!(counts(&store).await, (4, 4), "one parcel per key");
+    second.stop().await;
+    server.stop().await;
+    store.drop_schema().await.expect("drop schema");
+}
+
 macro_rules! api_tests {
     ($store:path, $kind:literal) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn an_idempotency_key_answers_retries_with_the_first_response() {
+            super::an_idempotency_key_answers_retries_with_the_first_response(
+                $store(concat!("idem_", $kind)).await,
+            )
+            .await;
+        }
+
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn a_creation_commits_the_parcel_and_its_event() {
             super::a_creation_commits_the_parcel_and_its_event(

@@ -22,6 +22,7 @@ use inbox_api::{
     AttemptLedger, AttemptRecord, BatchTransaction, Claim, ConsumerName, EnqueueOutcome,
     InboxError, InboxKey, InboxRecord, InboxStats, InboxStore, InboxTransaction, LastError,
     MessageId, OutboxLease, OutboxRecord, OutboxStore, OutboxTransaction, OutgoingMessage,
+    ResponseStore, ResponseTransaction,
 };
 use inbox_conformance::broken::{Broken, BrokenStore, BrokenTransaction};
 use inbox_runtime::AppError;
@@ -142,6 +143,26 @@ impl<S: InboxStore + Clone> InboxTransaction for BrokenParcelTransaction<S> {
 
     async fn rollback(self) -> Result<(), InboxError> {
         self.0.rollback().await
+    }
+}
+
+#[async_trait]
+impl<S> ResponseTransaction for BrokenParcelTransaction<S>
+where
+    S: InboxStore<Transaction: ResponseTransaction> + Clone,
+{
+    async fn keep_response(&mut self, key: &InboxKey, response: &[u8]) -> Result<(), InboxError> {
+        self.0.keep_response(key, response).await
+    }
+}
+
+#[async_trait]
+impl<S> ResponseStore for BrokenParcelStore<S>
+where
+    S: ResponseStore<Transaction: ResponseTransaction> + Clone,
+{
+    async fn kept_response(&self, key: &InboxKey) -> Result<Option<Vec<u8>>, InboxError> {
+        self.0.kept_response(key).await
     }
 }
 

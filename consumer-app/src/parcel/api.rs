@@ -13,13 +13,19 @@
 //!
 //! - **201 Created** with the parcel's id and its event's message id, and a
 //!   `Location` header (`GET /parcels/{id}` answers it).
-//! - **Idempotent creation by a client-chosen `parcel_id`** (as an
-//!   `Idempotency-Key` would be, but in the resource itself): a client that
-//!   lost the answer sends the same request again and gets **200 OK** with
-//!   the same body, and no second event; the same id with other fields is
-//!   **409 Conflict**. Without `parcel_id` the server picks a fresh UUID v7
-//!   (a retry then creates a second parcel: send an id when retrying
-//!   matters).
+//! - **Idempotent creation by a client-chosen `parcel_id`** (a natural
+//!   key in the resource itself): a client that lost the answer sends the
+//!   same request again and gets **200 OK** with the same body, and no
+//!   second event; the same id with other fields is **409 Conflict**.
+//! - **Idempotent requests by an `Idempotency-Key` header**
+//!   ([`inbox_runtime::idempotency`]), for clients that let the server pick
+//!   the id: the key is claimed in the creation's own transaction and the
+//!   response kept with it, so a retry with the same key and body gets the
+//!   first response again (`Idempotent-Replayed: true`, the same parcel id,
+//!   no second parcel or event); the same key with another body is **422**;
+//!   a retry while the first request still runs here is **409** with
+//!   `Retry-After`. Without either, the server picks a fresh UUID v7 (a
+//!   retry then creates a second parcel).
 //! - **Bad input writes nothing**: a body that is not JSON is **400**, a
 //!   JSON one without the fields or breaking the event's rules
 //!   ([`ParcelCreatedEvent::validate`], the consumers' own) is **422**, a
@@ -51,6 +57,7 @@ use crate::parcel::store::ParcelStore;
 use crate::parcel::topology::Topology;
 use inbox_runtime::AppError;
 use inbox_runtime::error::chain;
+use inbox_runtime::idempotency::{Idempotency, IdempotencyKey};
 use inbox_runtime::shutdown::stopped;
 
 /// The largest request body, in bytes: three fields of at most
@@ -98,8 +105,9 @@ pub enum Creation {
     },
 }
 
-/// Creates `parcel` on `store`: its `parcels` row and its `parcel.created`
-/// outbox row (to `exchange`) in one transaction, or nothing.
+/// Creates `parcel` in `tx`: its `parcels` row and its `parcel.created`
+/// outbox row (to `exchange`), or, for a parcel that exists, nothing. The
+/// caller commits (what [`create_parcel`] does) or rolls back.
 ///
 /// The enqueue comes first: its id is derived from the parcel id
 /// ([`created_message_id`]), so a second transaction creating the same
@@ -107,10 +115,10 @@ pub enum Creation {
 /// store has no row lock on `parcels` to wait on).
 ///
 /// # Errors
-/// Store failures (the transaction is rolled back: nothing is enqueued);
+/// Store failures (roll the transaction back: nothing is enqueued);
 /// [`AppError::Inbox`] for an exchange name the outbox refuses.
-pub async fn create_parcel<S: ParcelStore>(
-    store: &S,
+pub async fn create_parcel_in<T: ParcelEffects + OutboxTransaction>(
+    tx: &mut T,
     exchange: &str,
     parcel: &ParcelCreatedEvent,
 ) -> Result<Creation, AppError> {
@@ -119,18 +127,13 @@ pub async fn create_parcel<S: ParcelStore>(
         parcel_id: parcel.parcel_id.clone(),
         message_id: outgoing.id().to_string(),
     };
-    let mut tx = store.begin().await?;
     let fresh = tx.enqueue(&outgoing).await? == EnqueueOutcome::Enqueued;
     if fresh && tx.insert_parcel(parcel).await? {
-        tx.commit().await?;
         return Ok(Creation::Created(receipt));
     }
     // Created before: by a committed transaction, or (the enqueue waited
-    // for it) by one that just committed. Nothing of ours is kept.
+    // for it) by one that just committed. Nothing was written.
     let existing = tx.find_parcel(&parcel.parcel_id).await?;
-    if let Err(error) = tx.rollback().await {
-        tracing::debug!(error = %error, "rollback after an existing parcel failed");
-    }
     match existing {
         Some(existing) if existing == *parcel => Ok(Creation::Replayed(receipt)),
         Some(existing) => Ok(Creation::Conflict { existing }),
@@ -142,9 +145,34 @@ pub async fn create_parcel<S: ParcelStore>(
     }
 }
 
+/// Creates `parcel` on `store` in a transaction of its own
+/// ([`create_parcel_in`]): all of it, or nothing.
+///
+/// # Errors
+/// As [`create_parcel_in`]; the transaction is rolled back.
+pub async fn create_parcel<S: ParcelStore>(
+    store: &S,
+    exchange: &str,
+    parcel: &ParcelCreatedEvent,
+) -> Result<Creation, AppError> {
+    let mut tx = store.begin().await?;
+    match create_parcel_in(&mut tx, exchange, parcel).await {
+        Ok(creation) => {
+            tx.commit().await?;
+            Ok(creation)
+        }
+        Err(error) => {
+            if let Err(rollback) = tx.rollback().await {
+                tracing::debug!(error = %rollback, "rollback after a failed creation failed");
+            }
+            Err(error)
+        }
+    }
+}
+
 /// The `POST /parcels` and `GET /parcels/{id}` routes on a store.
 pub struct ParcelApi<S> {
-    store: S,
+    idempotency: Idempotency<S>,
     exchange: String,
     committed: watch::Sender<()>,
 }
@@ -153,7 +181,7 @@ impl<S: ParcelStore> ParcelApi<S> {
     /// The routes on `store`, enqueueing to `topology`'s exchange.
     pub fn new(store: S, topology: &Topology) -> Self {
         Self {
-            store,
+            idempotency: Idempotency::new(store),
             exchange: topology.exchange(),
             committed: watch::channel(()).0,
         }
@@ -219,11 +247,12 @@ fn location(parcel_id: &str) -> HeaderValue {
     HeaderValue::from_str(&path).unwrap_or_else(|_| HeaderValue::from_static("/parcels"))
 }
 
-/// The request's parcel, or the status and reason refusing it.
+/// The request's parcel and its body, or the status and reason refusing
+/// it.
 fn parse(
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
-) -> Result<ParcelCreatedEvent, (StatusCode, String)> {
+) -> Result<(ParcelCreatedEvent, Bytes), (StatusCode, String)> {
     let json = headers
         .get(header::CONTENT_TYPE)
         .and_then(|value| value.to_str().ok())
@@ -254,31 +283,26 @@ fn parse(
     parcel
         .validate()
         .map_err(|reason| (StatusCode::UNPROCESSABLE_ENTITY, reason))?;
-    Ok(parcel)
+    Ok((parcel, body))
 }
 
-async fn create<S: ParcelStore>(
-    State(api): State<Shared<S>>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let parcel = match parse(&headers, body) {
-        Ok(parcel) => parcel,
-        Err((status, reason)) => return refuse(status, "invalid", reason),
-    };
-    let parcel_id = parcel.parcel_id.as_str();
-    match create_parcel(&api.store, &api.exchange, &parcel).await {
-        Ok(Creation::Created(receipt)) => {
+/// The route's name, the scope of its idempotency keys.
+const CREATE_ROUTE: &str = "POST /parcels";
+
+/// What a client is answered for `creation` of `parcel`, counted and
+/// logged.
+fn created_response(parcel_id: &str, creation: Creation) -> Response {
+    match creation {
+        Creation::Created(receipt) => {
             metrics::counter!(REQUESTS_METRIC, "outcome" => "created").increment(1);
             tracing::debug!(parcel_id, message_id = %receipt.message_id, "parcel created");
-            api.committed.send_replace(());
             let mut response = json(StatusCode::CREATED, &receipt);
             response
                 .headers_mut()
                 .insert(header::LOCATION, location(parcel_id));
             response
         }
-        Ok(Creation::Replayed(receipt)) => {
+        Creation::Replayed(receipt) => {
             metrics::counter!(REQUESTS_METRIC, "outcome" => "replayed").increment(1);
             tracing::info!(parcel_id, message_id = %receipt.message_id,
                 "parcel exists with these fields: answered again, nothing written");
@@ -288,13 +312,45 @@ async fn create<S: ParcelStore>(
                 .insert(header::LOCATION, location(parcel_id));
             response
         }
-        Ok(Creation::Conflict { .. }) => {
+        Creation::Conflict { .. } => {
             tracing::info!(parcel_id, "parcel exists with other fields: refused");
             refuse(
                 StatusCode::CONFLICT,
                 "conflict",
                 format!("parcel {parcel_id:?} exists with another tracking number or destination"),
             )
+        }
+    }
+}
+
+async fn create<S: ParcelStore>(
+    State(api): State<Shared<S>>,
+    key: IdempotencyKey,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let (parcel, body) = match parse(&headers, body) {
+        Ok(parsed) => parsed,
+        Err((status, reason)) => return refuse(status, "invalid", reason),
+    };
+    let parcel_id = parcel.parcel_id.as_str();
+    let created = std::sync::atomic::AtomicBool::new(false);
+    let answered = api
+        .idempotency
+        .respond(CREATE_ROUTE, &key, &body, async |tx| {
+            let creation = create_parcel_in(tx, &api.exchange, &parcel).await?;
+            if matches!(creation, Creation::Created(_)) {
+                created.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+            Ok(created_response(parcel_id, creation))
+        })
+        .await;
+    match answered {
+        Ok(response) => {
+            if created.load(std::sync::atomic::Ordering::Relaxed) {
+                api.committed.send_replace(());
+            }
+            response
         }
         Err(error) => {
             let retryable = error.is_retryable();
@@ -340,7 +396,7 @@ async fn show<S: ParcelStore>(
     Path(parcel_id): Path<String>,
 ) -> Response {
     let found = async {
-        let mut tx = api.store.begin().await?;
+        let mut tx = api.idempotency.store().begin().await?;
         let found = tx.find_parcel(&parcel_id).await;
         if let Err(error) = tx.rollback().await {
             tracing::debug!(error = %error, "rollback after a read failed");

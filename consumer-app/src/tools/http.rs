@@ -24,6 +24,9 @@ pub struct Answer {
     pub location: String,
     /// `Retry-After`, empty when absent.
     pub retry_after: String,
+    /// Whether `Idempotent-Replayed: true` says the answer was kept from
+    /// an earlier request with the same `Idempotency-Key`.
+    pub replayed: bool,
     /// The body, as text.
     pub body: String,
 }
@@ -45,6 +48,21 @@ pub async fn request(
     method: &str,
     path: &str,
     content_type: Option<&str>,
+    body: impl Into<Bytes>,
+) -> Result<Answer, AppError> {
+    request_with(addr, method, path, content_type, &[], body).await
+}
+
+/// As [`request`], with more request `headers` (name, value).
+///
+/// # Errors
+/// As [`request`].
+pub async fn request_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    content_type: Option<&str>,
+    headers: &[(&str, &str)],
     body: impl Into<Bytes>,
 ) -> Result<Answer, AppError> {
     let io = |context: String| {
@@ -69,6 +87,9 @@ pub async fn request(
         if let Some(content_type) = content_type {
             builder = builder.header(hyper::header::CONTENT_TYPE, content_type);
         }
+        for (name, value) in headers {
+            builder = builder.header(*name, *value);
+        }
         let request = builder
             .body(Full::new(body.into()))
             .map_err(|e| io(format!("{what}: request"))(e.into()))?;
@@ -89,6 +110,9 @@ pub async fn request(
             header(hyper::header::LOCATION),
             header(hyper::header::RETRY_AFTER),
         );
+        let replayed = header(hyper::header::HeaderName::from_static(
+            inbox_runtime::idempotency::REPLAYED_HEADER,
+        )) == "true";
         let status = response.status().as_u16();
         let body = response
             .into_body()
@@ -101,6 +125,7 @@ pub async fn request(
             content_type,
             location,
             retry_after,
+            replayed,
             body: String::from_utf8_lossy(&body).into_owned(),
         })
     };

@@ -18,7 +18,10 @@ use std::future::Future;
 use std::str::FromStr;
 use std::time::Duration;
 
-use inbox_api::{AttemptLedger, BatchTransaction, InboxStats, InboxStore, MessageId, OutboxStore};
+use inbox_api::{
+    AttemptLedger, BatchTransaction, InboxStats, InboxStore, MessageId, OutboxStore, ResponseStore,
+    ResponseTransaction,
+};
 
 use crate::parcel::effects::{Intent, NotificationKind, ParcelEffects};
 use crate::parcel::role::Role;
@@ -165,12 +168,14 @@ impl fmt::Display for Stats {
 }
 
 /// A store the Parcel service can run on: the consumers' inbox, and the
-/// producer's outbox (`POST /parcels` enqueues, the relay publishes).
+/// producer's outbox (`POST /parcels` enqueues, the relay publishes) and
+/// kept responses (`POST /parcels` with an `Idempotency-Key`).
 pub trait ParcelStore:
-    InboxStore<Transaction: ParcelEffects + BatchTransaction>
+    InboxStore<Transaction: ParcelEffects + BatchTransaction + ResponseTransaction>
     + OutboxStore
     + InboxStats
     + AttemptLedger
+    + ResponseStore
     + Clone
 {
     /// Which implementation.
