@@ -6,6 +6,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
 
+use tracing::Instrument as _;
+
 use crate::metrics as names;
 use crate::{
     BatchTransaction, Claim, Fingerprint, InboxError, InboxKey, InboxStore, InboxTransaction,
@@ -226,7 +228,16 @@ impl<S: InboxStore> Inbox<S> {
                 E::from(error)
             };
 
-            let mut tx = match self.store.begin_claim(key).await {
+            // Spans at debug level: a trace shows the claim, the work and
+            // the commit inside a consumer's process span, and a service
+            // logging at info pays nothing for them.
+            let claimed = self
+                .store
+                .begin_claim(key)
+                .instrument(tracing::debug_span!("inbox.claim",
+                    messaging.message.id = %key.message_id, consumer = %key.consumer))
+                .await;
+            let mut tx = match claimed {
                 Ok((tx, Claim::Fresh)) => tx,
                 Ok((tx, Claim::Duplicate)) => {
                     // Nothing was written; the row that made this a duplicate
@@ -248,7 +259,10 @@ impl<S: InboxStore> Inbox<S> {
                 Err((step, error)) => return Err(store_failed(step.as_str(), error)),
             };
 
-            let value = match work(&mut tx).await {
+            let value = match work(&mut tx)
+                .instrument(tracing::debug_span!("inbox.work"))
+                .await
+            {
                 Ok(value) => value,
                 Err(error) => {
                     if let Err(rollback) = tx.rollback().await {
@@ -264,7 +278,10 @@ impl<S: InboxStore> Inbox<S> {
                 }
             };
 
-            tx.commit().await.map_err(|e| store_failed("commit", e))?;
+            tx.commit()
+                .instrument(tracing::debug_span!("inbox.commit"))
+                .await
+                .map_err(|e| store_failed("commit", e))?;
 
             metrics::counter!(names::PROCESSED, "consumer" => consumer.clone()).increment(1);
             metrics::histogram!(names::HANDLE_DURATION,

@@ -138,7 +138,9 @@ impl<Tx: OutboxTransaction> Context<'_, Tx> {
     /// the event's type (and, for the second and later event of one type in
     /// one handling, its index), so a handler that runs again after a
     /// failure enqueues the same message. The causation and correlation
-    /// headers name the message being handled.
+    /// headers name the message being handled; with the `otel` feature the
+    /// W3C trace context of the handling continues the trace
+    /// ([`crate::trace`]).
     ///
     /// # Errors
     /// A store error from the enqueue (classified like any); a body that
@@ -155,6 +157,7 @@ impl<Tx: OutboxTransaction> Context<'_, Tx> {
         let message = OutgoingMessage::new(id, self.exchange, E::ROUTING_KEY, E::TYPE, body)?
             .with_header(CAUSATION_HEADER, cause.clone())?
             .with_header(CORRELATION_HEADER, cause)?;
+        let message = crate::trace::with_current_context(message)?;
         if self.tx.enqueue(&message).await? == EnqueueOutcome::AlreadyEnqueued {
             // Only a message handled twice gets here, which the claim in
             // front rules out: worth a line if it ever happens.

@@ -68,6 +68,7 @@ pub mod shutdown;
 pub mod tally;
 pub mod telemetry;
 pub mod topology;
+pub mod trace;
 pub mod wakeups;
 
 mod ack;

@@ -75,6 +75,7 @@ use lapin::{BasicProperties, Channel, Connection};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
+use tracing::Instrument as _;
 
 use crate::amqp::{
     ConnectOptions, OnRefusal, close_bounded, close_channel_bounded, connect_with_backoff,
@@ -1100,6 +1101,7 @@ async fn publish_batch(
     let mut pending = Vec::with_capacity(messages.len());
     for message in messages {
         let started = Instant::now();
+        let span = crate::trace::publish_span(message);
         let sent = tokio::time::timeout_at(
             deadline,
             channel.basic_publish(
@@ -1110,6 +1112,7 @@ async fn publish_batch(
                 properties(message),
             ),
         )
+        .instrument(span.clone())
         .await;
         pending.push(
             async move {
@@ -1154,6 +1157,7 @@ async fn publish_batch(
                     carried,
                 }
             }
+            .instrument(span)
             .boxed(),
         );
     }

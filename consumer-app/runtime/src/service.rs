@@ -65,6 +65,7 @@ use crate::topology::Topology;
 use crate::wakeups::OutboxWakeups;
 use crate::worker::Worker;
 use crate::{AppError, ServiceStore};
+use tracing::Instrument as _;
 
 /// A service being put together: a store, settings, the topology to declare,
 /// and a [`Handler`] per queue. [`Service::spawn`] starts it.
@@ -770,22 +771,38 @@ where
                         &queue,
                     )
                     .await;
+                    let span = crate::trace::process_span(
+                        worker.handler.name().as_str(),
+                        &queue,
+                        &deliveries.iter().map(|d| &d.properties).collect::<Vec<_>>(),
+                    );
                     let worker = worker.clone();
                     let stop = shutdown.clone();
-                    in_flight.spawn(async move {
-                        worker.process(deliveries, stop, permit).await;
-                    });
+                    in_flight.spawn(
+                        async move {
+                            worker.process(deliveries, stop, permit).await;
+                        }
+                        .instrument(span),
+                    );
                     if let Some(error) = failed {
                         break Some(error);
                     }
                 }
                 None => {
                     worker.acks.received(&delivery);
+                    let span = crate::trace::process_span(
+                        worker.handler.name().as_str(),
+                        &queue,
+                        &[&delivery.properties],
+                    );
                     let worker = worker.clone();
                     let stop = shutdown.clone();
-                    in_flight.spawn(async move {
-                        worker.process(vec![delivery], stop, permit).await;
-                    });
+                    in_flight.spawn(
+                        async move {
+                            worker.process(vec![delivery], stop, permit).await;
+                        }
+                        .instrument(span),
+                    );
                 }
             },
             Some(Err(error)) => break Some(AppError::broker(format!("consuming {queue}"), error)),

@@ -59,6 +59,7 @@ use inbox_runtime::AppError;
 use inbox_runtime::error::chain;
 use inbox_runtime::idempotency::{Idempotency, IdempotencyKey};
 use inbox_runtime::shutdown::stopped;
+use tracing::Instrument as _;
 
 /// The largest request body, in bytes: three fields of at most
 /// [`ParcelCreatedEvent::MAX_FIELD_LEN`] bytes each, with room for JSON
@@ -335,6 +336,12 @@ async fn create<S: ParcelStore>(
     };
     let parcel_id = parcel.parcel_id.as_str();
     let created = std::sync::atomic::AtomicBool::new(false);
+    let span = inbox_runtime::trace::request_span("POST", "/parcels", |name| {
+        headers
+            .get(name)
+            .and_then(|value| value.to_str().ok())
+            .map(str::to_owned)
+    });
     let answered = api
         .idempotency
         .respond(CREATE_ROUTE, &key, &body, async |tx| {
@@ -344,6 +351,7 @@ async fn create<S: ParcelStore>(
             }
             Ok(created_response(parcel_id, creation))
         })
+        .instrument(span)
         .await;
     match answered {
         Ok(response) => {

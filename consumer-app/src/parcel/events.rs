@@ -197,7 +197,8 @@ pub fn created_message_id(parcel_id: &str) -> MessageId {
 
 /// The outbox row announcing `event`: to `exchange` with [`ROUTING_KEY`],
 /// of type [`EVENT_TYPE`], under [`created_message_id`], the JSON body the
-/// consumers decode.
+/// consumers decode, and the current span's trace context
+/// ([`inbox_runtime::trace::with_current_context`]).
 ///
 /// # Errors
 /// [`AppError::Inbox`] when the exchange name is not one the broker takes.
@@ -207,13 +208,14 @@ pub fn created_outgoing(
 ) -> Result<OutgoingMessage, AppError> {
     let body = serde_json::to_vec(event)
         .map_err(|e| AppError::Config(format!("cannot serialise the event: {e}")))?;
-    Ok(OutgoingMessage::new(
+    let message = OutgoingMessage::new(
         created_message_id(&event.parcel_id),
         exchange,
         ROUTING_KEY,
         EVENT_TYPE,
         body,
-    )?)
+    )?;
+    Ok(inbox_runtime::trace::with_current_context(message)?)
 }
 
 #[cfg(test)]
