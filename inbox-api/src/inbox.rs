@@ -421,7 +421,11 @@ impl<S: InboxStore> Inbox<S> {
                 let claims = if claim_one_by_one {
                     None
                 } else {
-                    match tx.claim_batch(&keys).await {
+                    match tx
+                        .claim_batch(&keys)
+                        .instrument(tracing::debug_span!("inbox.claim", batch = keys.len()))
+                        .await
+                    {
                         Ok(claims) => Some(claims),
                         Err(error @ InboxError::KeyRefusedInBatch { .. }) => {
                             drop_attempt(tx, "the refused batch claim").await;
@@ -497,8 +501,12 @@ impl<S: InboxStore> Inbox<S> {
                         slots.push(Slot::Failed(error));
                         continue;
                     }
+                    let work_span = || tracing::debug_span!("inbox.work", messaging.message.id = %key.message_id);
                     if !with_savepoints {
-                        match work(&mut tx, &payloads[index]).await {
+                        match work(&mut tx, &payloads[index])
+                            .instrument(work_span())
+                            .await
+                        {
                             Ok(value) => slots.push(Slot::Processed(value)),
                             Err(error) => {
                                 first_failure = Some((index, error));
@@ -508,7 +516,10 @@ impl<S: InboxStore> Inbox<S> {
                         continue;
                     }
                     step!('run, "work", tx.savepoint());
-                    match work(&mut tx, &payloads[index]).await {
+                    match work(&mut tx, &payloads[index])
+                        .instrument(work_span())
+                        .await
+                    {
                         Ok(value) => {
                             step!('run, "work", tx.release_savepoint());
                             slots.push(Slot::Processed(value));
@@ -536,7 +547,12 @@ impl<S: InboxStore> Inbox<S> {
                     with_savepoints = true;
                     continue;
                 }
-                step!('run, "commit", tx.commit());
+                step!(
+                    'run,
+                    "commit",
+                    tx.commit()
+                        .instrument(tracing::debug_span!("inbox.commit", batch = keys.len()))
+                );
                 break 'run Ok(slots);
             };
             match run {
@@ -628,7 +644,11 @@ impl<S: InboxStore> Inbox<S> {
             let (keys, payloads): (Vec<InboxKey>, Vec<I>) = items.into_iter().unzip();
             let attempt: Result<AtOnce<E>, StepFailure> = async {
                 let mut tx = self.store.begin().await.map_err(|e| ("begin", e))?;
-                let claims = match tx.claim_batch(&keys).await {
+                let claims = match tx
+                    .claim_batch(&keys)
+                    .instrument(tracing::debug_span!("inbox.claim", batch = keys.len()))
+                    .await
+                {
                     Ok(claims) if claims.len() == keys.len() => claims,
                     Ok(_) | Err(InboxError::KeyRefusedInBatch { .. }) => {
                         // The rerun claims one by one and reports a wrong
@@ -650,7 +670,12 @@ impl<S: InboxStore> Inbox<S> {
                     .collect();
                 // The whole batch's error is not any one message's: the rerun
                 // finds whose it is.
-                if !fresh.is_empty() && work(&mut tx, &fresh).await.is_err() {
+                if !fresh.is_empty()
+                    && work(&mut tx, &fresh)
+                        .instrument(tracing::debug_span!("inbox.work", batch = fresh.len()))
+                        .await
+                        .is_err()
+                {
                     drop_attempt(tx, "the failed batch-at-once attempt").await;
                     tracing::debug!(
                         batch = keys.len(),
@@ -659,7 +684,10 @@ impl<S: InboxStore> Inbox<S> {
                     );
                     return Ok(AtOnce::Rerun(BatchStart::Savepoints));
                 }
-                tx.commit().await.map_err(|e| ("commit", e))?;
+                tx.commit()
+                    .instrument(tracing::debug_span!("inbox.commit", batch = keys.len()))
+                    .await
+                    .map_err(|e| ("commit", e))?;
                 Ok(AtOnce::Committed(
                     claims
                         .iter()
