@@ -1,11 +1,13 @@
 //! Where a consumer reads its message id, against the real RabbitMQ
-//! (127.0.0.1:5672) on the in-process store: each consumer below takes the
-//! same kind of order from a producer that puts its id somewhere else, and
-//! every copy of an order (republished with a fresh AMQP `message_id`, as a
-//! producer that knows nothing of ours would) is processed once. A missing
-//! or unusable id is dead-lettered with its reason, never processed under
-//! an id of our invention. The run has its own queue prefix; the topology
-//! is removed afterwards.
+//! (127.0.0.1:5672), on every store (the in-process one, and sqlx and
+//! diesel on the real PostgreSQL at `DATABASE_URL`, each in a schema of
+//! its own): each consumer below takes the same kind of order from a
+//! producer that puts its id somewhere else, and every copy of an order
+//! (republished with a fresh AMQP `message_id`, as a producer that knows
+//! nothing of ours would) is processed once. A missing or unusable id is
+//! dead-lettered with its reason, never processed under an id of our
+//! invention. Each run has its own queue prefix; the topology is removed
+//! afterwards.
 
 use std::time::{Duration, Instant};
 
@@ -35,9 +37,17 @@ async fn record(
     Ok(())
 }
 
+/// The handler on any store: what it processed is the inbox's rows.
+async fn accept<Tx>(_cx: Context<'_, Tx>, _order: OrderPlaced) -> Result<(), AppError> {
+    Ok(())
+}
+
 /// Starts `service`, waits until it consumes, and connects a publisher of
 /// the test's own.
-async fn start(service: Service<MemoryStore>, publisher: &str) -> (ServiceHandle, Connection) {
+async fn start<S: ServiceStore>(
+    service: Service<S>,
+    publisher: &str,
+) -> (ServiceHandle, Connection) {
     let service = service
         .spawn()
         .expect("the service starts (bash .ci/services.sh)");
@@ -157,8 +167,7 @@ fn cases() -> Vec<Case> {
     ]
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn each_consumer_reads_its_id_where_its_producer_puts_it() {
+async fn each_consumer_reads_its_id_where_its_producer_puts_it<S: ServiceStore>(store: S) {
     let prefix = format!(
         "test-identity-{}.",
         &uuid::Uuid::new_v4().simple().to_string()[..10]
@@ -169,7 +178,6 @@ async fn each_consumer_reads_its_id_where_its_producer_puts_it() {
     for case in &cases {
         topology = topology.bind(format!("{prefix}{}", case.name), case.name);
     }
-    let store = MemoryStore::new();
     // One delivery at a time, in queue order: which copy of an id comes
     // first (processed) and which later (duplicate or conflict) is then
     // the order of publishing, not a race.
@@ -177,7 +185,7 @@ async fn each_consumer_reads_its_id_where_its_producer_puts_it() {
     config.worker.concurrency = 1;
     let mut service = Service::new(store.clone(), config, topology.clone());
     for case in &cases {
-        let handler = handler_fn(case.name, record)
+        let handler = handler_fn(case.name, accept::<S::Transaction>)
             .expect("valid name")
             .with_identity(case.identity.clone());
         service = service.consume(format!("{prefix}{}", case.name), handler);
@@ -234,18 +242,72 @@ async fn each_consumer_reads_its_id_where_its_producer_puts_it() {
             case.name
         );
     }
-    let processed: u64 = cases.iter().map(|case| case.processed).sum();
-    assert_eq!(
-        store.scan_prefix("orders/").len() as u64,
-        processed,
-        "one write per processed order, each under its own id"
-    );
+    let rows = store.processed_counts().await.expect("inbox rows");
+    for case in &cases {
+        assert_eq!(
+            rows.get(case.name).copied(),
+            Some(case.processed),
+            "{}: one inbox row per processed order",
+            case.name
+        );
+    }
 
     service.shutdown();
     service.join().await.expect("clean shutdown");
     let channel = connection.create_channel().await.expect("channel");
     topology.delete(&channel).await.expect("delete topology");
     close_bounded(&connection, "bye").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_each_consumer_reads_its_id_where_its_producer_puts_it() {
+    each_consumer_reads_its_id_where_its_producer_puts_it(MemoryStore::new()).await;
+}
+
+fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+fn schema(kind: &str) -> String {
+    format!(
+        "identity_{kind}_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    )
+}
+
+/// Drops `schema` (built above from a fixed word and hex digits).
+async fn drop_schema(schema: &str) {
+    let pool = inbox_runtime::sqlx_store::sqlx::PgPool::connect(&database_url())
+        .await
+        .expect("PostgreSQL reachable (bash .ci/services.sh)");
+    inbox_runtime::sqlx_store::sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
+        .execute(&pool)
+        .await
+        .expect("drop schema");
+    pool.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlx_each_consumer_reads_its_id_where_its_producer_puts_it() {
+    let schema = schema("sqlx");
+    let store = SqlxStore::connect(&database_url(), &schema)
+        .await
+        .expect("PostgreSQL reachable (bash .ci/services.sh)");
+    store.migrate().await.expect("migrate");
+    each_consumer_reads_its_id_where_its_producer_puts_it(store).await;
+    drop_schema(&schema).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn diesel_each_consumer_reads_its_id_where_its_producer_puts_it() {
+    let schema = schema("diesel");
+    let store = DieselStore::connect(&database_url(), &schema, 4)
+        .await
+        .expect("PostgreSQL reachable (bash .ci/services.sh)");
+    store.migrate().await.expect("migrate");
+    each_consumer_reads_its_id_where_its_producer_puts_it(store).await;
+    drop_schema(&schema).await;
 }
 
 /// A copy of a processed message with another body is a conflict, not a
