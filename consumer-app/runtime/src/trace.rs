@@ -24,7 +24,6 @@
 use std::collections::BTreeMap;
 
 use inbox_api::{InboxError, OutgoingMessage};
-use lapin::types::FieldTable;
 use tracing::Span;
 
 /// The level of the `request`, `publish` and `process` spans: info when
@@ -118,7 +117,8 @@ pub fn request_span(method: &str, route: &str, get: impl Fn(&str) -> Option<Stri
 }
 
 /// The text of an AMQP header, if it is one.
-fn amqp_header(headers: Option<&FieldTable>, name: &str) -> Option<String> {
+#[cfg(feature = "otel")]
+fn amqp_header(headers: Option<&lapin::types::FieldTable>, name: &str) -> Option<String> {
     use lapin::types::AMQPValue;
     match headers?.inner().get(name)? {
         AMQPValue::LongString(text) => Some(text.to_string()),
@@ -168,8 +168,6 @@ pub(crate) fn process_span(
             }
         }
     }
-    #[cfg(not(feature = "otel"))]
-    let _ = amqp_header;
     span
 }
 

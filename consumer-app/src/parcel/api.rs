@@ -108,7 +108,8 @@ pub enum Creation {
 
 /// Creates `parcel` in `tx`: its `parcels` row and its `parcel.created`
 /// outbox row (to `exchange`), or, for a parcel that exists, nothing. The
-/// caller commits (what [`create_parcel`] does) or rolls back.
+/// caller commits or rolls back (`POST /parcels` runs it through
+/// [`Idempotency::respond`], which does both).
 ///
 /// The enqueue comes first: its id is derived from the parcel id
 /// ([`created_message_id`]), so a second transaction creating the same
@@ -143,31 +144,6 @@ pub async fn create_parcel_in<T: ParcelEffects + OutboxTransaction>(
             "parcel {:?}: its event {} is in the outbox but the parcel is not in `parcels`",
             parcel.parcel_id, receipt.message_id
         ))),
-    }
-}
-
-/// Creates `parcel` on `store` in a transaction of its own
-/// ([`create_parcel_in`]): all of it, or nothing.
-///
-/// # Errors
-/// As [`create_parcel_in`]; the transaction is rolled back.
-pub async fn create_parcel<S: ParcelStore>(
-    store: &S,
-    exchange: &str,
-    parcel: &ParcelCreatedEvent,
-) -> Result<Creation, AppError> {
-    let mut tx = store.begin().await?;
-    match create_parcel_in(&mut tx, exchange, parcel).await {
-        Ok(creation) => {
-            tx.commit().await?;
-            Ok(creation)
-        }
-        Err(error) => {
-            if let Err(rollback) = tx.rollback().await {
-                tracing::debug!(error = %rollback, "rollback after a failed creation failed");
-            }
-            Err(error)
-        }
     }
 }
 
