@@ -40,7 +40,7 @@ fn exporter() -> &'static (InMemorySpanExporter, SdkTracerProvider) {
             .build();
         let subscriber = tracing_subscriber::registry()
             .with(tracing_subscriber::EnvFilter::new(
-                "inbox_api=debug,inbox_runtime=info,consumer_app=info",
+                "inbox_api=debug,inbox_runtime=info,inbox_runtime::trace=debug,consumer_app=info",
             ))
             .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("trace-test")));
         tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
@@ -193,6 +193,24 @@ async fn one_request_is_one_trace_to_the_last_consumer<S: ParcelStore>(
             "{step}: one per consumer's transaction in the trace, {inside} found: {summary:#?}"
         );
     }
+    // Each consumer settles its delivery (an ack) in a span of its own,
+    // inside its process span.
+    for process in &processes {
+        let settles: Vec<&SpanData> = spans
+            .iter()
+            .filter(|s| {
+                s.name.ends_with(" settle") && s.parent_span_id == process.span_context.span_id()
+            })
+            .collect();
+        assert_eq!(
+            settles.len(),
+            1,
+            "{} settles once: {summary:#?}",
+            process.name
+        );
+        assert_eq!(attribute(settles[0], "messaging.operation.type"), "settle");
+        assert_eq!(attribute(settles[0], "acked"), "1");
+    }
     store.drop_schema().await.expect("drop schema");
 }
 
@@ -252,4 +270,172 @@ async fn diesel_one_request_is_one_trace_to_the_last_consumer() {
         "4bf92f3577b34da6a3ce929d0e0e4738",
     )
     .await;
+}
+
+/// A message dead-lettered by a handler that refuses it, then replayed
+/// after the fix: both deliveries are in the producer's trace, the dead
+/// letter names the attempt that gave it up, and the replayed delivery's
+/// span links to that attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_dead_letter_links_to_the_attempt_that_gave_it_up() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use inbox_runtime::lapin::BasicProperties;
+    use inbox_runtime::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+    use inbox_runtime::lapin::types::{AMQPValue, FieldTable};
+    use inbox_runtime::prelude::*;
+
+    static REFUSE: AtomicBool = AtomicBool::new(true);
+    #[derive(Clone, serde::Serialize, serde::Deserialize)]
+    struct Order {
+        id: i64,
+    }
+    impl Event for Order {
+        const TYPE: &'static str = "trace.order";
+    }
+    async fn take(_cx: Context<'_, MemoryTransaction>, _order: Order) -> Result<(), AppError> {
+        if REFUSE.load(Ordering::SeqCst) {
+            return Err(AppError::permanent("refused until the fix"));
+        }
+        Ok(())
+    }
+
+    let (exporter, provider) = exporter();
+    let prefix = prefix("replay");
+    let queue = format!("{prefix}orders");
+    let topology = inbox_runtime::Topology::new(format!("{prefix}shop")).bind(&queue, Order::TYPE);
+    let _remove = topology.remove_on_drop(AMQP_URL);
+    let service = Service::new(
+        MemoryStore::new(),
+        ServiceConfig {
+            cleanup: None,
+            gauge_interval: None,
+            ..ServiceConfig::new(AMQP_URL, "trace replay")
+        },
+        topology.clone(),
+    )
+    .consume(&queue, handler_fn("trace-orders", take).expect("handler"))
+    .spawn()
+    .expect("service starts");
+    service
+        .wait_consuming(1, Duration::from_secs(20))
+        .await
+        .expect("RabbitMQ reachable (bash .ci/services.sh)");
+
+    let client_trace = "4bf92f3577b34da6a3ce929d0e0e4739";
+    let connection = inbox_runtime::amqp::connect(AMQP_URL, "trace replay client")
+        .await
+        .expect("connect");
+    let channel = inbox_runtime::amqp::open_channel(&connection, "client")
+        .await
+        .expect("channel");
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirms");
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "traceparent".into(),
+        AMQPValue::LongString(format!("00-{client_trace}-{CLIENT_SPAN}-01").into()),
+    );
+    let properties = BasicProperties::default()
+        .with_message_id(uuid::Uuid::new_v4().to_string().into())
+        .with_type(Order::TYPE.into())
+        .with_headers(headers);
+    channel
+        .basic_publish(
+            topology.exchange().into(),
+            Order::TYPE.into(),
+            BasicPublishOptions::default(),
+            br#"{"id": 1}"#,
+            properties,
+        )
+        .await
+        .expect("publish")
+        .await
+        .expect("confirm");
+
+    let tally = Arc::clone(&service.tally);
+    let wait = async |what: &str, done: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !done() {
+            assert!(Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    wait("the order is dead-lettered", &|| {
+        tally.consumer("trace-orders").dead_lettered_total() >= 1
+    })
+    .await;
+    REFUSE.store(false, Ordering::SeqCst);
+    let replayed = inbox_runtime::replay::replay(&channel, &queue, |_| true)
+        .await
+        .expect("replay");
+    assert_eq!(replayed.moved, 1);
+    wait("the replayed order is processed", &|| {
+        tally.consumer("trace-orders").processed() >= 1
+    })
+    .await;
+    inbox_runtime::amqp::close_bounded(&connection, "done").await;
+    service.shutdown();
+    service.join().await.expect("clean shutdown");
+    provider.force_flush().expect("flush");
+    let spans = exporter.get_finished_spans().expect("spans");
+
+    let trace = TraceId::from_hex(client_trace).expect("trace id");
+    let summary: Vec<String> = spans
+        .iter()
+        .map(|s| format!("{} {}", s.name, s.span_context.trace_id()))
+        .collect();
+    let mut processes: Vec<&SpanData> = spans
+        .iter()
+        .filter(|s| s.name == format!("{queue} process"))
+        .collect();
+    processes.sort_by_key(|s| s.start_time);
+    let [failed, replayed] = processes[..] else {
+        panic!("two deliveries, the failed one and the replay: {summary:#?}");
+    };
+    for span in [failed, replayed] {
+        assert_eq!(
+            span.span_context.trace_id(),
+            trace,
+            "in the producer's trace"
+        );
+        assert_eq!(
+            span.parent_span_id.to_string(),
+            CLIENT_SPAN,
+            "a child of the producer's span"
+        );
+    }
+    let links: Vec<_> = replayed
+        .links
+        .iter()
+        .map(|l| l.span_context.span_id())
+        .collect();
+    assert_eq!(
+        links,
+        vec![failed.span_context.span_id()],
+        "the replay links to the attempt that dead-lettered it"
+    );
+    assert!(failed.links.is_empty(), "a first delivery links to nothing");
+    let mut settles: Vec<&SpanData> = spans
+        .iter()
+        .filter(|s| s.name == format!("{queue} settle"))
+        .collect();
+    settles.sort_by_key(|s| s.start_time);
+    let settled: Vec<String> = settles
+        .iter()
+        .map(|s| {
+            format!(
+                "acked={} dead_lettered={}",
+                attribute(s, "acked"),
+                attribute(s, "dead_lettered")
+            )
+        })
+        .collect();
+    assert_eq!(
+        settled,
+        ["acked=0 dead_lettered=1", "acked=1 dead_lettered=0"],
+        "{summary:#?}"
+    );
 }

@@ -6,7 +6,10 @@
 //! duplicate, never a second effect) to the queue itself, through the
 //! default exchange, with the original properties and headers minus the
 //! dead-letter ones (`x-dead-letter-*`, `x-inbox-*`, the broker's
-//! `x-death` and `x-delivery-count`). It then gets a **fresh budget**:
+//! `x-death` and `x-delivery-count`); the failed attempt's trace context
+//! (`x-dead-letter-traceparent`) comes back as
+//! [`crate::trace::REPLAYED_FROM`], so the replayed delivery's span links
+//! to the attempt that gave it up. It then gets a **fresh budget**:
 //! the broker counts a new delivery from zero, and the attempt ledger
 //! starts a message marked dead at one again (what MassTransit and
 //! NServiceBus users expect of a replay).
@@ -42,17 +45,23 @@ fn is_dead_letter_header(name: &str) -> bool {
         )
 }
 
-/// `properties` without the dead-letter headers.
+/// `properties` without the dead-letter headers, and with the failed
+/// attempt's trace context as [`crate::trace::REPLAYED_FROM`].
 pub fn replay_properties(properties: &BasicProperties) -> BasicProperties {
     let headers: FieldTable = properties
         .headers()
         .as_ref()
         .map(|headers| {
-            headers
-                .inner()
+            let inner = headers.inner();
+            let failed_attempt = inner
+                .get(crate::trace::DEAD_LETTER_TRACEPARENT)
+                .map(|value| (crate::trace::REPLAYED_FROM.into(), value.clone()));
+            inner
                 .iter()
                 .filter(|(name, _)| !is_dead_letter_header(name.as_str()))
+                .filter(|(name, _)| name.as_str() != crate::trace::REPLAYED_FROM)
                 .map(|(name, value)| (name.clone(), value.clone()))
+                .chain(failed_attempt)
                 .collect::<std::collections::BTreeMap<_, _>>()
         })
         .unwrap_or_default()
@@ -173,6 +182,30 @@ mod tests {
         assert_eq!(
             replayed.message_id().as_ref().map(|id| id.as_str()),
             Some("m-1")
+        );
+    }
+
+    #[test]
+    fn a_replay_names_the_attempt_that_dead_lettered_it() {
+        let failed = "00-4bf92f3577b34da6a3ce929d0e0e4736-a3ce929d0e0e4736-01";
+        let mut headers = FieldTable::default();
+        headers.insert(
+            crate::trace::DEAD_LETTER_TRACEPARENT.into(),
+            long_string(failed),
+        );
+        // From an earlier replay: the newer failure replaces it.
+        headers.insert(
+            crate::trace::REPLAYED_FROM.into(),
+            long_string("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+        );
+        let properties = BasicProperties::default().with_headers(headers);
+        let replayed = replay_properties(&properties);
+        let headers = replayed.headers().clone().unwrap_or_default();
+        let names: Vec<String> = headers.inner().keys().map(|k| k.to_string()).collect();
+        assert_eq!(names, vec![crate::trace::REPLAYED_FROM.to_owned()]);
+        assert_eq!(
+            headers.inner().get(crate::trace::REPLAYED_FROM),
+            Some(&long_string(failed))
         );
     }
 }

@@ -14,7 +14,21 @@
 //!   to each of its messages' contexts instead. The inbox's claim, the
 //!   handler's work and the commit are spans inside it (`inbox.claim`,
 //!   `inbox.work`, `inbox.commit`, at debug level); a duplicate or a
-//!   conflict is an event on it.
+//!   conflict is an event on it, and so is each in-process retry (the
+//!   retries of one delivery stay in its one span).
+//! - What the runtime then does with the deliveries is a `settle` span
+//!   inside it (`messaging.operation.type = settle`, at debug level) with a
+//!   count per frame: acked, handed back, requeued, dead-lettered. A
+//!   committed delivery's ack is only queued there: acks go out coalesced
+//!   (see the ack tracker), so no span could time one ack.
+//! - A dead letter keeps the message's own context and carries the
+//!   failed attempt's in [`DEAD_LETTER_TRACEPARENT`];
+//!   [`crate::replay::replay`] turns it into [`REPLAYED_FROM`], and the
+//!   replayed delivery's `process` span, still a child of the producer's,
+//!   links to the attempt that dead-lettered it. A delivery the broker
+//!   redelivers (a requeue, a lost ack) carries what the producer sent and
+//!   nothing else, so its span is a sibling of the failed one in the same
+//!   trace, without a link: `basic.reject` cannot add a header.
 //!
 //! The spans exist whatever the build; the `otel` feature connects them
 //! into one OpenTelemetry trace (a subscriber with
@@ -41,21 +55,41 @@ pub const TRACEPARENT: &str = "traceparent";
 /// The W3C header that carries vendor state beside it.
 pub const TRACESTATE: &str = "tracestate";
 
+/// The header of a dead letter that names the span of the attempt that
+/// dead-lettered it (a W3C `traceparent` value).
+pub const DEAD_LETTER_TRACEPARENT: &str = "x-dead-letter-traceparent";
+
+/// The header of a replayed dead letter that names the span of the attempt
+/// that dead-lettered it: the replayed delivery's span links to it.
+pub const REPLAYED_FROM: &str = "x-replayed-from-traceparent";
+
+/// `span`'s `traceparent`, when it belongs to a trace (never without the
+/// `otel` feature).
+#[must_use]
+pub fn traceparent_of(span: &Span) -> Option<String> {
+    headers_of(span).remove(TRACEPARENT)
+}
+
 /// The current span's trace context as W3C headers; empty without the
 /// `otel` feature, or when the current span belongs to no trace.
 #[must_use]
 pub fn current_headers() -> BTreeMap<String, String> {
+    headers_of(&Span::current())
+}
+
+fn headers_of(span: &Span) -> BTreeMap<String, String> {
     #[cfg(feature = "otel")]
     {
         use opentelemetry::propagation::TextMapPropagator as _;
         use tracing_opentelemetry::OpenTelemetrySpanExt as _;
         let mut headers = std::collections::HashMap::new();
         opentelemetry_sdk::propagation::TraceContextPropagator::new()
-            .inject_context(&Span::current().context(), &mut headers);
+            .inject_context(&span.context(), &mut headers);
         headers.into_iter().collect()
     }
     #[cfg(not(feature = "otel"))]
     {
+        let _ = span;
         BTreeMap::new()
     }
 }
@@ -152,23 +186,60 @@ pub(crate) fn process_span(
         span.record("messaging.message.id", id.as_str());
     }
     #[cfg(feature = "otel")]
-    match deliveries {
-        [properties] => set_parent(&span, |name| {
-            amqp_header(properties.headers().as_ref(), name)
-        }),
-        batch => {
-            use opentelemetry::trace::TraceContextExt as _;
-            use tracing_opentelemetry::OpenTelemetrySpanExt as _;
-            for properties in batch {
-                let cx = extract(|name| amqp_header(properties.headers().as_ref(), name));
-                let linked = cx.span().span_context().clone();
-                if linked.is_valid() {
-                    span.add_link(linked);
+    {
+        match deliveries {
+            [properties] => set_parent(&span, |name| {
+                amqp_header(properties.headers().as_ref(), name)
+            }),
+            batch => {
+                for properties in batch {
+                    link(&span, |name| {
+                        amqp_header(properties.headers().as_ref(), name)
+                    });
                 }
+            }
+        }
+        // A replayed dead letter links to the attempt that gave it up.
+        for properties in deliveries {
+            let headers = properties.headers();
+            if let Some(failed) = amqp_header(headers.as_ref(), REPLAYED_FROM) {
+                link(&span, |name| (name == TRACEPARENT).then(|| failed.clone()));
             }
         }
     }
     span
+}
+
+/// The span `consumer` settles an attempt's deliveries from `queue` in:
+/// how many went out with each frame. Opened once the attempt's outcomes
+/// are decided, inside its `process` span.
+pub(crate) fn settle_span(consumer: &str, queue: &str) -> Span {
+    tracing::debug_span!(
+        "settle",
+        otel.name = %format!("{queue} settle"),
+        otel.kind = "client",
+        messaging.system = "rabbitmq",
+        messaging.operation.type = "settle",
+        messaging.destination.name = %queue,
+        messaging.consumer.group.name = %consumer,
+        acked = tracing::field::Empty,
+        handed_back = tracing::field::Empty,
+        requeued = tracing::field::Empty,
+        released = tracing::field::Empty,
+        dead_lettered = tracing::field::Empty,
+    )
+}
+
+/// Adds a link from `span` to the context the headers `get` yields, if
+/// they carry one.
+#[cfg(feature = "otel")]
+fn link(span: &Span, get: impl Fn(&str) -> Option<String>) {
+    use opentelemetry::trace::TraceContextExt as _;
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+    let linked = extract(get).span().span_context().clone();
+    if linked.is_valid() {
+        span.add_link(linked);
+    }
 }
 
 #[cfg(feature = "otel")]

@@ -64,6 +64,7 @@ use inbox_api::{Fingerprint, Handled, Inbox, InboxKey, LastError, MessageId};
 use lapin::Channel;
 use lapin::message::Delivery;
 use tokio::sync::{OwnedSemaphorePermit, watch};
+use tracing::{Instrument as _, Span};
 
 use crate::ack::{AckTracker, Frame};
 use crate::amqp::Publisher;
@@ -177,6 +178,9 @@ where
         slot: OwnedSemaphorePermit,
     ) {
         let mut slot = Some(slot);
+        // The delivery's `process` span: a dead letter names it, so that a
+        // replay links back to this attempt.
+        let process = Span::current();
         let batched = self.config.batch.is_some();
         let mut items = Vec::with_capacity(deliveries.len());
         for delivery in deliveries {
@@ -213,6 +217,7 @@ where
                         bad.reason.as_str(),
                         &bad.to_string(),
                         None,
+                        &process,
                     )
                     .await;
                 }
@@ -360,54 +365,83 @@ where
             if only_acks {
                 drop(slot.take());
             }
-            let acked: Vec<&Delivery> = acks.iter().map(|&i| &items[i].delivery).collect();
-            self.acks.ack_later(&acked);
-            for i in handed_back {
-                self.requeue(&items[i].delivery, &items[i].key).await;
-            }
-            for i in released {
-                self.hand_back(&items[i].delivery).await;
-            }
-            for (i, reason, detail, failed, last_error) in dead {
-                let item = &items[i];
-                let id = item.message_id.to_string();
-                let failure = Failure {
-                    key: &item.key,
-                    attempts: failed,
-                    last_error,
-                };
-                self.dead_letter(&item.delivery, Some(&id), reason, &detail, Some(failure))
+            let retries_only = acks.is_empty()
+                && dead.is_empty()
+                && conflicts.is_empty()
+                && handed_back.is_empty()
+                && requeue.is_empty()
+                && released.is_empty();
+            let settle = if retries_only {
+                Span::none()
+            } else {
+                crate::trace::settle_span(&self.consumer_label(), &self.queue)
+            };
+            settle.record("acked", acks.len());
+            settle.record("handed_back", handed_back.len());
+            settle.record("requeued", requeue.len());
+            settle.record("released", released.len());
+            settle.record("dead_lettered", dead.len() + conflicts.len());
+            let stop_signal = &mut shutdown;
+            async {
+                let acked: Vec<&Delivery> = acks.iter().map(|&i| &items[i].delivery).collect();
+                self.acks.ack_later(&acked);
+                for i in handed_back {
+                    self.requeue(&items[i].delivery, &items[i].key).await;
+                }
+                for i in released {
+                    self.hand_back(&items[i].delivery).await;
+                }
+                for (i, reason, detail, failed, last_error) in dead {
+                    let item = &items[i];
+                    let id = item.message_id.to_string();
+                    let failure = Failure {
+                        key: &item.key,
+                        attempts: failed,
+                        last_error,
+                    };
+                    self.dead_letter(
+                        &item.delivery,
+                        Some(&id),
+                        reason,
+                        &detail,
+                        Some(failure),
+                        &process,
+                    )
                     .await;
-            }
-            for (i, detail) in conflicts {
-                // Not the key's failure (the key was processed): the
-                // ledger is left alone, as for bad input.
-                let item = &items[i];
-                let id = item.message_id.to_string();
-                self.dead_letter(
-                    &item.delivery,
-                    Some(&id),
-                    "conflicting_duplicate",
-                    &detail,
-                    None,
-                )
-                .await;
-            }
-            if !requeue.is_empty() {
-                // Hold the worker's slot for a while, longer with each
-                // delivery: during an outage (PostgreSQL down) this slows the
-                // whole consumer down instead of spinning through the
-                // delivery cap in seconds. Shutdown ends the pause: the
-                // requeue happens either way.
-                tokio::select! {
-                    biased;
-                    () = stopped(&mut shutdown) => {}
-                    () = tokio::time::sleep(jittered(pause)) => {}
                 }
-                for i in requeue {
-                    self.requeue_failed(&items[i].delivery, &items[i].key).await;
+                for (i, detail) in conflicts {
+                    // Not the key's failure (the key was processed): the
+                    // ledger is left alone, as for bad input.
+                    let item = &items[i];
+                    let id = item.message_id.to_string();
+                    self.dead_letter(
+                        &item.delivery,
+                        Some(&id),
+                        "conflicting_duplicate",
+                        &detail,
+                        None,
+                        &process,
+                    )
+                    .await;
+                }
+                if !requeue.is_empty() {
+                    // Hold the worker's slot for a while, longer with each
+                    // delivery: during an outage (PostgreSQL down) this slows the
+                    // whole consumer down instead of spinning through the
+                    // delivery cap in seconds. Shutdown ends the pause: the
+                    // requeue happens either way.
+                    tokio::select! {
+                        biased;
+                        () = stopped(stop_signal) => {}
+                        () = tokio::time::sleep(jittered(pause)) => {}
+                    }
+                    for i in requeue {
+                        self.requeue_failed(&items[i].delivery, &items[i].key).await;
+                    }
                 }
             }
+            .instrument(settle)
+            .await;
             if !again.is_empty() {
                 let stopping = tokio::select! {
                     biased;
@@ -571,6 +605,7 @@ where
         reason: &str,
         detail: &str,
         failure: Option<Failure<'_>>,
+        attempt_span: &Span,
     ) {
         let consumer = self.consumer_label();
         let queue = &self.queue;
@@ -608,6 +643,12 @@ where
             long_string(&truncate(detail, 1000)),
         );
         headers.insert("x-dead-letter-consumer".into(), long_string(&consumer));
+        if let Some(traceparent) = crate::trace::traceparent_of(attempt_span) {
+            headers.insert(
+                crate::trace::DEAD_LETTER_TRACEPARENT.into(),
+                long_string(&traceparent),
+            );
+        }
         headers.insert("x-dead-letter-queue".into(), long_string(queue));
         let properties = delivery.properties.clone().with_headers(headers);
         let published = Publisher::publish_raw(
