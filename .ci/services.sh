@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Makes sure PostgreSQL (127.0.0.1:5432, user postgres, trust auth, database
 # `test`), PgBouncer in transaction mode in front of it (127.0.0.1:6432,
-# .ci/pgbouncer.ini) and RabbitMQ (127.0.0.1:5672, guest/guest) are running.
+# .ci/pgbouncer.ini), RabbitMQ (127.0.0.1:5672, guest/guest) and NATS with
+# JetStream (127.0.0.1:4222) are running.
 #
 # Idempotent and quiet when both are up. On a fresh Debian machine it installs
 # them with apt, sets trust auth, and starts them (no systemd needed). Fails
@@ -124,6 +125,33 @@ ensure_pgbouncer() {
   wait_until 30 "PgBouncer (transaction mode) on 127.0.0.1:6432" bouncer_ready
 }
 
+# A NATS server announces itself with an INFO line; `"jetstream":true` in it
+# says JetStream is on, which the NATS tests need (a plain NATS server on
+# the port would fail them in obscure ways).
+nats_info() { timeout 3 bash -c 'exec 3<>/dev/tcp/127.0.0.1/4222 && head -n 1 <&3' 2>/dev/null; }
+nats_up() { nats_info | grep -q '"jetstream":true'; }
+
+ensure_nats() {
+  if nats_up; then
+    return 0
+  fi
+  if nats_info | grep -q '^INFO'; then
+    die "127.0.0.1:4222 is a NATS server without JetStream: restart it with -js, the NATS tests need JetStream"
+  fi
+  local bin
+  bin=$(command -v nats-server || echo /usr/sbin/nats-server)
+  [ -x "$bin" ] || { apt_install nats-server; bin=$(command -v nats-server || echo /usr/sbin/nats-server); }
+  log "starting NATS with JetStream on 127.0.0.1:4222"
+  as_root mkdir -p /var/lib/nats-server
+  # Debian's package starts nothing where no init system runs; the daemon
+  # is started the way this machine's own NATS is.
+  as_root start-stop-daemon --start --oknodo --background --exec "$bin" -- \
+    -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log \
+    || die "nats-server would not start (see /var/log/nats-server.log)"
+  wait_until 30 "NATS with JetStream on 127.0.0.1:4222" nats_up
+}
+
 ensure_postgres
 ensure_pgbouncer
 ensure_rabbitmq
+ensure_nats
