@@ -26,6 +26,7 @@
 //! channel on a double settle).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::sync::Mutex as SyncMutex;
 use std::time::Duration;
 
@@ -35,27 +36,17 @@ use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use tokio::sync::{Mutex, Notify, watch};
 
-use crate::AppError;
-use crate::config::BatchConfig;
+use futures::future::BoxFuture;
+use lapin::Channel;
+use lapin::types::{AMQPValue, FieldTable};
 
-/// The frame one delivery is settled with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Frame {
-    /// `basic.ack`.
-    Ack,
-    /// `basic.nack` with requeue: "not the message's fault", which does not
-    /// raise a quorum queue's delivery count on RabbitMQ 4.3 and later.
-    Requeue,
-    /// `basic.reject` with requeue: "this message failed", which every
-    /// RabbitMQ version counts in a quorum queue's `x-delivery-count`.
-    RequeueFailed,
-    /// `basic.reject` without requeue (to the queue's dead-letter exchange).
-    Reject,
-    /// `basic.nack` with requeue, for a delivery handed back uncharged
-    /// because the store is away: kept apart from [`Frame::Requeue`], which
-    /// is for the message's own failures.
-    Release,
-}
+use crate::AppError;
+use crate::amqp::{Publisher, long_string};
+use crate::config::BatchConfig;
+pub(crate) use crate::delivery::Frame;
+use crate::delivery::{DeadLetter, Settler};
+use crate::message::truncate;
+use crate::topology::Topology;
 
 /// The unsettled delivery tags of one consuming channel, and the acks
 /// waiting to go out.
@@ -218,6 +209,115 @@ impl AckTracker {
         }
         self.flush().await;
     }
+}
+
+/// The RabbitMQ [`Settler`] of one consuming channel: acks through its
+/// [`AckTracker`], dead letters published to the queue's dead-letter
+/// exchange on a channel of their own in confirm mode.
+pub(crate) struct AmqpSettler {
+    /// The consuming channel's unsettled tags and waiting acks.
+    pub(crate) acks: Arc<AckTracker>,
+    /// A channel in confirm mode, for dead-letter publishes.
+    pub(crate) dead_letter_channel: Channel,
+}
+
+impl Settler for AmqpSettler {
+    type Delivery = Delivery;
+
+    fn ack_later(&self, deliveries: &[&Delivery]) {
+        self.acks.ack_later(deliveries);
+    }
+
+    fn settle<'a>(
+        &'a self,
+        delivery: &'a Delivery,
+        frame: Frame,
+    ) -> BoxFuture<'a, Result<(), AppError>> {
+        Box::pin(async move {
+            self.acks
+                .settle(delivery, frame)
+                .await
+                .map(drop)
+                .map_err(|e| AppError::broker(format!("{frame:?} of a delivery"), e))
+        })
+    }
+
+    fn dead_letter<'a>(
+        &'a self,
+        delivery: &'a Delivery,
+        letter: &'a DeadLetter<'a>,
+    ) -> BoxFuture<'a, Result<(), AppError>> {
+        Box::pin(async move {
+            let properties = delivery
+                .properties
+                .clone()
+                .with_headers(dead_letter_headers(
+                    delivery.properties.headers().as_ref(),
+                    letter,
+                ));
+            let published = Publisher::publish_raw(
+                &self.dead_letter_channel,
+                &Topology::dead_letter_exchange(letter.queue),
+                letter.queue,
+                &delivery.data,
+                properties,
+            )
+            .await;
+            match published {
+                Ok(()) => {
+                    if let Err(error) = self.settle(delivery, Frame::Ack).await {
+                        // Published but not acked: the redelivery will be
+                        // dead-lettered again (bad input) or find its row.
+                        tracing::warn!(error = %error, "ack after dead-letter publish failed");
+                    }
+                    Ok(())
+                }
+                Err(error) => {
+                    tracing::warn!(error = %crate::error::chain(&error), reason = letter.reason,
+                        "dead-letter publish failed; rejecting into the queue's dead-letter exchange without the reason");
+                    self.settle(delivery, Frame::Reject).await
+                }
+            }
+        })
+    }
+}
+
+/// A dead letter's headers: the message's own, without the broker's count
+/// (it belongs to this queue's delivery; a replay from the dead-letter
+/// queue is a new delivery with a fresh count), with `letter`'s.
+fn dead_letter_headers(original: Option<&FieldTable>, letter: &DeadLetter<'_>) -> FieldTable {
+    let mut headers: FieldTable = original
+        .map(|headers| {
+            let mut inner = headers.inner().clone();
+            inner.remove("x-delivery-count");
+            inner
+        })
+        .unwrap_or_default()
+        .into();
+    if let Some((attempts, last_error)) = letter.failure {
+        headers.insert(
+            "x-inbox-attempts".into(),
+            AMQPValue::LongLongInt(i64::try_from(attempts).unwrap_or(i64::MAX)),
+        );
+        headers.insert("x-inbox-last-error".into(), long_string(last_error));
+    }
+    headers.insert("x-dead-letter-reason".into(), long_string(letter.reason));
+    headers.insert(
+        "x-dead-letter-detail".into(),
+        long_string(&truncate(letter.detail, 1000)),
+    );
+    headers.insert(
+        "x-dead-letter-consumer".into(),
+        long_string(letter.consumer),
+    );
+    headers.insert("x-dead-letter-queue".into(), long_string(letter.queue));
+    if let Some(traceparent) = &letter.traceparent {
+        headers.insert(
+            crate::trace::DEAD_LETTER_TRACEPARENT.into(),
+            long_string(traceparent),
+        );
+    }
+    headers
 }
 
 /// Settles one delivery directly on its channel (`multiple` for an ack

@@ -1,13 +1,16 @@
-//! RabbitMQ plumbing: connecting with backoff, and a confirming publisher.
+//! RabbitMQ plumbing: connecting with backoff, a confirming publisher, and
+//! lapin's delivery read as a [`crate::delivery::Delivery`].
 //!
 //! Every publish waits for the broker's confirm: a message the broker did
 //! not take is an error here, never a silent loss.
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use lapin::message::Delivery;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, PublisherConfirm};
 use tokio::sync::watch;
 
@@ -15,6 +18,7 @@ use serde::Serialize;
 
 use crate::AppError;
 use crate::backoff::RECONNECT;
+use crate::delivery::{HeaderValue, Headers};
 use crate::redact::redact_url;
 use crate::shutdown::bounded;
 
@@ -444,4 +448,92 @@ pub async fn close_channel_bounded(channel: &Channel, reason: &str) {
 /// An empty argument table.
 pub fn no_args() -> FieldTable {
     FieldTable::default()
+}
+
+/// A string as an AMQP header or argument value.
+pub(crate) fn long_string(text: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(text.as_bytes().to_vec()))
+}
+
+/// An AMQP header value as the runtime reads headers: text, or an integer
+/// of any width (a producer in another language picks its own; a
+/// timestamp is a count of seconds).
+fn header_value(value: &AMQPValue) -> HeaderValue<'_> {
+    match value {
+        AMQPValue::LongString(s) => HeaderValue::Text(String::from_utf8_lossy(s.as_bytes())),
+        AMQPValue::ShortString(s) => HeaderValue::Text(Cow::Borrowed(s.as_str())),
+        AMQPValue::ShortShortInt(v) => HeaderValue::Integer(i128::from(*v)),
+        AMQPValue::ShortShortUInt(v) => HeaderValue::Integer(i128::from(*v)),
+        AMQPValue::ShortInt(v) => HeaderValue::Integer(i128::from(*v)),
+        AMQPValue::ShortUInt(v) => HeaderValue::Integer(i128::from(*v)),
+        AMQPValue::LongInt(v) => HeaderValue::Integer(i128::from(*v)),
+        AMQPValue::LongUInt(v) => HeaderValue::Integer(i128::from(*v)),
+        AMQPValue::LongLongInt(v) => HeaderValue::Integer(i128::from(*v)),
+        AMQPValue::Timestamp(v) => HeaderValue::Integer(i128::from(*v)),
+        _ => HeaderValue::Other,
+    }
+}
+
+impl Headers for FieldTable {
+    fn header(&self, name: &str) -> Option<HeaderValue<'_>> {
+        self.inner().get(name).map(header_value)
+    }
+}
+
+impl Headers for Delivery {
+    fn header(&self, name: &str) -> Option<HeaderValue<'_>> {
+        self.properties.headers().as_ref()?.header(name)
+    }
+}
+
+impl crate::delivery::Delivery for Delivery {
+    fn message_id(&self) -> Option<&str> {
+        self.properties.message_id().as_ref().map(|id| id.as_str())
+    }
+
+    fn kind(&self) -> Option<&str> {
+        self.properties.kind().as_ref().map(|kind| kind.as_str())
+    }
+
+    fn body(&self) -> &[u8] {
+        &self.data
+    }
+
+    fn redelivered(&self) -> bool {
+        self.redelivered
+    }
+
+    fn earlier_deliveries(&self) -> u64 {
+        earlier_deliveries(self)
+    }
+}
+
+/// `x-delivery-count`, which quorum queues set on a redelivery (classic
+/// queues count nothing).
+fn earlier_deliveries(headers: &impl Headers) -> u64 {
+    headers
+        .header("x-delivery-count")
+        .and_then(|count| count.as_count())
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod delivery_tests {
+    use super::*;
+
+    #[test]
+    fn delivery_counts_read_every_integer_width() {
+        for (value, expected) in [
+            (AMQPValue::LongInt(3), 3),
+            (AMQPValue::LongLongInt(7), 7),
+            (AMQPValue::ShortShortUInt(2), 2),
+            (AMQPValue::LongInt(-1), 0),
+            (long_string("4"), 0),
+        ] {
+            let mut headers = FieldTable::default();
+            headers.insert("x-delivery-count".into(), value.clone());
+            assert_eq!(earlier_deliveries(&headers), expected, "{value:?}");
+        }
+        assert_eq!(earlier_deliveries(&FieldTable::default()), 0);
+    }
 }

@@ -19,8 +19,8 @@
 use std::fmt;
 
 use inbox_api::MessageId;
-use lapin::types::AMQPValue;
 
+use crate::delivery::HeaderValue;
 use crate::message::{BadInput, BadInputReason, RawMessage, truncate};
 
 /// Where a delivery's message id is read, and whether ids that are not
@@ -127,9 +127,9 @@ impl Identity {
             Source::MessageId => raw.message_id.map(str::to_owned),
             Source::Header(name) => raw
                 .headers
-                .and_then(|headers| headers.inner().get(name.as_str()))
+                .and_then(|headers| headers.header(name))
                 .map(|value| {
-                    header_key(value).ok_or_else(|| self.unusable("a string or an integer"))
+                    header_key(&value).ok_or_else(|| self.unusable("a string or an integer"))
                 })
                 .transpose()?,
             Source::BodyField(pointer) => json
@@ -189,20 +189,13 @@ impl fmt::Debug for Identity {
     }
 }
 
-/// A header value usable as an id: text, or an integer of any width AMQP
-/// clients send (a producer in another language picks its own).
-fn header_key(value: &AMQPValue) -> Option<String> {
+/// A header value usable as an id: text, or an integer of any width
+/// (a producer in another language picks its own), as its decimal text.
+fn header_key(value: &HeaderValue<'_>) -> Option<String> {
     Some(match value {
-        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
-        AMQPValue::ShortString(s) => s.as_str().to_owned(),
-        AMQPValue::ShortShortInt(v) => v.to_string(),
-        AMQPValue::ShortShortUInt(v) => v.to_string(),
-        AMQPValue::ShortInt(v) => v.to_string(),
-        AMQPValue::ShortUInt(v) => v.to_string(),
-        AMQPValue::LongInt(v) => v.to_string(),
-        AMQPValue::LongUInt(v) => v.to_string(),
-        AMQPValue::LongLongInt(v) => v.to_string(),
-        _ => return None,
+        HeaderValue::Text(text) => text.clone().into_owned(),
+        HeaderValue::Integer(value) => value.to_string(),
+        HeaderValue::Other => return None,
     })
 }
 
@@ -220,7 +213,7 @@ fn json_key(value: &serde_json::Value) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lapin::types::{FieldTable, LongString, ShortString};
+    use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
     fn raw<'a>(
         message_id: Option<&'a str>,
@@ -230,7 +223,7 @@ mod tests {
         RawMessage {
             message_id,
             kind: Some("t"),
-            headers,
+            headers: headers.map(|h| h as &dyn crate::delivery::Headers),
             body,
         }
     }

@@ -36,8 +36,9 @@
 //! - [`replay`]: moving dead letters back to their queue after a fix.
 //! - [`identity`]: where a consumer's message id comes from (the
 //!   `message_id` property, a header, a body field, the body's hash).
-//! - [`config`], [`topology`], [`message`], [`decode`]: settings, queue
-//!   names, a delivery's parts and their decoding.
+//! - [`config`], [`topology`], [`delivery`], [`message`], [`decode`]:
+//!   settings, queue names, what the runtime reads of a delivery whatever
+//!   the broker, and its decoding.
 //! - [`amqp`], [`backoff`], [`shutdown`], [`telemetry`], [`tally`],
 //!   [`redact`], [`error`]: plumbing.
 //! - `http` (feature `http`): `/metrics`, `/live` and `/ready`.
@@ -51,6 +52,7 @@ mod broker_url;
 pub mod config;
 pub mod context;
 pub mod decode;
+pub mod delivery;
 pub mod error;
 pub mod handler;
 #[cfg(feature = "http")]

@@ -10,8 +10,8 @@
 use std::fmt;
 
 use inbox_api::MessageId;
-use lapin::BasicProperties;
-use lapin::types::{AMQPValue, FieldTable, LongString};
+
+use crate::delivery::{Delivery, Headers};
 
 /// The UUID v5 namespace of [`follow_up_id`].
 const FOLLOW_UP_NAMESPACE: uuid::Uuid =
@@ -112,28 +112,28 @@ impl BadInput {
     }
 }
 
-/// The parts of a delivery the validation reads: kept apart from lapin's
-/// types so that the rules are unit-testable.
+/// The parts of a delivery the validation reads: kept apart from any
+/// broker's types so that the rules are unit-testable.
 #[derive(Clone, Copy, Debug)]
 pub struct RawMessage<'a> {
     /// The AMQP `message_id` property.
     pub message_id: Option<&'a str>,
     /// The AMQP `type` property.
     pub kind: Option<&'a str>,
-    /// The AMQP headers, for an [`crate::identity::Identity::header`].
-    pub headers: Option<&'a FieldTable>,
+    /// The headers, for an [`crate::identity::Identity::header`].
+    pub headers: Option<&'a dyn Headers>,
     /// The body.
     pub body: &'a [u8],
 }
 
 impl<'a> RawMessage<'a> {
-    /// The parts of a delivery's properties and body.
-    pub fn of(properties: &'a BasicProperties, body: &'a [u8]) -> Self {
+    /// The parts of `delivery`.
+    pub fn of(delivery: &'a impl Delivery) -> Self {
         Self {
-            message_id: properties.message_id().as_ref().map(|s| s.as_str()),
-            kind: properties.kind().as_ref().map(|s| s.as_str()),
-            headers: properties.headers().as_ref(),
-            body,
+            message_id: delivery.message_id(),
+            kind: delivery.kind(),
+            headers: Some(delivery),
+            body: delivery.body(),
         }
     }
 }
@@ -150,64 +150,14 @@ pub fn truncate(text: &str, max: usize) -> String {
     format!("{}…", &text[..end])
 }
 
-/// The broker's count of earlier deliveries of this message
-/// (`x-delivery-count`, set by quorum queues on redelivery).
-pub fn delivery_count(properties: &BasicProperties) -> u64 {
-    let Some(headers) = properties.headers() else {
-        return 0;
-    };
-    headers
-        .inner()
-        .get("x-delivery-count")
-        .and_then(as_u64)
-        .unwrap_or(0)
-}
-
-fn as_u64(value: &AMQPValue) -> Option<u64> {
-    match value {
-        AMQPValue::ShortShortInt(v) => u64::try_from(*v).ok(),
-        AMQPValue::ShortShortUInt(v) => Some(u64::from(*v)),
-        AMQPValue::ShortInt(v) => u64::try_from(*v).ok(),
-        AMQPValue::ShortUInt(v) => Some(u64::from(*v)),
-        AMQPValue::LongInt(v) => u64::try_from(*v).ok(),
-        AMQPValue::LongUInt(v) => Some(u64::from(*v)),
-        AMQPValue::LongLongInt(v) => u64::try_from(*v).ok(),
-        AMQPValue::Timestamp(v) => Some(*v),
-        _ => None,
-    }
-}
-
 /// A header value as text, if it is a string.
-pub fn header_text(headers: &FieldTable, name: &str) -> Option<String> {
-    match headers.inner().get(name)? {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
-        _ => None,
-    }
-}
-
-/// A string as an AMQP header or argument value.
-pub(crate) fn long_string(text: &str) -> AMQPValue {
-    AMQPValue::LongString(LongString::from(text.as_bytes().to_vec()))
+pub fn header_text(headers: &impl Headers, name: &str) -> Option<String> {
+    Some(headers.header(name)?.as_text()?.to_owned())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn delivery_counts_read_every_integer_width() {
-        for (value, expected) in [
-            (AMQPValue::LongInt(3), Some(3)),
-            (AMQPValue::LongLongInt(7), Some(7)),
-            (AMQPValue::ShortShortUInt(2), Some(2)),
-            (AMQPValue::LongInt(-1), None),
-            (long_string("4"), None),
-        ] {
-            assert_eq!(as_u64(&value), expected, "{value:?}");
-        }
-        assert_eq!(delivery_count(&BasicProperties::default()), 0);
-    }
 
     #[test]
     fn truncation_keeps_char_boundaries() {

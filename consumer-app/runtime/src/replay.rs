@@ -151,7 +151,7 @@ mod tests {
     use lapin::types::AMQPValue;
 
     use super::*;
-    use crate::message::long_string;
+    use crate::amqp::long_string;
 
     #[test]
     fn replayed_properties_lose_only_the_dead_letter_headers() {

@@ -47,7 +47,7 @@ use lapin::{Channel, Connection};
 use tokio::sync::{Semaphore, watch};
 use tokio::task::{JoinHandle, JoinSet};
 
-use crate::ack::{AckTracker, collect};
+use crate::ack::{AckTracker, AmqpSettler, collect};
 use crate::amqp::{
     OnRefusal, close_bounded, close_channel_bounded, connect_with_backoff, no_args, open_channel,
 };
@@ -339,8 +339,10 @@ where
                 config: config.worker.clone(),
                 metric_names: self.metric_names,
                 tally: Arc::clone(&self.tally),
-                dead_letter_channel,
-                acks: Arc::new(AckTracker::new(config.worker.prefetch)),
+                settler: Arc::new(AmqpSettler {
+                    acks: Arc::new(AckTracker::new(config.worker.prefetch)),
+                    dead_letter_channel,
+                }),
                 circuit: Arc::clone(circuit),
             };
             let run: QueueLoop =
@@ -711,7 +713,7 @@ where
     // The channel's waiting acks go out from here (see `ack`).
     let (stop_flushing, flushing) = watch::channel(false);
     let flusher = {
-        let acks = Arc::clone(&worker.acks);
+        let acks = Arc::clone(&worker.settler.acks);
         let every = worker.config.ack_flush;
         tokio::spawn(async move { acks.flush_loop(every, flushing).await })
     };
@@ -766,7 +768,7 @@ where
                         delivery,
                         &mut current.consumer,
                         batch,
-                        &worker.acks,
+                        &worker.settler.acks,
                         &mut shutdown,
                         &queue,
                     )
@@ -774,7 +776,7 @@ where
                     let span = crate::trace::process_span(
                         worker.handler.name().as_str(),
                         &queue,
-                        &deliveries.iter().map(|d| &d.properties).collect::<Vec<_>>(),
+                        &deliveries.iter().collect::<Vec<_>>(),
                     );
                     let worker = worker.clone();
                     let stop = shutdown.clone();
@@ -789,11 +791,11 @@ where
                     }
                 }
                 None => {
-                    worker.acks.received(&delivery);
+                    worker.settler.acks.received(&delivery);
                     let span = crate::trace::process_span(
                         worker.handler.name().as_str(),
                         &queue,
-                        &[&delivery.properties],
+                        &[&delivery],
                     );
                     let worker = worker.clone();
                     let stop = shutdown.clone();
@@ -851,7 +853,7 @@ where
     }
     drop(current);
     close_channel_bounded(&channel, "shutdown").await;
-    close_channel_bounded(&worker.dead_letter_channel, "shutdown").await;
+    close_channel_bounded(&worker.settler.dead_letter_channel, "shutdown").await;
     tracing::info!(%queue, "consumer stopped");
     Ok(())
 }
@@ -935,7 +937,7 @@ where
     loop {
         match tokio::time::timeout(PAUSE_DRAIN_LIMIT, current.consumer.next()).await {
             Ok(Some(Ok(delivery))) => {
-                worker.acks.received(&delivery);
+                worker.settler.acks.received(&delivery);
                 worker.hand_back(&delivery).await;
                 handed_back += 1;
             }
@@ -948,7 +950,7 @@ where
                     "the cancelled consumer's stream did not end; going on");
                 // A delivery still on its way would not be in the tracker,
                 // and a multiple-ack could cover it unprocessed.
-                worker.acks.single_acks_only();
+                worker.settler.acks.single_acks_only();
                 break;
             }
         }

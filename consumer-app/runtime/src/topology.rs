@@ -24,8 +24,8 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, ExchangeKind};
 
 use crate::AppError;
+use crate::amqp::long_string;
 use crate::amqp::{close_bounded, connect};
-use crate::message::long_string;
 use crate::shutdown::TEARDOWN_LIMIT;
 
 /// The broker's own cap on deliveries of one message (`x-delivery-limit`),

@@ -40,6 +40,10 @@ use std::collections::BTreeMap;
 use inbox_api::{InboxError, OutgoingMessage};
 use tracing::Span;
 
+use crate::delivery::Delivery;
+#[cfg(feature = "otel")]
+use crate::message::header_text;
+
 /// The level of the `request`, `publish` and `process` spans: info when
 /// they are exported (`otel`), debug otherwise, so that a service's info
 /// log lines do not carry span fields it has no use for.
@@ -150,24 +154,9 @@ pub fn request_span(method: &str, route: &str, get: impl Fn(&str) -> Option<Stri
     span
 }
 
-/// The text of an AMQP header, if it is one.
-#[cfg(feature = "otel")]
-fn amqp_header(headers: Option<&lapin::types::FieldTable>, name: &str) -> Option<String> {
-    use lapin::types::AMQPValue;
-    match headers?.inner().get(name)? {
-        AMQPValue::LongString(text) => Some(text.to_string()),
-        AMQPValue::ShortString(text) => Some(text.to_string()),
-        _ => None,
-    }
-}
-
 /// The span `consumer` handles deliveries from `queue` in: one delivery's
 /// span continues the trace its headers carry; a batch's links to each.
-pub(crate) fn process_span(
-    consumer: &str,
-    queue: &str,
-    deliveries: &[&lapin::BasicProperties],
-) -> Span {
+pub(crate) fn process_span<D: Delivery>(consumer: &str, queue: &str, deliveries: &[&D]) -> Span {
     let span = tracing::span!(
         SPAN_LEVEL,
         "process",
@@ -180,29 +169,24 @@ pub(crate) fn process_span(
         messaging.batch.message_count = deliveries.len(),
         messaging.message.id = tracing::field::Empty,
     );
-    if let [properties] = deliveries
-        && let Some(id) = properties.message_id()
+    if let [delivery] = deliveries
+        && let Some(id) = delivery.message_id()
     {
-        span.record("messaging.message.id", id.as_str());
+        span.record("messaging.message.id", id);
     }
     #[cfg(feature = "otel")]
     {
         match deliveries {
-            [properties] => set_parent(&span, |name| {
-                amqp_header(properties.headers().as_ref(), name)
-            }),
+            [delivery] => set_parent(&span, |name| header_text(*delivery, name)),
             batch => {
-                for properties in batch {
-                    link(&span, |name| {
-                        amqp_header(properties.headers().as_ref(), name)
-                    });
+                for delivery in batch {
+                    link(&span, |name| header_text(*delivery, name));
                 }
             }
         }
         // A replayed dead letter links to the attempt that gave it up.
-        for properties in deliveries {
-            let headers = properties.headers();
-            if let Some(failed) = amqp_header(headers.as_ref(), REPLAYED_FROM) {
+        for delivery in deliveries {
+            if let Some(failed) = header_text(*delivery, REPLAYED_FROM) {
                 link(&span, |name| (name == TRACEPARENT).then(|| failed.clone()));
             }
         }

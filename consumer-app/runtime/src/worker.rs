@@ -41,7 +41,8 @@
 //!
 //! **Dead-lettering with a reason.** RabbitMQ's own dead-lettering (a
 //! `reject` without requeue) keeps the message and its headers but can only
-//! say `rejected`. So the runtime publishes the message itself to the
+//! say `rejected`. So the runtime publishes the message itself (through the
+//! [`Settler`]; on RabbitMQ, the `ack` module's) to the
 //! queue's dead-letter exchange, with the original properties and headers
 //! plus `x-dead-letter-reason` (the stable label also used as the metric
 //! label), `x-dead-letter-detail` (the error text), `x-dead-letter-consumer`
@@ -61,30 +62,27 @@ use std::time::{Duration, Instant};
 
 use inbox_api::metrics as names;
 use inbox_api::{Fingerprint, Handled, Inbox, InboxKey, LastError, MessageId};
-use lapin::Channel;
-use lapin::message::Delivery;
 use tokio::sync::{OwnedSemaphorePermit, watch};
 use tracing::{Instrument as _, Span};
 
-use crate::ack::{AckTracker, Frame};
-use crate::amqp::Publisher;
+use crate::ack::AmqpSettler;
 use crate::availability::StoreCircuit;
 use crate::backoff::jittered;
 use crate::config::WorkerConfig;
 use crate::context::Context;
 use crate::decode::decode;
+use crate::delivery::{DeadLetter, Delivery as _, Frame, Settler};
 use crate::error::chain;
 use crate::handler::Handler;
-use crate::message::{RawMessage, delivery_count, long_string, truncate};
+use crate::message::{RawMessage, truncate};
 use crate::settle::{DeadLetterReason, Deliveries, ErrorDisposition, Outcome, Settle};
 use crate::shutdown::stopped;
 use crate::tally::{ConsumerTally, bump};
 use crate::telemetry::MetricNames;
-use crate::topology::Topology;
 use crate::{AppError, ServiceStore};
 
 /// What the message path does with one queue's deliveries.
-pub(crate) struct Worker<S, H> {
+pub(crate) struct Worker<S, H, T = AmqpSettler> {
     pub(crate) inbox: Arc<Inbox<S>>,
     pub(crate) handler: Arc<H>,
     /// Where the handler's events go (the topology's exchange).
@@ -93,16 +91,13 @@ pub(crate) struct Worker<S, H> {
     pub(crate) config: WorkerConfig,
     pub(crate) metric_names: MetricNames,
     pub(crate) tally: Arc<ConsumerTally>,
-    /// A channel in confirm mode, for dead-letter publishes.
-    pub(crate) dead_letter_channel: Channel,
-    /// The consuming channel's unsettled tags and waiting acks, through
-    /// which every settle goes.
-    pub(crate) acks: Arc<AckTracker>,
+    /// What tells the broker: every settle goes through it.
+    pub(crate) settler: Arc<T>,
     /// The service's store circuit, told of every attempt's outcome.
     pub(crate) circuit: Arc<StoreCircuit>,
 }
 
-impl<S, H> Clone for Worker<S, H> {
+impl<S, H, T> Clone for Worker<S, H, T> {
     fn clone(&self) -> Self {
         Self {
             inbox: Arc::clone(&self.inbox),
@@ -112,16 +107,15 @@ impl<S, H> Clone for Worker<S, H> {
             config: self.config.clone(),
             metric_names: self.metric_names,
             tally: Arc::clone(&self.tally),
-            dead_letter_channel: self.dead_letter_channel.clone(),
-            acks: Arc::clone(&self.acks),
+            settler: Arc::clone(&self.settler),
             circuit: Arc::clone(&self.circuit),
         }
     }
 }
 
 /// A decoded delivery.
-struct Item<M> {
-    delivery: Delivery,
+struct Item<M, D> {
+    delivery: D,
     message_id: MessageId,
     message: M,
     key: InboxKey,
@@ -143,10 +137,11 @@ struct Failure<'a> {
 /// The result of one attempt, per message (by index into the items).
 type Results<T> = Vec<(usize, Result<Handled<T>, AppError>)>;
 
-impl<S, H> Worker<S, H>
+impl<S, H, T> Worker<S, H, T>
 where
     S: ServiceStore,
     H: Handler<S::Transaction>,
+    T: Settler,
 {
     fn consumer_label(&self) -> String {
         self.handler.name().as_str().to_owned()
@@ -173,7 +168,7 @@ where
     /// consumer down while messages fail.
     pub(crate) async fn process(
         self,
-        deliveries: Vec<Delivery>,
+        deliveries: Vec<T::Delivery>,
         mut shutdown: watch::Receiver<bool>,
         slot: OwnedSemaphorePermit,
     ) {
@@ -184,7 +179,7 @@ where
         let batched = self.config.batch.is_some();
         let mut items = Vec::with_capacity(deliveries.len());
         for delivery in deliveries {
-            let raw = RawMessage::of(&delivery.properties, &delivery.data);
+            let raw = RawMessage::of(&delivery);
             let shown_id = raw.message_id.map(|id| truncate(id, 64));
             let decoded = decode(
                 raw,
@@ -198,8 +193,8 @@ where
                     // The body's fingerprint rides with the key: stored by
                     // the claim, compared when the id comes again.
                     let key = InboxKey::new(message_id, self.handler.name().clone())
-                        .with_fingerprint(Fingerprint::of(&delivery.data));
-                    let earlier = delivery_count(&delivery.properties);
+                        .with_fingerprint(Fingerprint::of(delivery.body()));
+                    let earlier = delivery.earlier_deliveries();
                     items.push(Item {
                         delivery,
                         message_id,
@@ -286,7 +281,7 @@ where
                         // retry): the duplicates counter tells the rate, the
                         // line is for following one message.
                         tracing::debug!(message_id = %item.message_id, consumer = %item.key.consumer,
-                            redelivered = item.delivery.redelivered, "duplicate delivery discarded");
+                            redelivered = item.delivery.redelivered(), "duplicate delivery discarded");
                         acks.push(i);
                     }
                     (Settle::Retry { delay }, _) => {
@@ -383,8 +378,8 @@ where
             settle.record("dead_lettered", dead.len() + conflicts.len());
             let stop_signal = &mut shutdown;
             async {
-                let acked: Vec<&Delivery> = acks.iter().map(|&i| &items[i].delivery).collect();
-                self.acks.ack_later(&acked);
+                let acked: Vec<&T::Delivery> = acks.iter().map(|&i| &items[i].delivery).collect();
+                self.settler.ack_later(&acked);
                 for i in handed_back {
                     self.requeue(&items[i].delivery, &items[i].key).await;
                 }
@@ -492,7 +487,7 @@ where
     /// One attempt at the `open` items: one transaction either way.
     async fn attempt(
         &self,
-        items: &[Item<H::Message>],
+        items: &[Item<H::Message, T::Delivery>],
         open: &[usize],
         batched: bool,
     ) -> Results<H::Intent> {
@@ -529,13 +524,13 @@ where
     }
 
     /// Counts a committed message and makes its after-commit call.
-    async fn processed(&self, item: &Item<H::Message>, intent: H::Intent) {
+    async fn processed(&self, item: &Item<H::Message, T::Delivery>, intent: H::Intent) {
         bump(&self.tally.processed);
-        if item.delivery.redelivered {
+        if item.delivery.redelivered() {
             bump(&self.tally.redelivered_processed);
         }
         tracing::debug!(message_id = %item.message_id, consumer = %item.key.consumer,
-            redelivered = item.delivery.redelivered, "processed");
+            redelivered = item.delivery.redelivered(), "processed");
         // Committed: the call that cannot join the transaction, with the
         // message id as its idempotency key.
         if let Err(error) = self.handler.after_commit(intent).await {
@@ -548,16 +543,16 @@ where
         }
     }
 
-    /// Settles one delivery through the channel's tracker.
-    async fn settle(&self, delivery: &Delivery, how: Frame) -> Result<bool, lapin::Error> {
-        self.acks.settle(delivery, how).await
+    /// Settles one delivery through the settler.
+    async fn settle(&self, delivery: &T::Delivery, how: Frame) -> Result<(), AppError> {
+        self.settler.settle(delivery, how).await
     }
 
     /// Records a delivery's final failure in the attempt ledger and returns
     /// the count including it, or 0 when the ledger cannot be written (the
     /// broker's count then decides alone; the store is likely down, which
     /// is not the message's fault).
-    async fn record_failure(&self, item: &Item<H::Message>) -> u32 {
+    async fn record_failure(&self, item: &Item<H::Message, T::Delivery>) -> u32 {
         let error = LastError::new(item.last_error.as_deref().unwrap_or("no attempt ran"));
         match self.inbox.store().record_failure(&item.key, &error).await {
             Ok(failures) => failures,
@@ -572,7 +567,7 @@ where
 
     /// Hands a delivery that failed back with `basic.reject(requeue)`: the
     /// message's own failure, which the broker counts.
-    async fn requeue_failed(&self, delivery: &Delivery, key: &InboxKey) {
+    async fn requeue_failed(&self, delivery: &T::Delivery, key: &InboxKey) {
         if let Err(error) = self.settle(delivery, Frame::RequeueFailed).await {
             tracing::warn!(message_id = %key.message_id, consumer = %key.consumer, error = %error,
                 "reject failed; the broker redelivers when the channel closes");
@@ -583,15 +578,15 @@ where
     /// requeue, which RabbitMQ 4.3 and later do not count as a delivery):
     /// the store is away, or consumption paused before it started, neither
     /// of them the message's fault.
-    pub(crate) async fn hand_back(&self, delivery: &Delivery) {
+    pub(crate) async fn hand_back(&self, delivery: &T::Delivery) {
         bump(&self.tally.released);
         if let Err(error) = self.settle(delivery, Frame::Release).await {
-            tracing::debug!(tag = delivery.delivery_tag, error = %error,
+            tracing::debug!(message_id = delivery.message_id().unwrap_or("<none>"), error = %error,
                 "nack failed; the broker redelivers when the channel closes");
         }
     }
 
-    async fn requeue(&self, delivery: &Delivery, key: &InboxKey) {
+    async fn requeue(&self, delivery: &T::Delivery, key: &InboxKey) {
         if let Err(error) = self.settle(delivery, Frame::Requeue).await {
             tracing::warn!(message_id = %key.message_id, consumer = %key.consumer, error = %error,
                 "nack failed; the broker redelivers when the channel closes");
@@ -600,7 +595,7 @@ where
 
     async fn dead_letter(
         &self,
-        delivery: &Delivery,
+        delivery: &T::Delivery,
         message_id: Option<&str>,
         reason: &str,
         detail: &str,
@@ -612,69 +607,19 @@ where
         let started = Instant::now();
         tracing::error!(message_id = message_id.unwrap_or("<none>"), consumer = %consumer, %queue,
             reason, detail, "dead-lettering delivery");
-        // The broker's count belongs to this queue's delivery; a replay from
-        // the dead-letter queue is a new delivery with a fresh count.
-        let mut headers: lapin::types::FieldTable = delivery
-            .properties
-            .headers()
-            .as_ref()
-            .map(|headers| {
-                let mut inner = headers.inner().clone();
-                inner.remove("x-delivery-count");
-                inner
-            })
-            .unwrap_or_default()
-            .into();
-        if let Some(failure) = &failure {
-            headers.insert(
-                "x-inbox-attempts".into(),
-                lapin::types::AMQPValue::LongLongInt(
-                    i64::try_from(failure.attempts).unwrap_or(i64::MAX),
-                ),
-            );
-            headers.insert(
-                "x-inbox-last-error".into(),
-                long_string(failure.last_error.as_str()),
-            );
-        }
-        headers.insert("x-dead-letter-reason".into(), long_string(reason));
-        headers.insert(
-            "x-dead-letter-detail".into(),
-            long_string(&truncate(detail, 1000)),
-        );
-        headers.insert("x-dead-letter-consumer".into(), long_string(&consumer));
-        if let Some(traceparent) = crate::trace::traceparent_of(attempt_span) {
-            headers.insert(
-                crate::trace::DEAD_LETTER_TRACEPARENT.into(),
-                long_string(&traceparent),
-            );
-        }
-        headers.insert("x-dead-letter-queue".into(), long_string(queue));
-        let properties = delivery.properties.clone().with_headers(headers);
-        let published = Publisher::publish_raw(
-            &self.dead_letter_channel,
-            &Topology::dead_letter_exchange(queue),
+        let letter = DeadLetter {
+            reason,
+            detail,
+            consumer: &consumer,
             queue,
-            &delivery.data,
-            properties,
-        )
-        .await;
-        match published {
-            Ok(()) => {
-                if let Err(error) = self.settle(delivery, Frame::Ack).await {
-                    // Published but not acked: the redelivery will be
-                    // dead-lettered again (bad input) or find its row.
-                    tracing::warn!(error = %error, "ack after dead-letter publish failed");
-                }
-            }
-            Err(error) => {
-                tracing::warn!(error = %chain(&error), reason,
-                    "dead-letter publish failed; rejecting into the queue's dead-letter exchange without the reason");
-                if let Err(error) = self.settle(delivery, Frame::Reject).await {
-                    tracing::warn!(error = %error, "reject failed; the broker will redeliver");
-                    return;
-                }
-            }
+            failure: failure
+                .as_ref()
+                .map(|failure| (failure.attempts, failure.last_error.as_str())),
+            traceparent: crate::trace::traceparent_of(attempt_span),
+        };
+        if let Err(error) = self.settler.dead_letter(delivery, &letter).await {
+            tracing::warn!(error = %chain(&error), "reject failed; the broker will redeliver");
+            return;
         }
         if let Some(failure) = failure {
             let marked = self
