@@ -30,7 +30,6 @@ use std::sync::Arc;
 use std::sync::Mutex as SyncMutex;
 use std::time::Duration;
 
-use futures::{Stream, StreamExt};
 use lapin::Acker;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
@@ -42,7 +41,6 @@ use lapin::types::{AMQPValue, FieldTable};
 
 use crate::AppError;
 use crate::amqp::{Publisher, long_string};
-use crate::config::BatchConfig;
 pub(crate) use crate::delivery::Frame;
 use crate::delivery::{DeadLetter, Settler};
 use crate::message::truncate;
@@ -340,54 +338,4 @@ pub(crate) async fn settle_one(
         Frame::RequeueFailed => acker.reject(BasicRejectOptions { requeue: true }).await,
         Frame::Reject => acker.reject(BasicRejectOptions { requeue: false }).await,
     }
-}
-
-/// Pulls deliveries after `first` until the batch is full, `wait` has
-/// passed since the first, or shutdown. Returns the batch and the
-/// consumer's failure, if it failed meanwhile (the batch is still to be
-/// processed: its deliveries cannot be acked then, and come back).
-pub(crate) async fn collect<S>(
-    first: Delivery,
-    consumer: &mut S,
-    config: BatchConfig,
-    tracker: &AckTracker,
-    shutdown: &mut watch::Receiver<bool>,
-    queue: &str,
-) -> (Vec<Delivery>, Option<AppError>)
-where
-    S: Stream<Item = Result<Delivery, lapin::Error>> + Unpin,
-{
-    tracker.received(&first);
-    let mut batch = Vec::with_capacity(config.size);
-    batch.push(first);
-    let deadline = tokio::time::Instant::now() + config.wait;
-    while batch.len() < config.size {
-        let next = tokio::select! {
-            biased;
-            _ = shutdown.wait_for(|stop| *stop) => break,
-            () = tokio::time::sleep_until(deadline) => break,
-            next = consumer.next() => next,
-        };
-        match next {
-            Some(Ok(delivery)) => {
-                tracker.received(&delivery);
-                batch.push(delivery);
-            }
-            Some(Err(error)) => {
-                return (
-                    batch,
-                    Some(AppError::broker(format!("consuming {queue}"), error)),
-                );
-            }
-            None => {
-                return (
-                    batch,
-                    Some(AppError::Unavailable(format!(
-                        "the broker cancelled the consumer of {queue}"
-                    ))),
-                );
-            }
-        }
-    }
-    (batch, None)
 }

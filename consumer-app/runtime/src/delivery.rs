@@ -8,9 +8,12 @@
 //! RabbitMQ's delivery implements it in [`crate::amqp`]. Headers are read
 //! through [`Headers`], a lookup that gives text or an integer, the two
 //! kinds a producer in any language can put in a header. What the runtime
-//! then tells the broker about a delivery goes through a [`Settler`].
+//! then tells the broker about a delivery goes through a [`Settler`], and
+//! deliveries come from a queue's [`Subscription`].
 
 use std::borrow::Cow;
+use std::future::Future;
+use std::sync::Arc;
 
 use futures::future::BoxFuture;
 
@@ -152,4 +155,49 @@ pub trait Settler: Send + Sync + 'static {
         delivery: &'a Self::Delivery,
         letter: &'a DeadLetter<'a>,
     ) -> BoxFuture<'a, Result<(), AppError>>;
+}
+
+/// One queue's subscription on a broker: its deliveries in order, and a
+/// pause for store outages.
+///
+/// The consuming loop (prefetch, concurrency, batching, the outage pause,
+/// shutdown) is written once above it. Whatever bookkeeping the broker
+/// needs before a delivery can be settled (RabbitMQ's tracker of unsettled
+/// tags) happens in [`Subscription::next`].
+pub trait Subscription: Send + 'static {
+    /// Its deliveries.
+    type Delivery: Delivery;
+    /// What settles them.
+    type Settler: Settler<Delivery = Self::Delivery>;
+
+    /// The settler of this subscription's deliveries.
+    fn settler(&self) -> Arc<Self::Settler>;
+
+    /// The next delivery; `None` when the broker ended the subscription.
+    fn next(&mut self) -> impl Future<Output = Option<Result<Self::Delivery, AppError>>> + Send;
+
+    /// Stops the broker's deliveries and returns those it had already
+    /// sent, for the caller to hand back.
+    ///
+    /// # Errors
+    /// The broker's: the subscription is then lost.
+    fn pause(&mut self) -> impl Future<Output = Result<Vec<Self::Delivery>, AppError>> + Send;
+
+    /// Starts the deliveries again after [`Subscription::pause`].
+    ///
+    /// # Errors
+    /// The broker's.
+    fn resume(&mut self) -> impl Future<Output = Result<(), AppError>> + Send;
+
+    /// Stops the broker's deliveries for good, before a graceful close
+    /// (deliveries in flight still settle).
+    fn stop(&mut self) -> impl Future<Output = ()> + Send;
+
+    /// Closes the subscription once every delivery settled: what waits to
+    /// go out (coalesced acks) goes out first.
+    fn close(self) -> impl Future<Output = ()> + Send;
+
+    /// Drops the subscription after a broker failure: nothing can go out
+    /// any more, and the broker redelivers what was not settled.
+    fn abandon(self);
 }

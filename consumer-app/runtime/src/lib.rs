@@ -7,9 +7,10 @@
 //! wires it in with [`Service`]; everything else is here.
 //!
 //! ```text
-//! broker ─► queue_loop (prefetch, concurrency, batching, shutdown, reconnect)
+//! broker ─► Subscription (RabbitMQ: basic.consume, prefetch, coalesced acks)
+//!   ─► queue_loop (concurrency, batching, the outage pause, shutdown)
 //!             └► worker: decode ─► Inbox::handle / handle_batch(key = (message_id, handler.name()))
-//!                  └► SettlePolicy::decide ─► ack | retry | requeue | dead-letter (reason headers)
+//!                  └► SettlePolicy::decide ─► Settler: ack | retry | requeue | dead-letter (reason headers)
 //! beside it: cleanup of old inbox rows, the inbox_rows gauge, counters (Tally), metrics,
 //!   the store circuit (a store outage pauses consumption; nothing is charged to the messages)
 //! and apart: the outbox relay (take_pending ─► publish with confirms ─► mark_published)
@@ -36,9 +37,14 @@
 //! - [`replay`]: moving dead letters back to their queue after a fix.
 //! - [`identity`]: where a consumer's message id comes from (the
 //!   `message_id` property, a header, a body field, the body's hash).
-//! - [`config`], [`topology`], [`delivery`], [`message`], [`decode`]:
-//!   settings, queue names, what the runtime reads of a delivery whatever
-//!   the broker, and its decoding.
+//! - [`config`], [`topology`], [`message`], [`decode`]: settings, queue
+//!   names, a delivery's parts and their decoding.
+//! - [`delivery`]: what the message path needs of a broker, written once
+//!   above every broker: [`delivery::Delivery`] (what it reads),
+//!   [`delivery::Settler`] (ack, requeue, dead-letter) and
+//!   [`delivery::Subscription`] (a queue's deliveries, paused during a
+//!   store outage). RabbitMQ's implementations are private modules beside
+//!   [`amqp`].
 //! - [`amqp`], [`backoff`], [`shutdown`], [`telemetry`], [`tally`],
 //!   [`redact`], [`error`]: plumbing.
 //! - `http` (feature `http`): `/metrics`, `/live` and `/ready`.
@@ -74,6 +80,8 @@ pub mod trace;
 pub mod wakeups;
 
 mod ack;
+mod consume;
+mod queue;
 mod worker;
 
 use inbox_api::{AttemptLedger, BatchTransaction, InboxStats, InboxStore};

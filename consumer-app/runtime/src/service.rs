@@ -33,30 +33,28 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
 use futures::future::BoxFuture;
 use inbox_api::metrics as names;
 use inbox_api::{
     AttemptLedger, AttemptLedgerExt, Inbox, InboxStats, InboxStore, InboxStoreExt, MessageId,
     OutboxStore,
 };
-use lapin::options::{
-    BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
-};
-use lapin::{Channel, Connection};
-use tokio::sync::{Semaphore, watch};
+use lapin::Connection;
+use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
-use crate::ack::{AckTracker, AmqpSettler, collect};
 use crate::amqp::{
-    OnRefusal, close_bounded, close_channel_bounded, connect_with_backoff, no_args, open_channel,
+    OnRefusal, close_bounded, close_channel_bounded, connect_with_backoff, open_channel,
 };
 use crate::availability::{StoreCheck, StoreChecks, StoreCircuit, check_store};
 use crate::backoff::RECONNECT;
 use crate::config::{CleanupConfig, ServiceConfig};
+use crate::consume::AmqpSubscription;
 use crate::context::Context;
+use crate::delivery::Subscription as _;
 use crate::error::chain;
 use crate::handler::Handler;
+use crate::queue::queue_loop;
 use crate::relay::{Relay, RelayConfig, RelayTally};
 use crate::shutdown::stopped;
 use crate::tally::{ConsumerTally, Tally};
@@ -65,7 +63,6 @@ use crate::topology::Topology;
 use crate::wakeups::OutboxWakeups;
 use crate::worker::Worker;
 use crate::{AppError, ServiceStore};
-use tracing::Instrument as _;
 
 /// A service being put together: a store, settings, the topology to declare,
 /// and a [`Handler`] per queue. [`Service::spawn`] starts it.
@@ -325,12 +322,14 @@ where
         circuit: &'a Arc<StoreCircuit>,
     ) -> BoxFuture<'a, Result<QueueLoop, AppError>> {
         Box::pin(async move {
-            let channel = open_channel(connection, "consumer channel").await?;
-            let dead_letter_channel = open_channel(connection, "dead-letter channel").await?;
-            dead_letter_channel
-                .confirm_select(ConfirmSelectOptions::default())
-                .await
-                .map_err(|e| AppError::broker("enable confirms on the dead-letter channel", e))?;
+            let subscription = AmqpSubscription::open(
+                connection,
+                &self.queue,
+                self.handler.name().as_str(),
+                config.worker.prefetch,
+                config.worker.ack_flush,
+            )
+            .await?;
             let worker = Worker {
                 inbox: Arc::clone(inbox),
                 handler: Arc::clone(&self.handler),
@@ -339,14 +338,11 @@ where
                 config: config.worker.clone(),
                 metric_names: self.metric_names,
                 tally: Arc::clone(&self.tally),
-                settler: Arc::new(AmqpSettler {
-                    acks: Arc::new(AckTracker::new(config.worker.prefetch)),
-                    dead_letter_channel,
-                }),
+                settler: subscription.settler(),
                 circuit: Arc::clone(circuit),
             };
             let run: QueueLoop =
-                Box::new(move |shutdown| Box::pin(queue_loop(channel, worker, shutdown)));
+                Box::new(move |shutdown| Box::pin(queue_loop(subscription, worker, shutdown)));
             Ok(run)
         })
     }
@@ -680,294 +676,6 @@ impl<S: ServiceStore> Supervisor<S> {
         Ok(())
     }
 }
-
-/// Consumes one queue until shutdown or a broker failure, pausing while the
-/// store circuit is open.
-async fn queue_loop<S, H>(
-    channel: Channel,
-    worker: Worker<S, H>,
-    mut shutdown: watch::Receiver<bool>,
-) -> Result<(), AppError>
-where
-    S: ServiceStore,
-    H: Handler<S::Transaction>,
-{
-    let queue = worker.queue.clone();
-    channel
-        .basic_qos(worker.config.prefetch, BasicQosOptions::default())
-        .await
-        .map_err(|e| AppError::broker("set prefetch", e))?;
-    let mut available = worker.circuit.subscribe();
-    let mut current = subscribe(&channel, &worker).await?;
-    let permits = Arc::new(Semaphore::new(worker.config.concurrency.max(1)));
-    if let Some(batch) = worker.config.batch {
-        let wanted = batch.size.saturating_mul(worker.config.concurrency.max(1));
-        if usize::from(worker.config.prefetch) < wanted {
-            tracing::warn!(%queue, prefetch = worker.config.prefetch, batch_size = batch.size,
-                concurrency = worker.config.concurrency,
-                "prefetch below batch size × concurrency: batches will run short");
-        }
-        tracing::info!(%queue, batch_size = batch.size, batch_wait = ?batch.wait, "batched mode");
-    }
-    let mut in_flight = JoinSet::new();
-    // The channel's waiting acks go out from here (see `ack`).
-    let (stop_flushing, flushing) = watch::channel(false);
-    let flusher = {
-        let acks = Arc::clone(&worker.settler.acks);
-        let every = worker.config.ack_flush;
-        tokio::spawn(async move { acks.flush_loop(every, flushing).await })
-    };
-
-    let failure = loop {
-        while let Some(done) = in_flight.try_join_next() {
-            if let Err(error) = done {
-                tracing::error!(%queue, error = %error, "delivery task failed");
-            }
-        }
-        let step = tokio::select! {
-            biased;
-            () = stopped(&mut shutdown) => Step::Stop,
-            Ok(_) = available.wait_for(|up| !*up) => Step::Pause,
-            permit = Arc::clone(&permits).acquire_owned() => match permit {
-                Ok(permit) => Step::Permit(permit),
-                Err(_) => Step::Stop,
-            },
-        };
-        // With a worker's slot, the next delivery; the pause and shutdown
-        // are watched while waiting for either.
-        let step = match step {
-            Step::Permit(permit) => tokio::select! {
-                biased;
-                () = stopped(&mut shutdown) => Step::Stop,
-                Ok(_) = available.wait_for(|up| !*up) => Step::Pause,
-                next = current.consumer.next() => Step::Next(next, permit),
-            },
-            other => other,
-        };
-        let (next, permit) = match step {
-            Step::Next(next, permit) => (next, permit),
-            Step::Pause => match pause(
-                &channel,
-                &worker,
-                &mut current,
-                &mut available,
-                &mut shutdown,
-            )
-            .await
-            {
-                Ok(true) => continue,
-                Ok(false) => break None,
-                Err(error) => break Some(error),
-            },
-            Step::Stop | Step::Permit(_) => break None,
-        };
-        match next {
-            Some(Ok(delivery)) => match worker.config.batch {
-                Some(batch) => {
-                    let (deliveries, failed) = collect(
-                        delivery,
-                        &mut current.consumer,
-                        batch,
-                        &worker.settler.acks,
-                        &mut shutdown,
-                        &queue,
-                    )
-                    .await;
-                    let span = crate::trace::process_span(
-                        worker.handler.name().as_str(),
-                        &queue,
-                        &deliveries.iter().collect::<Vec<_>>(),
-                    );
-                    let worker = worker.clone();
-                    let stop = shutdown.clone();
-                    in_flight.spawn(
-                        async move {
-                            worker.process(deliveries, stop, permit).await;
-                        }
-                        .instrument(span),
-                    );
-                    if let Some(error) = failed {
-                        break Some(error);
-                    }
-                }
-                None => {
-                    worker.settler.acks.received(&delivery);
-                    let span = crate::trace::process_span(
-                        worker.handler.name().as_str(),
-                        &queue,
-                        &[&delivery],
-                    );
-                    let worker = worker.clone();
-                    let stop = shutdown.clone();
-                    in_flight.spawn(
-                        async move {
-                            worker.process(vec![delivery], stop, permit).await;
-                        }
-                        .instrument(span),
-                    );
-                }
-            },
-            Some(Err(error)) => break Some(AppError::broker(format!("consuming {queue}"), error)),
-            None => {
-                break Some(AppError::Unavailable(format!(
-                    "the broker cancelled the consumer of {queue}"
-                )));
-            }
-        }
-    };
-
-    if let Some(error) = failure {
-        // The channel is gone: whatever is in flight cannot be acked, and the
-        // broker redelivers it. Let those tasks end on their own (their
-        // transactions commit or roll back; the inbox sorts out the
-        // redelivery). Waiting acks cannot go out either: their deliveries
-        // come back as duplicates.
-        in_flight.detach_all();
-        flusher.abort();
-        return Err(error);
-    }
-
-    // Graceful: nothing new, finish what runs, then close.
-    if current.active
-        && let Err(error) = channel
-            .basic_cancel(current.tag.as_str().into(), BasicCancelOptions::default())
-            .await
-    {
-        tracing::warn!(%queue, error = %error, "cancelling the consumer failed");
-    }
-    while in_flight.try_join_next().is_some() {}
-    let running = in_flight.len();
-    if running > 0 {
-        tracing::info!(%queue, running, "waiting for in-flight deliveries");
-    }
-    while let Some(done) = in_flight.join_next().await {
-        if let Err(error) = done {
-            tracing::error!(%queue, error = %error, "delivery task failed");
-        }
-    }
-    // Every delivery settled: the last waiting acks go out before the
-    // channel closes (a closed channel would requeue them as duplicates).
-    stop_flushing.send_replace(true);
-    if let Err(error) = flusher.await {
-        tracing::error!(%queue, error = %error, "the ack flusher failed");
-    }
-    drop(current);
-    close_channel_bounded(&channel, "shutdown").await;
-    close_channel_bounded(&worker.settler.dead_letter_channel, "shutdown").await;
-    tracing::info!(%queue, "consumer stopped");
-    Ok(())
-}
-
-/// What the consuming loop does next.
-#[expect(
-    clippy::large_enum_variant,
-    reason = "a local value moved once per delivery; boxing would allocate per message"
-)]
-enum Step {
-    Stop,
-    Pause,
-    Permit(tokio::sync::OwnedSemaphorePermit),
-    Next(
-        Option<Result<lapin::message::Delivery, lapin::Error>>,
-        tokio::sync::OwnedSemaphorePermit,
-    ),
-}
-
-/// A queue's subscription (`basic.consume`): its deliveries and its tag.
-struct Subscription {
-    consumer: lapin::Consumer,
-    tag: String,
-    /// `false` once cancelled for a pause that shutdown ended.
-    active: bool,
-}
-
-async fn subscribe<S, H>(channel: &Channel, worker: &Worker<S, H>) -> Result<Subscription, AppError>
-where
-    S: ServiceStore,
-    H: Handler<S::Transaction>,
-{
-    let queue = &worker.queue;
-    let tag = format!(
-        "{}-{}",
-        worker.handler.name(),
-        uuid::Uuid::new_v4().simple()
-    );
-    let consumer = channel
-        .basic_consume(
-            queue.as_str().into(),
-            tag.as_str().into(),
-            BasicConsumeOptions::default(),
-            no_args(),
-        )
-        .await
-        .map_err(|e| AppError::broker(format!("consume {queue}"), e))?;
-    Ok(Subscription {
-        consumer,
-        tag,
-        active: true,
-    })
-}
-
-/// Pauses one queue while the store circuit is open: cancels the
-/// subscription so that the broker sends nothing more, hands back what it
-/// had already sent (uncharged: the store is away, not the message at
-/// fault), waits until the store answers again and subscribes anew.
-/// Deliveries in flight finish on their own (released when the store
-/// fails them). `Ok(false)` when shutdown came first.
-async fn pause<S, H>(
-    channel: &Channel,
-    worker: &Worker<S, H>,
-    current: &mut Subscription,
-    available: &mut watch::Receiver<bool>,
-    shutdown: &mut watch::Receiver<bool>,
-) -> Result<bool, AppError>
-where
-    S: ServiceStore,
-    H: Handler<S::Transaction>,
-{
-    let queue = &worker.queue;
-    channel
-        .basic_cancel(current.tag.as_str().into(), BasicCancelOptions::default())
-        .await
-        .map_err(|e| AppError::broker(format!("cancel the consumer of {queue}"), e))?;
-    current.active = false;
-    // The cancel-ok ends the stream after the deliveries that came before
-    // it; bounded, in case it never comes.
-    let mut handed_back = 0_u32;
-    loop {
-        match tokio::time::timeout(PAUSE_DRAIN_LIMIT, current.consumer.next()).await {
-            Ok(Some(Ok(delivery))) => {
-                worker.settler.acks.received(&delivery);
-                worker.hand_back(&delivery).await;
-                handed_back += 1;
-            }
-            Ok(Some(Err(error))) => {
-                return Err(AppError::broker(format!("consuming {queue}"), error));
-            }
-            Ok(None) => break,
-            Err(_) => {
-                tracing::warn!(%queue, limit = ?PAUSE_DRAIN_LIMIT,
-                    "the cancelled consumer's stream did not end; going on");
-                // A delivery still on its way would not be in the tracker,
-                // and a multiple-ack could cover it unprocessed.
-                worker.settler.acks.single_acks_only();
-                break;
-            }
-        }
-    }
-    tracing::debug!(%queue, handed_back, "consumer paused");
-    tokio::select! {
-        biased;
-        () = stopped(shutdown) => return Ok(false),
-        resumed = available.wait_for(|up| *up) => if resumed.is_err() { return Ok(false) },
-    }
-    *current = subscribe(channel, worker).await?;
-    tracing::debug!(%queue, "consumer resumed");
-    Ok(true)
-}
-
-/// How long a paused consumer waits for its cancelled stream to end.
-const PAUSE_DRAIN_LIMIT: Duration = Duration::from_secs(10);
 
 /// Deletes processed inbox rows older than the retention, once, and the
 /// attempt-ledger rows whose last failure is older than it (a count that
