@@ -351,25 +351,20 @@ where
                     }
                 }
             }
-            let only_acks = again.is_empty()
-                && handed_back.is_empty()
+            // Neither an ack nor a retry: a frame that keeps the slot.
+            let no_other_frame = handed_back.is_empty()
                 && requeue.is_empty()
                 && dead.is_empty()
                 && conflicts.is_empty()
                 && released.is_empty();
-            if only_acks {
+            if no_other_frame && again.is_empty() {
                 drop(slot.take());
             }
-            let retries_only = acks.is_empty()
-                && dead.is_empty()
-                && conflicts.is_empty()
-                && handed_back.is_empty()
-                && requeue.is_empty()
-                && released.is_empty();
-            let settle = if retries_only {
+            let settle = if no_other_frame && acks.is_empty() {
+                // Only retries left: nothing to settle yet.
                 Span::none()
             } else {
-                crate::trace::settle_span(&self.consumer_label(), &self.queue)
+                crate::trace::settle_span(self.handler.name().as_str(), &self.queue)
             };
             settle.record("acked", acks.len());
             settle.record("handed_back", handed_back.len());
