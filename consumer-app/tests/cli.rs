@@ -568,7 +568,7 @@ fn a_refused_broker_login_ends_every_command_at_once() {
             "{command:?} must fail at once ({took:?}):\n{text}"
         );
         assert!(
-            text.contains("credentials refused by RabbitMQ at amqp://guest:***@127.0.0.1:5672"),
+            text.contains("credentials refused by the broker at amqp://guest:***@127.0.0.1:5672"),
             "{command:?} must say why, with the redacted URL:\n{text}"
         );
         assert!(

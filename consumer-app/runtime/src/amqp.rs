@@ -6,7 +6,6 @@
 
 use std::borrow::Cow;
 use std::collections::VecDeque;
-use std::time::Duration;
 
 use lapin::message::Delivery;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
@@ -17,72 +16,11 @@ use tokio::sync::watch;
 use serde::Serialize;
 
 use crate::AppError;
-use crate::backoff::RECONNECT;
 use crate::delivery::{HeaderValue, Headers};
 use crate::redact::redact_url;
 use crate::shutdown::bounded;
 
-/// How long a connection (TCP, TLS and the AMQP handshake) or a channel
-/// may take to open before it counts as failed, unless a configuration says
-/// otherwise: a broker that accepts the TCP connection and never speaks (a
-/// hung node, a load balancer with no healthy backend, a port-forward to
-/// nothing) would otherwise hold the caller for ever, unlogged. A healthy
-/// broker answers in milliseconds; 5 s leaves room for a loaded one.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// The heartbeat timeout asked of the broker when the URL names none
-/// (`?heartbeat=N`). It bounds how long a frozen or cut-off consumer keeps
-/// its unacknowledged deliveries: the broker closes a connection that has
-/// been silent for two to three timeouts (RabbitMQ checks the bytes received
-/// once per timeout and gives up at the second check in a row that finds
-/// none) and hands those deliveries to another consumer. RabbitMQ's server
-/// default is 60 s, two to three minutes of stalled messages; its
-/// maintainers advise 5–15 s. 10 s stays clear of false alarms from a
-/// loaded process and frees a frozen consumer's deliveries within 20–30 s
-/// (29 s measured by `parcel-lab`'s frozen-process test).
-pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(10);
-
-/// How the runtime opens a connection, beside what the URL says.
-///
-/// The URL stays the one place for the broker's address, credentials and
-/// TLS files (`amqps://…?cacertfile=…&certfile=…&keyfile=…`, the query
-/// parameters of RabbitMQ's own URI spec); these are the defaults it may
-/// override.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ConnectOptions {
-    /// How long TCP, TLS and the AMQP handshake may take together.
-    pub timeout: Duration,
-    /// The heartbeat timeout asked for when the URL has no `heartbeat`
-    /// parameter; zero turns heartbeats off (not advised).
-    pub heartbeat: Duration,
-}
-
-impl Default for ConnectOptions {
-    /// [`CONNECT_TIMEOUT`] and [`DEFAULT_HEARTBEAT`].
-    fn default() -> Self {
-        Self {
-            timeout: CONNECT_TIMEOUT,
-            heartbeat: DEFAULT_HEARTBEAT,
-        }
-    }
-}
-
-impl ConnectOptions {
-    /// These options with `timeout`.
-    #[must_use]
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
-    }
-
-    /// These options with `heartbeat`.
-    #[must_use]
-    pub fn heartbeat(mut self, heartbeat: Duration) -> Self {
-        self.heartbeat = heartbeat;
-        self
-    }
-}
+pub use crate::broker::{CONNECT_TIMEOUT, ConnectOptions, DEFAULT_HEARTBEAT, OnRefusal};
 
 /// Opens one connection, named so that `rabbitmqctl list_connections
 /// user_provided_name` shows which instance it is, with the default
@@ -122,7 +60,7 @@ pub async fn connect_with(
         Ok(Err(error)) if crate::broker_url::is_login_refused(&error) => {
             Err(AppError::CredentialsRefused {
                 url: redact_url(url),
-                source: error,
+                source: error.into(),
             })
         }
         Ok(Err(error)) => {
@@ -155,28 +93,15 @@ pub async fn open_channel(connection: &Connection, what: &str) -> Result<Channel
     }
 }
 
-/// What [`connect_with_backoff`] does when the broker refuses the login.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OnRefusal {
-    /// Give up at once with [`AppError::CredentialsRefused`]: at start-up a
-    /// refused login is a configuration error, and retrying it for ever
-    /// would only hide it.
-    Fail,
-    /// Retry like any other failure, logged as "credentials refused": once
-    /// running, a refusal is usually a rotation in progress.
-    Retry,
-}
-
-/// Connects with `options`, retrying with [`RECONNECT`]'s jittered backoff
-/// until it works, `attempts` run out (`None`: forever), the broker refuses
-/// the login and `on_refusal` says [`OnRefusal::Fail`], or `shutdown` turns
-/// true, which ends an attempt in progress too. Each failure's cause goes
-/// to `last_error` (for a readiness check that says why), and `None` once
+/// Connects with `options`, retrying with the reconnect backoff until it
+/// works, `attempts` run out (`None`: forever), the broker refuses the login
+/// and `on_refusal` says [`OnRefusal::Fail`], or `shutdown` turns true,
+/// which ends an attempt in progress too. Each failure's cause goes to
+/// `last_error` (for a readiness check that says why), and `None` once
 /// connected.
 ///
 /// # Errors
 /// The last connection error, or [`AppError::Unavailable`] on shutdown.
-#[allow(clippy::too_many_arguments)]
 pub async fn connect_with_backoff(
     url: &str,
     name: &str,
@@ -186,54 +111,19 @@ pub async fn connect_with_backoff(
     shutdown: &mut watch::Receiver<bool>,
     last_error: Option<&watch::Sender<Option<String>>>,
 ) -> Result<Connection, AppError> {
-    let report = |error: Option<String>| {
-        if let Some(last_error) = last_error {
-            last_error.send_replace(error);
-        }
+    let retrying = crate::broker::Retrying {
+        attempts,
+        on_refusal,
+        last_error,
     };
-    let mut attempt = 0;
-    loop {
-        let connected = tokio::select! {
-            connected = connect_with(url, name, options) => connected,
-            _ = shutdown.wait_for(|stop| *stop) => {
-                return Err(AppError::Unavailable("shutdown while connecting to RabbitMQ".into()));
-            }
-        };
-        match connected {
-            Ok(connection) => {
-                report(None);
-                if attempt > 0 {
-                    tracing::info!(url = %redact_url(url), attempt, "connected to RabbitMQ");
-                }
-                return Ok(connection);
-            }
-            Err(error) => {
-                report(Some(crate::error::chain(&error)));
-                attempt += 1;
-                let refused = matches!(error, AppError::CredentialsRefused { .. });
-                if attempts.is_some_and(|max| attempt >= max)
-                    || (refused && on_refusal == OnRefusal::Fail)
-                    || matches!(error, AppError::Config(_))
-                {
-                    return Err(error);
-                }
-                let delay = RECONNECT.delay(attempt);
-                if refused {
-                    tracing::warn!(url = %redact_url(url), attempt, ?delay,
-                        error = %crate::error::chain(&error), "RabbitMQ credentials refused; retrying");
-                } else {
-                    tracing::warn!(url = %redact_url(url), attempt, ?delay,
-                        error = %crate::error::chain(&error), "RabbitMQ unreachable; retrying");
-                }
-                tokio::select! {
-                    () = tokio::time::sleep(delay) => {}
-                    _ = shutdown.wait_for(|stop| *stop) => {
-                        return Err(AppError::Unavailable("shutdown while connecting to RabbitMQ".into()));
-                    }
-                }
-            }
-        }
-    }
+    crate::broker::connect_with_backoff(
+        url,
+        "RabbitMQ",
+        || connect_with(url, name, options),
+        retrying,
+        shutdown,
+    )
+    .await
 }
 
 /// A message to publish.

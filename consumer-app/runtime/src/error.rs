@@ -29,27 +29,27 @@ pub enum AppError {
     #[error(transparent)]
     BadInput(#[from] BadInput),
 
-    /// RabbitMQ refused or lost something.
+    /// The broker refused or lost something.
     #[error("broker: {context}")]
     Broker {
         /// What the app was doing.
         context: String,
-        /// lapin's error.
+        /// The broker client's error (lapin's, async-nats').
         #[source]
-        source: lapin::Error,
+        source: inbox_api::BoxError,
     },
 
     /// The broker refused the login (AMQP `ACCESS_REFUSED`): wrong or
     /// rotated credentials, no access to the vhost, a client certificate it
     /// does not take. At start-up it ends the command (a configuration
     /// error); a running service retries it (a rotation in progress).
-    #[error("credentials refused by RabbitMQ at {url}")]
+    #[error("credentials refused by the broker at {url}")]
     CredentialsRefused {
         /// The broker's URL, password hidden.
         url: String,
-        /// lapin's error, with the broker's reply.
+        /// The broker client's error, with the broker's reply.
         #[source]
-        source: lapin::Error,
+        source: inbox_api::BoxError,
     },
 
     /// A publish was not confirmed by the broker (nack, or returned).
@@ -99,11 +99,11 @@ pub enum AppError {
 }
 
 impl AppError {
-    /// Wraps a lapin error with what the app was doing.
-    pub fn broker(context: impl Into<String>, source: lapin::Error) -> Self {
+    /// Wraps a broker client's error with what the app was doing.
+    pub fn broker(context: impl Into<String>, source: impl Into<inbox_api::BoxError>) -> Self {
         Self::Broker {
             context: context.into(),
-            source,
+            source: source.into(),
         }
     }
 

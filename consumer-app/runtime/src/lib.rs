@@ -54,6 +54,7 @@
 pub mod amqp;
 pub mod availability;
 pub mod backoff;
+pub mod broker;
 mod broker_url;
 pub mod config;
 pub mod context;
@@ -82,6 +83,7 @@ pub mod wakeups;
 mod ack;
 mod consume;
 mod queue;
+mod rabbitmq;
 mod worker;
 
 use inbox_api::{AttemptLedger, BatchTransaction, InboxStats, InboxStore};

@@ -39,17 +39,13 @@ use inbox_api::{
     AttemptLedger, AttemptLedgerExt, Inbox, InboxStats, InboxStore, InboxStoreExt, MessageId,
     OutboxStore,
 };
-use lapin::Connection;
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
-use crate::amqp::{
-    OnRefusal, close_bounded, close_channel_bounded, connect_with_backoff, open_channel,
-};
 use crate::availability::{StoreCheck, StoreChecks, StoreCircuit, check_store};
 use crate::backoff::RECONNECT;
+use crate::broker::{Broker, BrokerKind, Connected, OnRefusal, Retrying, connect_with_backoff};
 use crate::config::{CleanupConfig, ServiceConfig};
-use crate::consume::AmqpSubscription;
 use crate::context::Context;
 use crate::delivery::Subscription as _;
 use crate::error::chain;
@@ -170,8 +166,9 @@ impl<S: ServiceStore> Service<S> {
     /// Starts the consumers, cleanup and the gauge.
     ///
     /// # Errors
-    /// [`AppError::Config`] for a service without consumers, or two of them
-    /// with one consumer name (they would share their inbox rows).
+    /// [`AppError::Config`] for a service without consumers, two of them
+    /// with one consumer name (they would share their inbox rows), or a
+    /// broker URL whose scheme names no broker the runtime speaks.
     pub fn spawn(mut self) -> Result<ServiceHandle, AppError> {
         if self.consumers.is_empty() {
             return Err(AppError::Config("a service needs a consumer".into()));
@@ -187,6 +184,7 @@ impl<S: ServiceStore> Service<S> {
             let shared = tally.shared(consumer.name());
             consumer.count_into(shared, self.metric_names);
         }
+        let broker_kind = BrokerKind::of(&self.config.amqp_url)?;
         let (shutdown, shutdown_rx) = watch::channel(false);
         let relay = match self.relay.take() {
             Some(start) => Some(start(self.store.clone(), shutdown_rx.clone())?),
@@ -204,6 +202,7 @@ impl<S: ServiceStore> Service<S> {
             self.consumers.iter().map(|c| c.store_check()).collect();
         let supervisor = Supervisor {
             inbox: Arc::new(Inbox::new(store.clone())),
+            broker_kind,
             config: config.clone(),
             topology: self.topology,
             consumers: self.consumers,
@@ -273,10 +272,10 @@ trait Consume<S: ServiceStore>: Send + Sync {
     /// Its handler's check of the store, for the store check.
     fn store_check(&self) -> Arc<dyn StoreCheck<S::Transaction>>;
 
-    /// Opens its channels on `connection`; the loop is then ready to spawn.
+    /// Subscribes on `broker`; the loop is then ready to spawn.
     fn open<'a>(
         &'a self,
-        connection: &'a Connection,
+        broker: &'a Connected,
         inbox: &'a Arc<Inbox<S>>,
         config: &'a ServiceConfig,
         circuit: &'a Arc<StoreCircuit>,
@@ -316,35 +315,50 @@ where
 
     fn open<'a>(
         &'a self,
-        connection: &'a Connection,
+        broker: &'a Connected,
         inbox: &'a Arc<Inbox<S>>,
         config: &'a ServiceConfig,
         circuit: &'a Arc<StoreCircuit>,
     ) -> BoxFuture<'a, Result<QueueLoop, AppError>> {
         Box::pin(async move {
-            let subscription = AmqpSubscription::open(
-                connection,
-                &self.queue,
-                self.handler.name().as_str(),
-                config.worker.prefetch,
-                config.worker.ack_flush,
-            )
-            .await?;
-            let worker = Worker {
-                inbox: Arc::clone(inbox),
-                handler: Arc::clone(&self.handler),
-                exchange: Arc::clone(&self.exchange),
-                queue: self.queue.clone(),
-                config: config.worker.clone(),
-                metric_names: self.metric_names,
-                tally: Arc::clone(&self.tally),
-                settler: subscription.settler(),
-                circuit: Arc::clone(circuit),
-            };
-            let run: QueueLoop =
-                Box::new(move |shutdown| Box::pin(queue_loop(subscription, worker, shutdown)));
-            Ok(run)
+            match broker {
+                Connected::RabbitMq(broker) => self.open_on(broker, inbox, config, circuit).await,
+            }
         })
+    }
+}
+
+impl<H> Registered<H> {
+    /// Subscribes on `broker` and makes the queue's loop, ready to spawn.
+    async fn open_on<S, B>(
+        &self,
+        broker: &B,
+        inbox: &Arc<Inbox<S>>,
+        config: &ServiceConfig,
+        circuit: &Arc<StoreCircuit>,
+    ) -> Result<QueueLoop, AppError>
+    where
+        S: ServiceStore,
+        H: Handler<S::Transaction>,
+        B: Broker,
+    {
+        let subscription = broker
+            .subscribe(&self.queue, self.handler.name().as_str(), &config.worker)
+            .await?;
+        let worker = Worker {
+            inbox: Arc::clone(inbox),
+            handler: Arc::clone(&self.handler),
+            exchange: Arc::clone(&self.exchange),
+            queue: self.queue.clone(),
+            config: config.worker.clone(),
+            metric_names: self.metric_names,
+            tally: Arc::clone(&self.tally),
+            settler: subscription.settler(),
+            circuit: Arc::clone(circuit),
+        };
+        let run: QueueLoop =
+            Box::new(move |shutdown| Box::pin(queue_loop(subscription, worker, shutdown)));
+        Ok(run)
     }
 }
 
@@ -540,6 +554,8 @@ async fn pause_after(
 
 struct Supervisor<S: ServiceStore> {
     inbox: Arc<Inbox<S>>,
+    /// The broker the URL names, checked before anything starts.
+    broker_kind: BrokerKind,
     config: ServiceConfig,
     topology: Topology,
     consumers: Vec<Box<dyn Consume<S>>>,
@@ -593,14 +609,19 @@ impl<S: ServiceStore> Supervisor<S> {
             } else {
                 OnRefusal::Fail
             };
-            let connection = match connect_with_backoff(
-                &self.config.amqp_url,
-                &self.config.connection_name,
-                self.config.connection,
-                None,
+            let url = &self.config.amqp_url;
+            let (name, options) = (&self.config.connection_name, self.config.connection);
+            let retrying = Retrying {
+                attempts: None,
                 on_refusal,
+                last_error: Some(&self.broker_error),
+            };
+            let connection = match connect_with_backoff(
+                url,
+                self.broker_kind.name(),
+                || Connected::connect(url, name, options),
+                retrying,
                 &mut shutdown,
-                Some(&self.broker_error),
             )
             .await
             {
@@ -616,7 +637,7 @@ impl<S: ServiceStore> Supervisor<S> {
             if let Err(error) = &result {
                 self.broker_error.send_replace(Some(chain(error)));
             }
-            close_bounded(&connection, "service closing").await;
+            connection.close("service closing").await;
             match result {
                 Ok(()) => {
                     tracing::info!("consumers stopped; connection closed");
@@ -636,12 +657,10 @@ impl<S: ServiceStore> Supervisor<S> {
     /// Consumes on one connection until shutdown (`Ok`) or a failure (`Err`).
     async fn session(
         &self,
-        connection: &Connection,
+        connection: &Connected,
         shutdown: watch::Receiver<bool>,
     ) -> Result<(), AppError> {
-        let channel = open_channel(connection, "channel").await?;
-        self.topology.declare(&channel).await?;
-        close_channel_bounded(&channel, "topology declared").await;
+        connection.declare(&self.topology).await?;
 
         let mut loops = JoinSet::new();
         let mut started = Vec::with_capacity(self.consumers.len());
