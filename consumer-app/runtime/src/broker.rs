@@ -4,83 +4,21 @@
 //!
 //! The supervisor, the consuming loop, the worker and the settle policy are
 //! written once above [`Broker`]; a broker is picked by the URL's scheme
-//! ([`BrokerKind::of`]), so that moving a service to another broker is a
-//! change of URL (and of the crate feature that compiles the broker in).
+//! ([`crate::brokers::BrokerKind::of`]), so that moving a service to
+//! another broker is a change of URL (and of the crate feature that
+//! compiles the broker in).
 
 use std::future::Future;
-use std::time::Duration;
 
 use tokio::sync::watch;
 
 use crate::AppError;
 use crate::backoff::RECONNECT;
 use crate::config::WorkerConfig;
+pub use crate::config::{CONNECT_TIMEOUT, ConnectOptions, DEFAULT_HEARTBEAT};
 use crate::delivery::Subscription;
 use crate::redact::redact_url;
 use crate::topology::Topology;
-
-/// How long a connection (TCP, TLS and the broker's handshake) or a
-/// channel may take to open before it counts as failed, unless a
-/// configuration says otherwise: a broker that accepts the TCP connection
-/// and never speaks (a hung node, a load balancer with no healthy backend,
-/// a port-forward to nothing) would otherwise hold the caller for ever,
-/// unlogged. A healthy broker answers in milliseconds; 5 s leaves room for
-/// a loaded one.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// The heartbeat timeout asked of the broker when the URL names none
-/// (`?heartbeat=N`). It bounds how long a frozen or cut-off consumer keeps
-/// its unacknowledged deliveries: the broker closes a connection that has
-/// been silent for two to three timeouts (RabbitMQ checks the bytes received
-/// once per timeout and gives up at the second check in a row that finds
-/// none) and hands those deliveries to another consumer. RabbitMQ's server
-/// default is 60 s, two to three minutes of stalled messages; its
-/// maintainers advise 5–15 s. 10 s stays clear of false alarms from a
-/// loaded process and frees a frozen consumer's deliveries within 20–30 s
-/// (29 s measured by `parcel-lab`'s frozen-process test).
-pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(10);
-
-/// How the runtime opens a connection, beside what the URL says.
-///
-/// The URL stays the one place for the broker's address, credentials and
-/// TLS files (`amqps://…?cacertfile=…&certfile=…&keyfile=…`, the query
-/// parameters of RabbitMQ's own URI spec); these are the defaults it may
-/// override.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ConnectOptions {
-    /// How long TCP, TLS and the broker's handshake may take together.
-    pub timeout: Duration,
-    /// The heartbeat timeout asked for when the URL has no `heartbeat`
-    /// parameter; zero turns heartbeats off (not advised).
-    pub heartbeat: Duration,
-}
-
-impl Default for ConnectOptions {
-    /// [`CONNECT_TIMEOUT`] and [`DEFAULT_HEARTBEAT`].
-    fn default() -> Self {
-        Self {
-            timeout: CONNECT_TIMEOUT,
-            heartbeat: DEFAULT_HEARTBEAT,
-        }
-    }
-}
-
-impl ConnectOptions {
-    /// These options with `timeout`.
-    #[must_use]
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
-    }
-
-    /// These options with `heartbeat`.
-    #[must_use]
-    pub fn heartbeat(mut self, heartbeat: Duration) -> Self {
-        self.heartbeat = heartbeat;
-        self
-    }
-}
 
 /// A broker the service consumes from: one connection, shared by its
 /// queues' subscriptions.
@@ -125,70 +63,6 @@ pub trait Broker: Sized + Send + Sync + 'static {
     /// Closes the connection, bounded: a close that never answers is given
     /// up with a log line.
     fn close(&self, reason: &str) -> impl Future<Output = ()> + Send;
-}
-
-/// The brokers the runtime speaks, as a URL's scheme names them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BrokerKind {
-    /// RabbitMQ (AMQP 0-9-1): `amqp://` or `amqps://`.
-    RabbitMq,
-}
-
-impl BrokerKind {
-    /// The broker `url` names by its scheme.
-    ///
-    /// # Errors
-    /// [`AppError::Config`] for a scheme the runtime does not speak.
-    pub fn of(url: &str) -> Result<Self, AppError> {
-        let scheme = url.split_once("://").map_or("", |(scheme, _)| scheme);
-        match scheme.to_ascii_lowercase().as_str() {
-            "amqp" | "amqps" => Ok(Self::RabbitMq),
-            _ => Err(AppError::Config(format!(
-                "broker URL {}: expected amqp:// or amqps://",
-                redact_url(url)
-            ))),
-        }
-    }
-
-    /// The broker's name in log lines.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::RabbitMq => crate::rabbitmq::RabbitMq::NAME,
-        }
-    }
-}
-
-/// A connection to whichever broker the URL named: what the supervisor
-/// holds, so that a [`crate::Service`] is one type whatever its broker.
-pub(crate) enum Connected {
-    RabbitMq(crate::rabbitmq::RabbitMq),
-}
-
-impl Connected {
-    /// Connects once to the broker `url` names.
-    pub(crate) async fn connect(
-        url: &str,
-        name: &str,
-        options: ConnectOptions,
-    ) -> Result<Self, AppError> {
-        match BrokerKind::of(url)? {
-            BrokerKind::RabbitMq => crate::rabbitmq::RabbitMq::connect(url, name, options)
-                .await
-                .map(Self::RabbitMq),
-        }
-    }
-
-    pub(crate) async fn declare(&self, topology: &Topology) -> Result<(), AppError> {
-        match self {
-            Self::RabbitMq(broker) => broker.declare(topology).await,
-        }
-    }
-
-    pub(crate) async fn close(&self, reason: &str) {
-        match self {
-            Self::RabbitMq(broker) => broker.close(reason).await,
-        }
-    }
 }
 
 /// What [`connect_with_backoff`] does when the broker refuses the login.
@@ -279,24 +153,5 @@ where
                 }
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_scheme_picks_the_broker() {
-        assert_eq!(
-            BrokerKind::of("amqp://h/%2f").ok(),
-            Some(BrokerKind::RabbitMq)
-        );
-        assert_eq!(BrokerKind::of("AMQPS://h").ok(), Some(BrokerKind::RabbitMq));
-        let error = BrokerKind::of("kafka://user:secret@h:9092")
-            .expect_err("not a broker of ours")
-            .to_string();
-        assert!(error.contains("amqp://"), "{error}");
-        assert!(!error.contains("secret"), "{error}");
     }
 }

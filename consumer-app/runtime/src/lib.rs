@@ -56,6 +56,7 @@ pub mod availability;
 pub mod backoff;
 pub mod broker;
 mod broker_url;
+pub mod brokers;
 pub mod config;
 pub mod context;
 pub mod decode;

@@ -44,7 +44,8 @@ use tokio::task::{JoinHandle, JoinSet};
 
 use crate::availability::{StoreCheck, StoreChecks, StoreCircuit, check_store};
 use crate::backoff::RECONNECT;
-use crate::broker::{Broker, BrokerKind, Connected, OnRefusal, Retrying, connect_with_backoff};
+use crate::broker::{Broker, OnRefusal, Retrying, connect_with_backoff};
+use crate::brokers::{BrokerKind, Connected};
 use crate::config::{CleanupConfig, ServiceConfig};
 use crate::context::Context;
 use crate::delivery::Subscription as _;
