@@ -51,20 +51,20 @@ pub async fn connect_with(
     name: &str,
     options: ConnectOptions,
 ) -> Result<Connection, AppError> {
-    let target = crate::broker_url::Target::parse(url, options.heartbeat)?;
+    let target = crate::rabbitmq::url::Target::parse(url, options.heartbeat)?;
     let properties = ConnectionProperties::default().with_connection_name(name.into());
     let timeout = options.timeout;
     let connecting = target.connect(properties);
     match tokio::time::timeout(timeout, connecting).await {
         Ok(Ok(connection)) => Ok(connection),
-        Ok(Err(error)) if crate::broker_url::is_login_refused(&error) => {
+        Ok(Err(error)) if crate::rabbitmq::url::is_login_refused(&error) => {
             Err(AppError::CredentialsRefused {
                 url: redact_url(url),
                 source: error.into(),
             })
         }
         Ok(Err(error)) => {
-            let hint = crate::broker_url::hint(url, &error);
+            let hint = crate::rabbitmq::url::hint(url, &error);
             Err(AppError::broker(
                 format!("connect to {}{hint}", redact_url(url)),
                 error,

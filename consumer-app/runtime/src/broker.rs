@@ -60,6 +60,13 @@ pub trait Broker: Sized + Send + Sync + 'static {
         config: &WorkerConfig,
     ) -> impl Future<Output = Result<Self::Subscription, AppError>> + Send;
 
+    /// Deletes what [`Broker::declare`] made for `topology`, its dead
+    /// letters included (tests, demos).
+    ///
+    /// # Errors
+    /// The broker's.
+    fn delete(&self, topology: &Topology) -> impl Future<Output = Result<(), AppError>> + Send;
+
     /// Closes the connection, bounded: a close that never answers is given
     /// up with a log line.
     fn close(&self, reason: &str) -> impl Future<Output = ()> + Send;

@@ -5,12 +5,14 @@
 use crate::AppError;
 use crate::broker::{Broker, ConnectOptions};
 use crate::redact::redact_url;
+use crate::shutdown::TEARDOWN_LIMIT;
 use crate::topology::Topology;
 
 /// The brokers the runtime speaks, as a URL's scheme names them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BrokerKind {
     /// RabbitMQ (AMQP 0-9-1): `amqp://` or `amqps://`.
+    #[cfg(feature = "rabbitmq")]
     RabbitMq,
 }
 
@@ -22,7 +24,10 @@ impl BrokerKind {
     pub fn of(url: &str) -> Result<Self, AppError> {
         let scheme = url.split_once("://").map_or("", |(scheme, _)| scheme);
         match scheme.to_ascii_lowercase().as_str() {
+            #[cfg(feature = "rabbitmq")]
             "amqp" | "amqps" => Ok(Self::RabbitMq),
+            #[cfg(not(feature = "rabbitmq"))]
+            "amqp" | "amqps" => Err(not_built(url, "rabbitmq")),
             _ => Err(AppError::Config(format!(
                 "broker URL {}: expected amqp:// or amqps://",
                 redact_url(url)
@@ -33,13 +38,24 @@ impl BrokerKind {
     /// The broker's name in log lines.
     pub fn name(self) -> &'static str {
         match self {
+            #[cfg(feature = "rabbitmq")]
             Self::RabbitMq => crate::rabbitmq::RabbitMq::NAME,
         }
     }
 }
 
+/// The error for a URL of a broker whose feature is off.
+#[cfg_attr(feature = "rabbitmq", allow(dead_code))]
+fn not_built(url: &str, feature: &str) -> AppError {
+    AppError::Config(format!(
+        "broker URL {}: inbox-runtime was built without its `{feature}` feature",
+        redact_url(url)
+    ))
+}
+
 /// A connection to whichever broker the URL named.
 pub(crate) enum Connected {
+    #[cfg(feature = "rabbitmq")]
     RabbitMq(crate::rabbitmq::RabbitMq),
 }
 
@@ -51,6 +67,7 @@ impl Connected {
         options: ConnectOptions,
     ) -> Result<Self, AppError> {
         match BrokerKind::of(url)? {
+            #[cfg(feature = "rabbitmq")]
             BrokerKind::RabbitMq => crate::rabbitmq::RabbitMq::connect(url, name, options)
                 .await
                 .map(Self::RabbitMq),
@@ -59,14 +76,95 @@ impl Connected {
 
     pub(crate) async fn declare(&self, topology: &Topology) -> Result<(), AppError> {
         match self {
+            #[cfg(feature = "rabbitmq")]
             Self::RabbitMq(broker) => broker.declare(topology).await,
+        }
+    }
+
+    pub(crate) async fn delete(&self, topology: &Topology) -> Result<(), AppError> {
+        match self {
+            #[cfg(feature = "rabbitmq")]
+            Self::RabbitMq(broker) => broker.delete(topology).await,
         }
     }
 
     pub(crate) async fn close(&self, reason: &str) {
         match self {
+            #[cfg(feature = "rabbitmq")]
             Self::RabbitMq(broker) => broker.close(reason).await,
         }
+    }
+}
+
+impl Topology {
+    /// Deletes this topology (as [`Broker::delete`]) on a connection of its
+    /// own to the broker `url` names, closed afterwards whatever happened;
+    /// gives up (with a log line) after [`TEARDOWN_LIMIT`] per step, so a
+    /// teardown never hangs.
+    ///
+    /// # Errors
+    /// Broker errors, or [`AppError::Unavailable`] when it gave up.
+    pub async fn remove(&self, url: &str) -> Result<(), AppError> {
+        let connecting = Connected::connect(url, "topology removal", ConnectOptions::default());
+        let connection = tokio::time::timeout(TEARDOWN_LIMIT, connecting)
+            .await
+            .map_err(|_| {
+                AppError::Unavailable(format!(
+                    "no broker connection within {TEARDOWN_LIMIT:?} to delete the topology"
+                ))
+            })??;
+        let result = match tokio::time::timeout(TEARDOWN_LIMIT, connection.delete(self)).await {
+            Ok(result) => result,
+            Err(_) => {
+                tracing::warn!(exchange = %self.exchange(), "topology delete not done in {TEARDOWN_LIMIT:?}; giving up");
+                Err(AppError::Unavailable(format!(
+                    "topology delete not done in {TEARDOWN_LIMIT:?}"
+                )))
+            }
+        };
+        connection.close("topology removed").await;
+        result
+    }
+
+    /// A guard that, when dropped, deletes this topology as
+    /// [`Topology::remove`] does: a test's queues go whether the test
+    /// passed or panicked half-way.
+    pub fn remove_on_drop(&self, url: &str) -> RemoveOnDrop {
+        RemoveOnDrop {
+            topology: self.clone(),
+            url: url.to_owned(),
+        }
+    }
+}
+
+/// Deletes its topology when dropped (see [`Topology::remove_on_drop`]).
+/// Drop cannot await, so the removal runs on a thread of its own with a
+/// small runtime, each step bounded; a failure only logs.
+#[derive(Debug)]
+pub struct RemoveOnDrop {
+    topology: Topology,
+    url: String,
+}
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let topology = self.topology.clone();
+        let url = std::mem::take(&mut self.url);
+        let removal = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build();
+            match runtime {
+                Ok(runtime) => {
+                    if let Err(error) = runtime.block_on(topology.remove(&url)) {
+                        tracing::warn!(exchange = %topology.exchange(), error = %error,
+                            "deleting the topology failed");
+                    }
+                }
+                Err(error) => tracing::warn!(error = %error, "no runtime to delete the topology"),
+            }
+        });
+        let _ = removal.join();
     }
 }
 

@@ -2,9 +2,11 @@
 //!
 //! # How it is built
 //!
-//! The generic RabbitMQ runtime: delivery → key → [`inbox_api::Inbox`] →
-//! settle. It knows no domain: a user writes a [`Handler`] per consumer and
-//! wires it in with [`Service`]; everything else is here.
+//! The generic runtime: delivery → key → [`inbox_api::Inbox`] → settle. It
+//! knows no domain and is written once above the broker: a user writes a
+//! [`Handler`] per consumer and wires it in with [`Service`]; the URL's
+//! scheme picks the broker (`amqp://`: RabbitMQ, feature `rabbitmq`, on by
+//! default); everything else is here.
 //!
 //! ```text
 //! broker ─► Subscription (RabbitMQ: basic.consume, prefetch, coalesced acks)
@@ -43,19 +45,25 @@
 //!   above every broker: [`delivery::Delivery`] (what it reads),
 //!   [`delivery::Settler`] (ack, requeue, dead-letter) and
 //!   [`delivery::Subscription`] (a queue's deliveries, paused during a
-//!   store outage). RabbitMQ's implementations are private modules beside
-//!   [`amqp`].
+//!   store outage). [`broker::Broker`] is what the service's supervisor
+//!   needs beside them (connect, declare, subscribe, close), and
+//!   [`brokers`] picks the broker a URL names. RabbitMQ's implementations
+//!   are a private module beside [`amqp`]; the relay's publishing is a
+//!   trait of its own, inside [`relay`].
 //! - [`amqp`], [`backoff`], [`shutdown`], [`telemetry`], [`tally`],
 //!   [`redact`], [`error`]: plumbing.
 //! - `http` (feature `http`): `/metrics`, `/live` and `/ready`.
 
 #![deny(missing_docs)]
 
+#[cfg(not(feature = "rabbitmq"))]
+compile_error!("inbox-runtime needs a broker: enable its `rabbitmq` feature (on by default)");
+
+#[cfg(feature = "rabbitmq")]
 pub mod amqp;
 pub mod availability;
 pub mod backoff;
 pub mod broker;
-mod broker_url;
 pub mod brokers;
 pub mod config;
 pub mod context;
@@ -71,6 +79,7 @@ pub mod identity;
 pub mod message;
 pub mod redact;
 pub mod relay;
+#[cfg(feature = "rabbitmq")]
 pub mod replay;
 pub mod service;
 pub mod settle;
@@ -81,9 +90,8 @@ pub mod topology;
 pub mod trace;
 pub mod wakeups;
 
-mod ack;
-mod consume;
 mod queue;
+#[cfg(feature = "rabbitmq")]
 mod rabbitmq;
 mod worker;
 
@@ -91,6 +99,7 @@ use inbox_api::{AttemptLedger, BatchTransaction, InboxStats, InboxStore};
 
 // What the public API names, so a service needs no version of its own.
 pub use inbox_api;
+#[cfg(feature = "rabbitmq")]
 pub use lapin;
 
 /// The sqlx store (PostgreSQL), the `sqlx` feature's: [`sqlx_store::SqlxStore`].

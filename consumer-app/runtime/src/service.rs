@@ -323,6 +323,7 @@ where
     ) -> BoxFuture<'a, Result<QueueLoop, AppError>> {
         Box::pin(async move {
             match broker {
+                #[cfg(feature = "rabbitmq")]
                 Connected::RabbitMq(broker) => self.open_on(broker, inbox, config, circuit).await,
             }
         })

@@ -1,4 +1,6 @@
-//! The RabbitMQ topology a service declares: one topic exchange, and per
+//! The topology a service declares: where messages are published (an
+//! exchange), the queues bound to it, and their dead letters. Each broker
+//! declares it in its own terms; on RabbitMQ: one topic exchange, and per
 //! consumer a quorum queue with its own dead-letter exchange and queue.
 //!
 //! ```text
@@ -16,17 +18,7 @@
 //! The `.dlx`/`.dlq` names are a convention the message path relies on, so
 //! they are derived here, not configured.
 
-use lapin::options::{
-    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
-};
-use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Channel, ExchangeKind};
-
 use crate::AppError;
-use crate::amqp::long_string;
-use crate::amqp::{close_bounded, connect};
-use crate::shutdown::TEARDOWN_LIMIT;
 
 /// The broker's own cap on deliveries of one message (`x-delivery-limit`),
 /// above any sensible `max_deliveries`: only reached if the runtime cannot
@@ -139,222 +131,10 @@ impl Topology {
     pub fn dead_letter_queue(queue: &str) -> String {
         format!("{queue}.dlq")
     }
-
-    /// Declares the exchanges, queues and bindings (idempotent).
-    ///
-    /// # Errors
-    /// Broker errors, e.g. an existing queue declared with other arguments.
-    pub async fn declare(&self, channel: &Channel) -> Result<(), AppError> {
-        let durable = ExchangeDeclareOptions {
-            durable: true,
-            ..ExchangeDeclareOptions::default()
-        };
-        declare_exchange(channel, &self.exchange).await?;
-        for binding in &self.bindings {
-            let queue = &binding.queue;
-            let dlx = Self::dead_letter_exchange(queue);
-            let dlq = Self::dead_letter_queue(queue);
-            channel
-                .exchange_declare(
-                    dlx.clone().into(),
-                    ExchangeKind::Fanout,
-                    durable,
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(|e| AppError::broker(format!("declare exchange {dlx}"), e))?;
-            let queue_type = long_string(self.queue_type.as_str());
-            let mut dlq_args = FieldTable::default();
-            dlq_args.insert("x-queue-type".into(), queue_type.clone());
-            declare_queue(channel, &dlq, dlq_args).await?;
-            bind(channel, &dlq, &dlx, "").await?;
-
-            let mut args = FieldTable::default();
-            args.insert("x-queue-type".into(), queue_type);
-            args.insert("x-dead-letter-exchange".into(), long_string(&dlx));
-            if self.queue_type == QueueType::Quorum {
-                args.insert(
-                    "x-delivery-limit".into(),
-                    AMQPValue::LongInt(BROKER_DELIVERY_LIMIT),
-                );
-            }
-            declare_queue(channel, queue, args).await?;
-            bind(channel, queue, &self.exchange, &binding.routing_key).await?;
-        }
-        Ok(())
-    }
-
-    /// Deletes everything [`Topology::declare`] made (tests, demos).
-    ///
-    /// # Errors
-    /// Broker errors.
-    pub async fn delete(&self, channel: &Channel) -> Result<(), AppError> {
-        for binding in &self.bindings {
-            let queue = &binding.queue;
-            for queue in [queue.clone(), Self::dead_letter_queue(queue)] {
-                channel
-                    .queue_delete(queue.clone().into(), QueueDeleteOptions::default())
-                    .await
-                    .map_err(|e| AppError::broker(format!("delete queue {queue}"), e))?;
-            }
-            let dlx = Self::dead_letter_exchange(queue);
-            channel
-                .exchange_delete(dlx.clone().into(), ExchangeDeleteOptions::default())
-                .await
-                .map_err(|e| AppError::broker(format!("delete exchange {dlx}"), e))?;
-        }
-        channel
-            .exchange_delete(
-                self.exchange.as_str().into(),
-                ExchangeDeleteOptions::default(),
-            )
-            .await
-            .map_err(|e| AppError::broker(format!("delete exchange {}", self.exchange), e))?;
-        Ok(())
-    }
-
-    /// [`Topology::delete`] on a connection of its own, closed afterwards
-    /// whatever happened; gives up (with a log line) after
-    /// [`TEARDOWN_LIMIT`] per step, so a teardown never hangs.
-    ///
-    /// # Errors
-    /// Broker errors, or [`AppError::Unavailable`] when it gave up.
-    pub async fn remove(&self, amqp_url: &str) -> Result<(), AppError> {
-        let connection =
-            tokio::time::timeout(TEARDOWN_LIMIT, connect(amqp_url, "topology removal"))
-                .await
-                .map_err(|_| {
-                    AppError::Unavailable(format!(
-                        "no broker connection within {TEARDOWN_LIMIT:?} to delete the topology"
-                    ))
-                })??;
-        let delete = async {
-            let channel = crate::amqp::open_channel(&connection, "channel").await?;
-            self.delete(&channel).await
-        };
-        let result = match tokio::time::timeout(TEARDOWN_LIMIT, delete).await {
-            Ok(result) => result,
-            Err(_) => {
-                tracing::warn!(exchange = %self.exchange, "topology delete not done in {TEARDOWN_LIMIT:?}; giving up");
-                Err(AppError::Unavailable(format!(
-                    "topology delete not done in {TEARDOWN_LIMIT:?}"
-                )))
-            }
-        };
-        close_bounded(&connection, "topology removed").await;
-        result
-    }
-
-    /// A guard that, when dropped, deletes this topology as
-    /// [`Topology::remove`] does: a test's queues go whether the test
-    /// passed or panicked half-way.
-    pub fn remove_on_drop(&self, amqp_url: &str) -> RemoveOnDrop {
-        RemoveOnDrop {
-            topology: self.clone(),
-            amqp_url: amqp_url.to_owned(),
-        }
-    }
-
-    /// Ready (unacknowledged ones excluded) messages in a queue, by a passive
-    /// declare.
-    ///
-    /// # Errors
-    /// Broker errors; a missing queue closes the channel.
-    pub async fn ready_messages(channel: &Channel, queue: &str) -> Result<u32, AppError> {
-        let declared = channel
-            .queue_declare(
-                queue.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|e| AppError::broker(format!("inspect queue {queue}"), e))?;
-        Ok(declared.message_count())
-    }
 }
 
-/// Declares `exchange` as every [`Topology`] declares its exchange:
-/// durable, topic (idempotent). What a publisher that must not wait for a
-/// consumer's declaration (the outbox relay) declares before publishing.
-///
-/// # Errors
-/// Broker errors, e.g. the exchange exists with another kind.
-pub async fn declare_exchange(channel: &Channel, exchange: &str) -> Result<(), AppError> {
-    channel
-        .exchange_declare(
-            exchange.into(),
-            ExchangeKind::Topic,
-            ExchangeDeclareOptions {
-                durable: true,
-                ..ExchangeDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .map_err(|e| AppError::broker(format!("declare exchange {exchange}"), e))
-}
-
-async fn declare_queue(channel: &Channel, queue: &str, args: FieldTable) -> Result<(), AppError> {
-    channel
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                durable: true,
-                ..QueueDeclareOptions::default()
-            },
-            args,
-        )
-        .await
-        .map_err(|e| AppError::broker(format!("declare queue {queue}"), e))?;
-    Ok(())
-}
-
-async fn bind(channel: &Channel, queue: &str, exchange: &str, key: &str) -> Result<(), AppError> {
-    channel
-        .queue_bind(
-            queue.into(),
-            exchange.into(),
-            key.into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .map_err(|e| AppError::broker(format!("bind {queue} to {exchange}"), e))
-}
-
-/// Deletes its topology when dropped (see [`Topology::remove_on_drop`]).
-/// Drop cannot await, so the removal runs on a thread of its own with a
-/// small runtime, each step bounded; a failure only logs.
-#[derive(Debug)]
-pub struct RemoveOnDrop {
-    topology: Topology,
-    amqp_url: String,
-}
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        let topology = self.topology.clone();
-        let amqp_url = std::mem::take(&mut self.amqp_url);
-        let removal = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build();
-            match runtime {
-                Ok(runtime) => {
-                    if let Err(error) = runtime.block_on(topology.remove(&amqp_url)) {
-                        tracing::warn!(exchange = %topology.exchange, error = %error,
-                            "deleting the topology failed");
-                    }
-                }
-                Err(error) => tracing::warn!(error = %error, "no runtime to delete the topology"),
-            }
-        });
-        let _ = removal.join();
-    }
-}
+/// Removing a topology from whichever broker its URL names.
+pub use crate::brokers::RemoveOnDrop;
 
 #[cfg(test)]
 mod tests {

@@ -65,7 +65,6 @@ use inbox_api::{Fingerprint, Handled, Inbox, InboxKey, LastError, MessageId};
 use tokio::sync::{OwnedSemaphorePermit, watch};
 use tracing::{Instrument as _, Span};
 
-use crate::ack::AmqpSettler;
 use crate::availability::StoreCircuit;
 use crate::backoff::jittered;
 use crate::config::WorkerConfig;
@@ -82,7 +81,7 @@ use crate::telemetry::MetricNames;
 use crate::{AppError, ServiceStore};
 
 /// What the message path does with one queue's deliveries.
-pub(crate) struct Worker<S, H, T = AmqpSettler> {
+pub(crate) struct Worker<S, H, T> {
     pub(crate) inbox: Arc<Inbox<S>>,
     pub(crate) handler: Arc<H>,
     /// Where the handler's events go (the topology's exchange).

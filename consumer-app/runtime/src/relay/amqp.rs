@@ -53,7 +53,7 @@ impl Outlet for Pool {
         }
         let channel = open_confirm_channel(&self.connection).await?;
         for exchange in exchanges {
-            crate::topology::declare_exchange(&channel, exchange).await?;
+            crate::rabbitmq::topology::declare_exchange(&channel, exchange).await?;
         }
         Ok(channel)
     }

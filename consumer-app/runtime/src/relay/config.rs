@@ -57,7 +57,7 @@ pub struct RelayConfig {
     /// The backoff and dead-letter limit of a message the broker refuses
     /// (nack, returned).
     pub retry: PublishRetry,
-    /// Exchanges declared ([`crate::topology::declare_exchange`]:
+    /// Exchanges declared (`declare_exchange`:
     /// durable, topic, as a consumer's topology declares them) on every
     /// channel the relay opens, before it publishes: a message to one of
     /// them goes out even before any consumer has declared its topology.

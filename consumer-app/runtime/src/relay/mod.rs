@@ -36,7 +36,7 @@
 //!   publishes; returned unroutable: no queue is bound for its routing
 //!   key): the refusal is charged to that message
 //!   ([`OutboxStore::record_refusals`]), which backs off on its own
-//!   ([`PublishRetry`]: doubling delays) and, at the limit, is dead: kept
+//!   ([`PublishRetry`](inbox_api::PublishRetry): doubling delays) and, at the limit, is dead: kept
 //!   in the table, never taken, counted in `outbox_dead_lettered_total`
 //!   and logged with its id, until `parcel-inbox outbox-requeue` after the
 //!   fix. It neither holds back younger messages nor comes back forever.
@@ -55,6 +55,7 @@
 //! The relay knows no domain: the rows say which exchange, routing key,
 //! type, headers and body to publish.
 
+#[cfg(feature = "rabbitmq")]
 mod amqp;
 mod config;
 mod outlet;
@@ -157,6 +158,7 @@ impl<S: OutboxStore + Clone + 'static> Relay<S> {
     /// later round could do better.
     pub async fn run(self, shutdown: watch::Receiver<bool>) -> Result<(), AppError> {
         match BrokerKind::of(&self.config.amqp_url)? {
+            #[cfg(feature = "rabbitmq")]
             BrokerKind::RabbitMq => self.run_on::<amqp::Pool>(shutdown).await,
         }
     }

@@ -1,7 +1,12 @@
 //! RabbitMQ as a [`Broker`]: one AMQP connection; the topology declared
 //! on a channel of its own; per queue a consuming channel with its
 //! prefetch and a confirming channel for its dead letters
-//! ([`crate::consume`]).
+//! ([`consume`]).
+
+pub(crate) mod ack;
+mod consume;
+pub(crate) mod topology;
+pub(crate) mod url;
 
 use lapin::Connection;
 
@@ -9,8 +14,8 @@ use crate::AppError;
 use crate::amqp::{close_bounded, close_channel_bounded, connect_with, open_channel};
 use crate::broker::{Broker, ConnectOptions};
 use crate::config::WorkerConfig;
-use crate::consume::AmqpSubscription;
 use crate::topology::Topology;
+use consume::AmqpSubscription;
 
 /// A connection to RabbitMQ.
 pub(crate) struct RabbitMq {
@@ -48,6 +53,13 @@ impl Broker for RabbitMq {
             config.ack_flush,
         )
         .await
+    }
+
+    async fn delete(&self, topology: &Topology) -> Result<(), AppError> {
+        let channel = open_channel(&self.connection, "channel").await?;
+        let deleted = topology.delete(&channel).await;
+        close_channel_bounded(&channel, "topology deleted").await;
+        deleted
     }
 
     async fn close(&self, reason: &str) {

@@ -15,8 +15,8 @@ use lapin::{Channel, Connection};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use super::ack::{AckTracker, AmqpSettler};
 use crate::AppError;
-use crate::ack::{AckTracker, AmqpSettler};
 use crate::amqp::{close_channel_bounded, no_args, open_channel};
 use crate::delivery::Subscription;
 
