@@ -127,7 +127,7 @@ async fn batched_exactly_once<S: ParcelStore>(store: S, names: Names) {
     let service = with_handlers(
         store.clone(),
         ServiceConfig {
-            amqp_url: AMQP_URL.to_owned(),
+            broker_url: AMQP_URL.to_owned(),
             worker: worker_config(),
             connection_name: names.connection.clone(),
             cleanup: None,

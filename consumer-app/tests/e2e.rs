@@ -139,7 +139,7 @@ async fn start_configured<S: ParcelStore>(
     let service = with_handlers(
         store.clone(),
         ServiceConfig {
-            amqp_url: AMQP_URL.to_owned(),
+            broker_url: AMQP_URL.to_owned(),
             worker,
             connection_name: names.connection.clone(),
             cleanup: None,

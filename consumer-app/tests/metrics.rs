@@ -186,7 +186,7 @@ async fn metric_values_follow_what_the_service_did() {
         .spawn(
             store.clone(),
             ServiceConfig {
-                amqp_url: AMQP_URL.to_owned(),
+                broker_url: AMQP_URL.to_owned(),
                 // One attempt per delivery, two deliveries: the poison
                 // message fails twice, is requeued once, then dead-lettered.
                 worker: WorkerConfig {

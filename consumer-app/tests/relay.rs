@@ -1234,7 +1234,7 @@ async fn a_broker_outage_and_a_lost_connection_charge_no_message() {
                 ..inbox_api::PublishRetry::default()
             },
             ..RelayConfig {
-                amqp_url: rabbit.url(),
+                broker_url: rabbit.url(),
                 connection_name: name.clone(),
                 ..config(&id, 10)
             }

@@ -261,7 +261,7 @@ impl Default for AvailabilityConfig {
 #[derive(Clone)]
 pub struct ServiceConfig {
     /// The broker (may hold a password: logged redacted only).
-    pub amqp_url: String,
+    pub broker_url: String,
     /// The message path's settings.
     pub worker: WorkerConfig,
     /// The AMQP connection's name, as `rabbitmqctl list_connections
@@ -280,12 +280,12 @@ pub struct ServiceConfig {
 }
 
 impl ServiceConfig {
-    /// A service on the broker at `amqp_url`, its connection named
+    /// A service on the broker at `broker_url`, its connection named
     /// `connection_name`: the default message path and cleanup (the inbox
     /// table must not grow for ever), no gauge.
-    pub fn new(amqp_url: impl Into<String>, connection_name: impl Into<String>) -> Self {
+    pub fn new(broker_url: impl Into<String>, connection_name: impl Into<String>) -> Self {
         Self {
-            amqp_url: amqp_url.into(),
+            broker_url: broker_url.into(),
             worker: WorkerConfig::default(),
             connection_name: connection_name.into(),
             cleanup: Some(CleanupConfig::default()),
@@ -310,7 +310,7 @@ impl ServiceConfig {
 impl std::fmt::Debug for ServiceConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ServiceConfig")
-            .field("amqp_url", &crate::redact::redact_url(&self.amqp_url))
+            .field("broker_url", &crate::redact::redact_url(&self.broker_url))
             .field("worker", &self.worker)
             .field("connection_name", &self.connection_name)
             .field("cleanup", &self.cleanup)

@@ -105,7 +105,7 @@ impl<S: ServiceStore> Service<S> {
         S: OutboxStore + OutboxWakeups + Send + Sync + 'static,
     {
         let mut config = RelayConfig::new(
-            self.config.amqp_url.clone(),
+            self.config.broker_url.clone(),
             format!("{} relay", self.config.connection_name),
         );
         config.connection = self.config.connection;
@@ -185,7 +185,7 @@ impl<S: ServiceStore> Service<S> {
             let shared = tally.shared(consumer.name());
             consumer.count_into(shared, self.metric_names);
         }
-        let broker_kind = BrokerKind::of(&self.config.amqp_url)?;
+        let broker_kind = BrokerKind::of(&self.config.broker_url)?;
         let (shutdown, shutdown_rx) = watch::channel(false);
         let relay = match self.relay.take() {
             Some(start) => Some(start(self.store.clone(), shutdown_rx.clone())?),
@@ -611,7 +611,7 @@ impl<S: ServiceStore> Supervisor<S> {
             } else {
                 OnRefusal::Fail
             };
-            let url = &self.config.amqp_url;
+            let url = &self.config.broker_url;
             let (name, options) = (&self.config.connection_name, self.config.connection);
             let retrying = Retrying {
                 attempts: None,

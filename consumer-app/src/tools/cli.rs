@@ -535,7 +535,7 @@ impl ConsumeArgs {
         Ok(Consume {
             schema: global.schema.clone(),
             config: ServiceConfig {
-                amqp_url: global.amqp_url.clone(),
+                broker_url: global.amqp_url.clone(),
                 worker: self.worker.config(),
                 connection_name: format!(
                     "parcel-inbox consume {}{}",

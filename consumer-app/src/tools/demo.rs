@@ -164,7 +164,7 @@ impl Demo {
         let service = with_handlers(
             store.clone(),
             ServiceConfig {
-                amqp_url: cfg.amqp_url.clone(),
+                broker_url: cfg.amqp_url.clone(),
                 worker: cfg.worker.clone(),
                 connection_name: format!("parcel-inbox demo {}", self.run_id),
                 cleanup: None,

@@ -198,7 +198,7 @@ pub(crate) async fn cell(
             let service = spawn(
                 store.clone(),
                 ServiceConfig {
-                    amqp_url: AMQP_URL.to_owned(),
+                    broker_url: AMQP_URL.to_owned(),
                     worker: WorkerConfig {
                         prefetch,
                         concurrency: tasks,

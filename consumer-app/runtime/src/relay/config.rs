@@ -14,7 +14,7 @@ use crate::{AppError, CleanupConfig};
 #[derive(Clone)]
 pub struct RelayConfig {
     /// The broker (may hold a password: logged redacted only).
-    pub amqp_url: String,
+    pub broker_url: String,
     /// The AMQP connection's name, as `rabbitmqctl list_connections
     /// user_provided_name` shows it.
     pub connection_name: String,
@@ -89,13 +89,13 @@ impl RelayConfig {
     /// figures).
     pub const DEFAULT_PIPELINE_DEPTH: NonZeroU32 = NonZeroU32::MIN.saturating_add(3);
 
-    /// A relay publishing to the broker at `amqp_url` on a connection named
+    /// A relay publishing to the broker at `broker_url` on a connection named
     /// `connection_name`, with batches of 100, up to
     /// [`RelayConfig::DEFAULT_PIPELINE_DEPTH`] in flight, `mandatory`, 30 s
     /// leases, 10 s for the confirms and polling every 500 ms.
-    pub fn new(amqp_url: impl Into<String>, connection_name: impl Into<String>) -> Self {
+    pub fn new(broker_url: impl Into<String>, connection_name: impl Into<String>) -> Self {
         Self {
-            amqp_url: amqp_url.into(),
+            broker_url: broker_url.into(),
             connection_name: connection_name.into(),
             batch_size: NonZeroU32::new(100).unwrap_or(NonZeroU32::MIN),
             pipeline_depth: Self::DEFAULT_PIPELINE_DEPTH,
@@ -148,7 +148,7 @@ impl RelayConfig {
 impl fmt::Debug for RelayConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RelayConfig")
-            .field("amqp_url", &redact_url(&self.amqp_url))
+            .field("broker_url", &redact_url(&self.broker_url))
             .field("connection_name", &self.connection_name)
             .field("batch_size", &self.batch_size)
             .field("pipeline_depth", &self.pipeline_depth)

@@ -157,7 +157,7 @@ impl<S: OutboxStore + Clone + 'static> Relay<S> {
     /// A permanent store error (the outbox table is missing, say): no
     /// later round could do better.
     pub async fn run(self, shutdown: watch::Receiver<bool>) -> Result<(), AppError> {
-        match BrokerKind::of(&self.config.amqp_url)? {
+        match BrokerKind::of(&self.config.broker_url)? {
             #[cfg(feature = "rabbitmq")]
             BrokerKind::RabbitMq => self.run_on::<amqp::Pool>(shutdown).await,
         }
@@ -346,7 +346,7 @@ impl<S: OutboxStore + Clone + 'static> Relay<S> {
         } else {
             OnRefusal::Retry
         };
-        let (url, name) = (&self.config.amqp_url, &self.config.connection_name);
+        let (url, name) = (&self.config.broker_url, &self.config.connection_name);
         let options = self.config.connection;
         let retrying = Retrying {
             attempts: None,
