@@ -127,11 +127,20 @@ pub trait Broker: Sized + Send + Sync + 'static {
     fn close(&self, reason: &str) -> impl Future<Output = ()> + Send;
 }
 
+/// The URL schemes this build speaks, for the error that names them.
+#[cfg(feature = "nats")]
+const SCHEMES: &str = "amqp://, amqps://, nats:// or tls://";
+#[cfg(not(feature = "nats"))]
+const SCHEMES: &str = "amqp:// or amqps://";
+
 /// The brokers the runtime speaks, as a URL's scheme names them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BrokerKind {
     /// RabbitMQ (AMQP 0-9-1): `amqp://` or `amqps://`.
     RabbitMq,
+    /// NATS JetStream: `nats://` or `tls://` (the `nats` feature).
+    #[cfg(feature = "nats")]
+    Nats,
 }
 
 impl BrokerKind {
@@ -143,9 +152,20 @@ impl BrokerKind {
         let scheme = url.split_once("://").map_or("", |(scheme, _)| scheme);
         match scheme.to_ascii_lowercase().as_str() {
             "amqp" | "amqps" => Ok(Self::RabbitMq),
-            _ => Err(AppError::Config(format!(
-                "broker URL {}: expected amqp:// or amqps://",
+            #[cfg(feature = "nats")]
+            "nats" | "tls" => Ok(Self::Nats),
+            // Said plainly: "expected amqp://" would leave the reader
+            // wondering why a NATS URL is refused.
+            #[cfg(not(feature = "nats"))]
+            "nats" | "tls" => Err(AppError::Config(format!(
+                "broker URL {}: NATS needs inbox-runtime's `nats` feature, which this build \
+                 does not have",
                 redact_url(url)
+            ))),
+            _ => Err(AppError::Config(format!(
+                "broker URL {}: expected {}",
+                redact_url(url),
+                SCHEMES
             ))),
         }
     }
@@ -154,14 +174,22 @@ impl BrokerKind {
     pub fn name(self) -> &'static str {
         match self {
             Self::RabbitMq => crate::rabbitmq::RabbitMq::NAME,
+            #[cfg(feature = "nats")]
+            Self::Nats => crate::nats::JetStream::NAME,
         }
     }
 }
 
 /// A connection to whichever broker the URL named: what the supervisor
 /// holds, so that a [`crate::Service`] is one type whatever its broker.
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one value per connection, held for its life: its size costs nothing"
+)]
 pub(crate) enum Connected {
     RabbitMq(crate::rabbitmq::RabbitMq),
+    #[cfg(feature = "nats")]
+    Nats(crate::nats::JetStream),
 }
 
 impl Connected {
@@ -175,18 +203,26 @@ impl Connected {
             BrokerKind::RabbitMq => crate::rabbitmq::RabbitMq::connect(url, name, options)
                 .await
                 .map(Self::RabbitMq),
+            #[cfg(feature = "nats")]
+            BrokerKind::Nats => crate::nats::JetStream::connect(url, name, options)
+                .await
+                .map(Self::Nats),
         }
     }
 
     pub(crate) async fn declare(&self, topology: &Topology) -> Result<(), AppError> {
         match self {
             Self::RabbitMq(broker) => broker.declare(topology).await,
+            #[cfg(feature = "nats")]
+            Self::Nats(broker) => broker.declare(topology).await,
         }
     }
 
     pub(crate) async fn close(&self, reason: &str) {
         match self {
             Self::RabbitMq(broker) => broker.close(reason).await,
+            #[cfg(feature = "nats")]
+            Self::Nats(broker) => broker.close(reason).await,
         }
     }
 }
@@ -297,6 +333,27 @@ mod tests {
             .expect_err("not a broker of ours")
             .to_string();
         assert!(error.contains("amqp://"), "{error}");
+        assert!(!error.contains("secret"), "{error}");
+    }
+
+    #[cfg(feature = "nats")]
+    #[test]
+    fn nats_and_tls_urls_pick_jetstream() {
+        assert_eq!(
+            BrokerKind::of("nats://127.0.0.1:4222").ok(),
+            Some(BrokerKind::Nats)
+        );
+        assert_eq!(BrokerKind::of("tls://h:4222").ok(), Some(BrokerKind::Nats));
+        assert_eq!(BrokerKind::Nats.name(), "NATS JetStream");
+    }
+
+    #[cfg(not(feature = "nats"))]
+    #[test]
+    fn a_nats_url_without_the_feature_names_it() {
+        let error = BrokerKind::of("nats://user:secret@h:4222").expect_err("not compiled in");
+        assert!(matches!(error, AppError::Config(_)), "{error:?}");
+        let error = error.to_string();
+        assert!(error.contains("`nats` feature"), "{error}");
         assert!(!error.contains("secret"), "{error}");
     }
 }

@@ -48,6 +48,8 @@
 //! - [`amqp`], [`backoff`], [`shutdown`], [`telemetry`], [`tally`],
 //!   [`redact`], [`error`]: plumbing.
 //! - `http` (feature `http`): `/metrics`, `/live` and `/ready`.
+//! - `nats` (feature `nats`): NATS JetStream as a second broker, picked by
+//!   a `nats://` URL; its name mapping in `nats::names`.
 
 #![deny(missing_docs)]
 
@@ -82,6 +84,8 @@ pub mod wakeups;
 
 mod ack;
 mod consume;
+#[cfg(feature = "nats")]
+pub mod nats;
 mod queue;
 mod rabbitmq;
 mod worker;
@@ -89,6 +93,10 @@ mod worker;
 use inbox_api::{AttemptLedger, BatchTransaction, InboxStats, InboxStore};
 
 // What the public API names, so a service needs no version of its own.
+/// async-nats, for a NATS producer or test beside the runtime (the `nats`
+/// feature).
+#[cfg(feature = "nats")]
+pub use async_nats;
 pub use inbox_api;
 pub use lapin;
 

@@ -323,6 +323,8 @@ where
         Box::pin(async move {
             match broker {
                 Connected::RabbitMq(broker) => self.open_on(broker, inbox, config, circuit).await,
+                #[cfg(feature = "nats")]
+                Connected::Nats(broker) => self.open_on(broker, inbox, config, circuit).await,
             }
         })
     }
