@@ -15,6 +15,7 @@ use inbox_runtime::async_nats::HeaderMap;
 use inbox_runtime::async_nats::jetstream::{self, consumer::pull, stream};
 use inbox_runtime::nats::{names, publish_confirmed};
 use inbox_runtime::prelude::*;
+use private_servers::PrivateNats;
 use serde::{Deserialize, Serialize};
 
 const NATS_URL: &str = "nats://127.0.0.1:4222";
@@ -69,6 +70,7 @@ async fn handle(mut cx: Context<'_, MemoryTransaction>, order: Order) -> Result<
 
 /// One test's names and connection.
 struct Setup {
+    url: String,
     test: String,
     exchange: String,
     queue: String,
@@ -79,8 +81,13 @@ impl Setup {
     /// A fresh exchange (with a `.`, to exercise the mapping) and queue;
     /// `None` (skipped) when NATS is unreachable outside CI.
     async fn new(what: &str) -> Option<Self> {
+        Self::on(what, NATS_URL).await
+    }
+
+    /// The same on the server at `url`.
+    async fn on(what: &str, url: &str) -> Option<Self> {
         let id = uuid::Uuid::new_v4().simple().to_string()[..10].to_owned();
-        let client = match async_nats::connect(NATS_URL).await {
+        let client = match async_nats::connect(url).await {
             Ok(client) => client,
             Err(error) if std::env::var("CI").as_deref() == Ok("true") => {
                 panic!("NATS unreachable at {NATS_URL} under CI: {error}")
@@ -93,6 +100,7 @@ impl Setup {
             }
         };
         Some(Self {
+            url: url.to_owned(),
             test: format!("{what}-{id}"),
             exchange: format!("test-{what}-{id}.shop"),
             queue: format!("test-{what}-{id}.payments"),
@@ -106,7 +114,7 @@ impl Setup {
 
     /// A service consuming the queue with `config`'s worker settings.
     async fn start(&self, tweak: impl FnOnce(&mut WorkerConfig)) -> ServiceHandle {
-        let mut config = ServiceConfig::new(NATS_URL, format!("nats test {}", self.test));
+        let mut config = ServiceConfig::new(&self.url, format!("nats test {}", self.test));
         config.worker.retry_base_delay = Duration::from_millis(10);
         tweak(&mut config.worker);
         let service = Service::new(MemoryStore::new(), config, self.topology())
@@ -472,5 +480,111 @@ async fn a_graceful_shutdown_acks_what_was_in_flight() {
     // Acked before the close: nothing pending, nothing to redeliver.
     setup.wait_drained().await;
     assert_eq!(calls(&setup.test), (4, 4));
+    setup.delete().await;
+}
+
+/// A refused login at start-up ends the service with
+/// `CredentialsRefused`, the password hidden; the right one consumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_login_ends_the_service_as_credentials_refused() {
+    let server = PrivateNats::start_with_login("app", "right-secret").await;
+    let url = |password: &str| format!("nats://app:{password}@127.0.0.1:{}", server.port());
+    let service = |url: String| {
+        Service::new(
+            MemoryStore::new(),
+            ServiceConfig::new(url, "refused test"),
+            Topology::new("refused.shop").bind("refused.q", "order.*"),
+        )
+        .consume(
+            "refused.q",
+            handler_fn("payments", handle).expect("valid consumer name"),
+        )
+        .spawn()
+        .expect("the service starts")
+    };
+    let refused = service(url("wrong-secret"));
+    let error = tokio::time::timeout(Duration::from_secs(30), refused.join())
+        .await
+        .expect("ends at the refusal")
+        .expect_err("refused");
+    assert!(
+        matches!(error, AppError::CredentialsRefused { .. }),
+        "{error:?}"
+    );
+    assert!(
+        !format!("{error} {error:?}").contains("wrong-secret"),
+        "{error:?}"
+    );
+
+    let accepted = service(url("right-secret"));
+    accepted
+        .wait_ready(Duration::from_secs(30))
+        .await
+        .expect("the right password consumes");
+    accepted.shutdown();
+    accepted.join().await.expect("clean shutdown");
+}
+
+/// A server restart (killed, down past two missed idle heartbeats, back on
+/// its store) is ridden out by the same consuming loop: the pull errors
+/// in between are skipped, not an end of the subscription, and messages
+/// published after the restart are processed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_consuming_loop_rides_out_a_server_restart() {
+    let mut server = PrivateNats::start().await;
+    let setup = Setup::on("restart", &server.url())
+        .await
+        .expect("the private server is up");
+    let service = setup.start(|_| {}).await;
+    for n in 0..3 {
+        setup.publish(&fresh_id(), setup.order(n, 0, 0)).await;
+    }
+    let tally = service.tally.consumer("payments");
+    wait_for("3 processed before the restart", || tally.processed() == 3).await;
+
+    server.stop();
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    server.resume().await;
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for n in 3..6 {
+        let subject = names::subject(&setup.exchange, "order.placed");
+        let id = fresh_id();
+        // The test's own client reconnects too: retry until it has.
+        loop {
+            match publish_confirmed(
+                &setup.js,
+                &subject,
+                &id,
+                Some(Order::TYPE),
+                HeaderMap::new(),
+                setup.order(n, 0, 0),
+            )
+            .await
+            {
+                Ok(_) => break,
+                Err(error) => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "publish after the restart: {error}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+    }
+    wait_for("3 more processed after the restart", || {
+        tally.processed() == 6
+    })
+    .await;
+    setup.wait_drained().await;
+    assert_eq!(
+        service.sessions(),
+        1,
+        "the first session's loop never ended"
+    );
+    assert_eq!(calls(&setup.test), (6, 6));
+    service.shutdown();
+    service.join().await.expect("clean shutdown");
     setup.delete().await;
 }
