@@ -13,6 +13,7 @@ use inbox_runtime::WorkerConfig;
 use inbox_runtime::async_nats;
 use inbox_runtime::async_nats::HeaderMap;
 use inbox_runtime::async_nats::jetstream::{self, consumer::pull, stream};
+use inbox_runtime::inbox_api::InboxError;
 use inbox_runtime::nats::{names, publish_confirmed};
 use inbox_runtime::prelude::*;
 use private_servers::PrivateNats;
@@ -30,6 +31,9 @@ struct Order {
     fail: u64,
     #[serde(default)]
     slow_ms: u64,
+    /// Attempts that fail as if the store were away.
+    #[serde(default)]
+    outage: u64,
 }
 impl Event for Order {
     const TYPE: &'static str = "order.placed";
@@ -60,6 +64,11 @@ async fn handle(mut cx: Context<'_, MemoryTransaction>, order: Order) -> Result<
     let attempt = bump(&order);
     if order.slow_ms > 0 {
         tokio::time::sleep(Duration::from_millis(order.slow_ms)).await;
+    }
+    if attempt <= order.outage {
+        return Err(AppError::Inbox(InboxError::Connection {
+            source: "the store is away (simulated)".into(),
+        }));
     }
     if attempt <= order.fail {
         return Err(AppError::transient(format!("attempt {attempt} fails")));
@@ -137,6 +146,7 @@ impl Setup {
             n,
             fail,
             slow_ms,
+            outage: 0,
         })
         .expect("json")
     }
@@ -584,6 +594,50 @@ async fn the_consuming_loop_rides_out_a_server_restart() {
         "the first session's loop never ended"
     );
     assert_eq!(calls(&setup.test), (6, 6));
+    service.shutdown();
+    service.join().await.expect("clean shutdown");
+    setup.delete().await;
+}
+
+/// A store outage (every attempt failing as "store away") opens the store
+/// circuit: the subscription pauses, hands back what it holds (a `nak`,
+/// uncharged), resumes once the store answers, and every order is then
+/// processed once, none dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_pauses_and_resumes_the_subscription() {
+    let Some(setup) = Setup::new("outage").await else {
+        return;
+    };
+    let service = setup.start(|_| {}).await;
+    let mut availability = service.store_availability();
+    let paused = tokio::spawn(async move { availability.wait_for(|up| !*up).await.is_ok() });
+    for n in 0..6 {
+        let body = serde_json::to_vec(&Order {
+            test: setup.test.clone(),
+            n,
+            fail: 0,
+            slow_ms: 0,
+            outage: 1,
+        })
+        .expect("json");
+        setup.publish(&fresh_id(), body).await;
+    }
+    let tally = service.tally.consumer("payments");
+    wait_for("6 processed after the outage", || tally.processed() == 6).await;
+    setup.wait_drained().await;
+    assert!(
+        tokio::time::timeout(Duration::from_secs(1), paused)
+            .await
+            .is_ok_and(|seen| seen.is_ok_and(|paused| paused)),
+        "the store circuit opened"
+    );
+    assert!(tally.released() >= 6, "released {}", tally.released());
+    assert_eq!(tally.dead_lettered_total(), 0);
+    assert_eq!(
+        calls(&setup.test),
+        (12, 6),
+        "one failed and one good attempt each"
+    );
     service.shutdown();
     service.join().await.expect("clean shutdown");
     setup.delete().await;

@@ -12,6 +12,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::consumer::pull::{MessagesErrorKind, Stream as Messages};
 use futures::{FutureExt as _, StreamExt as _};
@@ -35,7 +36,7 @@ const PULL_HEARTBEAT: Duration = Duration::from_secs(5);
 pub(crate) struct JetStreamSubscription {
     queue: String,
     consumer: PullConsumer,
-    /// `None` while paused or stopped.
+    /// `None` once stopped.
     messages: Option<Messages>,
     batch: usize,
     settler: Arc<JetStreamSettler>,
@@ -111,6 +112,21 @@ impl JetStreamSubscription {
         delivery
     }
 
+    /// The messages the pull stream holds ready, without waiting.
+    fn take_ready(&mut self) -> Vec<async_nats::jetstream::Message> {
+        let mut held = Vec::new();
+        if let Some(messages) = self.messages.as_mut() {
+            while let Some(Some(item)) = messages.next().now_or_never() {
+                match item {
+                    Ok(message) => held.push(message),
+                    Err(error) => tracing::debug!(queue = %self.queue, error = %error,
+                        "pull error while taking the held messages"),
+                }
+            }
+        }
+        held
+    }
+
     fn stop_tasks(&self) {
         self.stop_tasks.send_replace(true);
     }
@@ -157,21 +173,18 @@ impl Subscription for JetStreamSubscription {
         }
     }
 
-    /// Drops the pull stream after taking what it already holds, which is
-    /// returned to be handed back. Messages the server was sending as the
-    /// stream went (a pull request still open) reach nobody: the server
-    /// redelivers them after `ack_wait`, as after a crash.
+    /// Takes what the pull stream already holds, to be handed back, and
+    /// keeps the stream itself, unpolled, until [`Subscription::resume`].
+    ///
+    /// Not dropped: a pull request still open when the stream goes would
+    /// send its messages to an inbox nobody reads, and they would come back
+    /// only after `ack_wait` (measured: a store-outage pause lost one that
+    /// way). Kept, the stream receives at most what the consumer's
+    /// `max_ack_pending` (the prefetch) lets the server send, and those
+    /// wait for the resume; a pause longer than `ack_wait` has them
+    /// redelivered, and the inbox sorts out the copies.
     async fn pause(&mut self) -> Result<Vec<JetStreamDelivery>, AppError> {
-        let mut held = Vec::new();
-        if let Some(mut messages) = self.messages.take() {
-            while let Some(Some(item)) = messages.next().now_or_never() {
-                match item {
-                    Ok(message) => held.push(message),
-                    Err(error) => tracing::debug!(queue = %self.queue, error = %error,
-                        "pull error while pausing"),
-                }
-            }
-        }
+        let held = self.take_ready();
         Ok(held
             .into_iter()
             .map(|message| self.received(message))
@@ -179,12 +192,33 @@ impl Subscription for JetStreamSubscription {
     }
 
     async fn resume(&mut self) -> Result<(), AppError> {
-        self.messages = Some(self.pull().await?);
+        if self.messages.is_none() {
+            self.messages = Some(self.pull().await?);
+        }
         Ok(())
     }
 
+    /// Drops the pull stream for good, after `nak`ing (no delay) what it
+    /// held and the worker never saw, so that another consumer gets those
+    /// at once. A message the server was sending as it went reaches nobody
+    /// and comes back after `ack_wait`.
     async fn stop(&mut self) {
+        let held = self.take_ready();
         self.messages = None;
+        for message in held {
+            let Some(subject) = message.reply.clone() else {
+                continue;
+            };
+            if let Err(error) = self
+                .settler
+                .client
+                .publish(subject, AckKind::Nak(None).into())
+                .await
+            {
+                tracing::debug!(queue = %self.queue, error = %error,
+                    "handing back an unhandled message failed; it comes back after ack_wait");
+            }
+        }
     }
 
     async fn close(self) {
