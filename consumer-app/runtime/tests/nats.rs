@@ -642,3 +642,66 @@ async fn a_store_outage_pauses_and_resumes_the_subscription() {
     service.join().await.expect("clean shutdown");
     setup.delete().await;
 }
+
+/// `tls://` with the URL's TLS files (a CA and a client certificate, the
+/// query parameters of an `amqps://` URL) against a TLS-only server that
+/// verifies client certificates; the same files on a `nats://` URL are a
+/// configuration error that ends the service at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_urls_take_the_ca_and_client_certificate_from_the_query() {
+    let dir = std::env::temp_dir().join(format!(
+        "nats-tls-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..10]
+    ));
+    let pki = private_servers::pki::Pki::new(&dir);
+    let server = PrivateNats::start_tls(&pki).await;
+    let (cert, key) = pki.client("app");
+    let query = format!(
+        "?cacertfile={}&certfile={}&keyfile={}",
+        pki.ca.display(),
+        cert.display(),
+        key.display()
+    );
+    let service = |url: String| {
+        Service::new(
+            MemoryStore::new(),
+            ServiceConfig::new(url, "tls test"),
+            Topology::new("tls.shop").bind("tls.q", "order.*"),
+        )
+        .consume(
+            "tls.q",
+            handler_fn("payments", handle).expect("valid consumer name"),
+        )
+        .spawn()
+        .expect("the service starts")
+    };
+    let plain = service(format!("nats://127.0.0.1:{}{query}", server.port()));
+    let error = tokio::time::timeout(Duration::from_secs(30), plain.join())
+        .await
+        .expect("ends at once")
+        .expect_err("a configuration error");
+    assert!(matches!(error, AppError::Config(_)), "{error:?}");
+
+    // Without a client certificate the server refuses the handshake: the
+    // service keeps retrying, never consuming.
+    let anonymous = service(format!("{}?cacertfile={}", server.url(), pki.ca.display()));
+    assert!(
+        anonymous.wait_ready(Duration::from_secs(3)).await.is_err(),
+        "consuming without a client certificate"
+    );
+    assert!(
+        anonymous.broker_readiness().status().is_err(),
+        "not ready, with a reason"
+    );
+    anonymous.shutdown();
+    anonymous.join().await.expect("stops while retrying");
+
+    let tls = service(format!("{}{query}", server.url()));
+    tls.wait_ready(Duration::from_secs(30))
+        .await
+        .expect("consuming over TLS with a client certificate");
+    tls.shutdown();
+    tls.join().await.expect("clean shutdown");
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -501,27 +501,37 @@ pub struct PrivateNats {
     dir: PathBuf,
     port: u16,
     login: Option<(String, String)>,
+    /// TLS only, with these server files and client certificates verified.
+    tls: Option<pki::Pki>,
     server: Option<std::process::Child>,
 }
 
 impl PrivateNats {
     /// Starts a server that takes anyone.
     pub async fn start() -> Self {
-        Self::start_with(None).await
+        Self::start_with(None, None).await
     }
 
     /// Starts a server that takes only `user` with `password`.
     pub async fn start_with_login(user: &str, password: &str) -> Self {
-        Self::start_with(Some((user.to_owned(), password.to_owned()))).await
+        Self::start_with(Some((user.to_owned(), password.to_owned())), None).await
     }
 
-    async fn start_with(login: Option<(String, String)>) -> Self {
+    /// Starts a server that takes TLS connections only, with `pki`'s
+    /// server certificate, and only clients with a certificate of `pki`'s
+    /// CA.
+    pub async fn start_tls(pki: &pki::Pki) -> Self {
+        Self::start_with(None, Some(pki.clone())).await
+    }
+
+    async fn start_with(login: Option<(String, String)>, tls: Option<pki::Pki>) -> Self {
         let dir = std::env::temp_dir().join(format!("private-nats-{}", id()));
         std::fs::create_dir_all(&dir).expect("the server's directory");
         let mut server = Self {
             dir,
             port: free_port(),
             login,
+            tls,
             server: None,
         };
         server.resume().await;
@@ -533,9 +543,11 @@ impl PrivateNats {
         self.port
     }
 
-    /// `nats://127.0.0.1:<port>` (no credentials).
+    /// `nats://127.0.0.1:<port>` (no credentials; `tls://` for a TLS
+    /// server, without its files).
     pub fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
+        let scheme = if self.tls.is_some() { "tls" } else { "nats" };
+        format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
     /// Starts the server (again), and waits until it listens.
@@ -558,6 +570,21 @@ impl PrivateNats {
         ];
         if let Some((user, password)) = &self.login {
             args.extend(["--user", user.as_str(), "--pass", password.as_str()]);
+        }
+        let tls_files = self.tls.as_ref().map(|pki| {
+            [&pki.server_cert, &pki.server_key, &pki.ca].map(|p| p.to_string_lossy().into_owned())
+        });
+        if let Some([cert, key, ca]) = &tls_files {
+            args.extend([
+                "--tls",
+                "--tlscert",
+                cert.as_str(),
+                "--tlskey",
+                key.as_str(),
+                "--tlscacert",
+                ca.as_str(),
+                "--tlsverify",
+            ]);
         }
         let child = Command::new("nats-server")
             .args(&args)

@@ -52,12 +52,56 @@ pub(crate) fn options(
         (false, None) => connect.token(user),
         (true, _) => connect,
     };
+    connect = tls_files(&parsed, connect).map_err(|why| unusable(&why))?;
     // Infallible on a parsed URL with a host; an error would be a URL
     // without one, which the parse below refuses.
     let _ = parsed.set_username("");
     let _ = parsed.set_password(None);
+    parsed.set_query(None);
     let addr: ServerAddr = parsed.as_str().parse().map_err(|e| unusable(&e))?;
     Ok((addr, connect))
+}
+
+/// The TLS files of a `tls://` URL's query, as on an `amqps://` one:
+/// `cacertfile` (the CA that signed the server's certificate, instead of
+/// the system's roots), `certfile` and `keyfile` (a client certificate,
+/// together). Checked to be readable here, so that a wrong path is a
+/// configuration error at once, not a connection retried for ever.
+fn tls_files(
+    url: &url::Url,
+    mut connect: async_nats::ConnectOptions,
+) -> Result<async_nats::ConnectOptions, String> {
+    let param = |name: &str| {
+        url.query_pairs()
+            .find(|(key, _)| key == name)
+            .map(|(_, value)| std::path::PathBuf::from(value.into_owned()))
+    };
+    let (ca, cert, key) = (param("cacertfile"), param("certfile"), param("keyfile"));
+    if ca.is_none() && cert.is_none() && key.is_none() {
+        return Ok(connect);
+    }
+    if !url.scheme().eq_ignore_ascii_case("tls") {
+        return Err("cacertfile, certfile and keyfile apply to tls:// URLs only".into());
+    }
+    let readable = |what: &str, path: &std::path::Path| {
+        std::fs::File::open(path)
+            .map(drop)
+            .map_err(|e| format!("cannot read {what} {}: {e}", path.display()))
+    };
+    if let Some(ca) = ca {
+        readable("cacertfile", &ca)?;
+        connect = connect.add_root_certificates(ca);
+    }
+    match (cert, key) {
+        (Some(cert), Some(key)) => {
+            readable("certfile", &cert)?;
+            readable("keyfile", &key)?;
+            connect = connect.add_client_certificate(cert, key);
+        }
+        (None, None) => {}
+        _ => return Err("certfile and keyfile go together".into()),
+    }
+    Ok(connect.require_tls(true))
 }
 
 /// Connects once to the server at `url`, within `options.timeout`.
@@ -146,6 +190,28 @@ mod tests {
         assert_eq!(addr.port(), 4222);
         let (tls, _) = options("tls://h:4222", "n", ConnectOptions::default()).expect("usable");
         assert!(tls.tls_required());
+    }
+
+    #[test]
+    fn tls_files_need_a_tls_url_and_readable_paths() {
+        let refused = |url: &str| {
+            let error = options(url, "n", ConnectOptions::default()).expect_err("refused");
+            assert!(matches!(error, AppError::Config(_)), "{error:?}");
+            error.to_string()
+        };
+        assert!(refused("nats://h:4222?cacertfile=/etc/hostname").contains("tls:// URLs only"));
+        assert!(
+            refused("tls://h:4222?cacertfile=/nonexistent/ca.pem")
+                .contains("cannot read cacertfile /nonexistent/ca.pem")
+        );
+        assert!(refused("tls://h:4222?certfile=/etc/hostname").contains("go together"));
+        let (addr, _) = options(
+            "tls://h:4222?cacertfile=/etc/hostname",
+            "n",
+            ConnectOptions::default(),
+        )
+        .expect("usable");
+        assert!(!addr.as_url_str().contains('?'), "{}", addr.as_url_str());
     }
 
     #[test]
