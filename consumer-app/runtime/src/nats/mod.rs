@@ -70,20 +70,26 @@ pub const DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
 /// with room to spare.
 pub const DECLARED_ACK_WAIT: Duration = Duration::from_secs(150);
 
-/// The room `ack_wait` leaves beyond the worker's own bound.
-const ACK_WAIT_MARGIN: Duration = Duration::from_secs(30);
+/// The room `ack_wait` leaves beyond the worker's own bound (a slow
+/// commit, the settle frame on its way).
+const ACK_WAIT_MARGIN: Duration = Duration::from_secs(10);
 
 /// The `ack_wait` of a consumer whose worker runs with `config`: longer
-/// than the worker can hold one delivery before it settles it, every
-/// in-process attempt (`handle_timeout` each, `retry_attempts` retries
-/// after the first) plus a margin for the backoff between them and a slow
-/// commit, so that the server never redelivers a message still being
-/// handled. A crashed consumer's messages come back after it.
+/// than the worker can hold one delivery before it settles it, so that
+/// the server never redelivers a message still being handled: every
+/// in-process attempt (`handle_timeout` each), the longest backoff
+/// between two of them, the longest pause before a requeue (see
+/// [`crate::settle`]), and a margin. A crashed consumer's messages come
+/// back after it (140 s with the default settings); [`progress`] covers a
+/// delivery held longer all the same.
 #[must_use]
 pub fn ack_wait_for(config: &WorkerConfig) -> Duration {
+    let attempts = config.policy().attempts();
     config
         .handle_timeout
-        .saturating_mul(config.retry_attempts.saturating_add(1))
+        .saturating_mul(attempts)
+        .saturating_add(crate::settle::MAX_RETRY_DELAY.saturating_mul(attempts - 1))
+        .saturating_add(crate::settle::MAX_REQUEUE_PAUSE)
         .saturating_add(ACK_WAIT_MARGIN)
 }
 
@@ -270,7 +276,18 @@ mod tests {
     #[test]
     fn ack_wait_outlasts_every_in_process_attempt() {
         let config = WorkerConfig::default();
-        assert_eq!(ack_wait_for(&config), Duration::from_secs(30 * 4 + 30));
+        // 3 attempts of 30 s, 2 backoffs of at most 5 s, a requeue pause
+        // of at most 30 s, 10 s of margin.
+        assert_eq!(
+            ack_wait_for(&config),
+            Duration::from_secs(90 + 10 + 30 + 10)
+        );
+        let one = WorkerConfig {
+            retry_attempts: 0,
+            handle_timeout: Duration::from_secs(1),
+            ..WorkerConfig::default()
+        };
+        assert_eq!(ack_wait_for(&one), Duration::from_secs(1 + 30 + 10));
         assert!(ack_wait_for(&config) <= DECLARED_ACK_WAIT);
     }
 
