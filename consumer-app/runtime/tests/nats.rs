@@ -705,3 +705,107 @@ async fn tls_urls_take_the_ca_and_client_certificate_from_the_query() {
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Batched mode on JetStream: many deliveries per transaction, each acked
+/// once its batch committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_mode_processes_and_acks_every_message() {
+    let Some(setup) = Setup::new("batch").await else {
+        return;
+    };
+    let service = setup
+        .start(|worker| {
+            worker.batch = inbox_runtime::BatchConfig::effective(
+                8,
+                Duration::from_millis(50),
+                worker.prefetch,
+            );
+            worker.concurrency = 2;
+        })
+        .await;
+    for n in 0..40 {
+        setup.publish(&fresh_id(), setup.order(n, 0, 0)).await;
+    }
+    let tally = service.tally.consumer("payments");
+    wait_for("40 processed", || tally.processed() == 40).await;
+    setup.wait_drained().await;
+    assert!(
+        tally.batches() >= 5 && tally.batches() < 40,
+        "batches {}",
+        tally.batches()
+    );
+    assert_eq!(calls(&setup.test), (40, 40));
+    service.shutdown();
+    service.join().await.expect("clean shutdown");
+    setup.delete().await;
+}
+
+/// `publish_confirmed` tells a refusal (no stream takes the subject: the
+/// message's own fault, like an unroutable AMQP message) from a stored
+/// message, and a re-publish of an id within the window is a duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_confirmed_tells_refusals_and_duplicates() {
+    let Some(setup) = Setup::new("publish").await else {
+        return;
+    };
+    let refused = publish_confirmed(
+        &setup.js,
+        &format!("nobody-{}.order.placed", setup.test),
+        &fresh_id(),
+        Some(Order::TYPE),
+        HeaderMap::new(),
+        b"{}".to_vec(),
+    )
+    .await
+    .expect_err("no stream takes it");
+    assert!(refused.is_refusal(), "{refused:?}");
+    assert_eq!(refused.reason(), "refused");
+
+    // A stream of the test's own (no consumer needed: limits retention).
+    let stream = names::stream_name(&setup.exchange);
+    setup
+        .js
+        .create_stream(stream::Config {
+            name: stream.clone(),
+            subjects: vec![names::stream_subjects(&setup.exchange)],
+            ..stream::Config::default()
+        })
+        .await
+        .expect("a stream");
+    let subject = names::subject(&setup.exchange, "order.placed");
+    let id = fresh_id();
+    let publish = || {
+        publish_confirmed(
+            &setup.js,
+            &subject,
+            &id,
+            Some(Order::TYPE),
+            HeaderMap::new(),
+            b"{}".to_vec(),
+        )
+    };
+    let first = publish().await.expect("stored");
+    let second = publish().await.expect("acknowledged");
+    assert_eq!(
+        (first.duplicate, second.duplicate, second.sequence),
+        (false, true, first.sequence)
+    );
+    assert_eq!(first.stream, stream);
+    let stored = setup
+        .js
+        .get_stream(&stream)
+        .await
+        .expect("the stream")
+        .get_raw_message(first.sequence)
+        .await
+        .expect("the message");
+    assert_eq!(
+        header(&stored.headers, names::NATS_MSG_ID),
+        Some(id.as_str())
+    );
+    assert_eq!(
+        header(&stored.headers, names::MESSAGE_TYPE),
+        Some(Order::TYPE)
+    );
+    setup.js.delete_stream(&stream).await.expect("delete");
+}
