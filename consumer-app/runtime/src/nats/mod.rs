@@ -1,4 +1,4 @@
-//! NATS JetStream as a [`Broker`](crate::broker::Broker), the `nats`
+//! NATS JetStream as a [`crate::broker::Broker`], the `nats`
 //! feature's: a `nats://` (or `tls://`) URL runs the same service, message
 //! path and inbox on JetStream instead of RabbitMQ.
 //!
@@ -26,11 +26,11 @@
 //! - **`ack_wait`** is set by [`Broker::subscribe`] from the worker's
 //!   settings ([`ack_wait_for`]), above the longest the worker holds one
 //!   delivery; a handling longer than half of it sends "in progress"
-//!   ([`progress`]). `declare` creates a missing consumer with
+//!   (module `progress`). `declare` creates a missing consumer with
 //!   [`DECLARED_ACK_WAIT`] and leaves an existing one as it is; `subscribe`
 //!   then updates it (the last subscriber's settings win when several
 //!   services with different settings share a queue).
-//! - **Settling**: see [`settle`]; ack, requeue and dead letters mean what
+//! - **Settling** (module `settle`): ack, requeue and dead letters mean what
 //!   they mean on RabbitMQ, with one difference: JetStream has no
 //!   dead-letter exchange to fall back on, so a dead letter that cannot be
 //!   published is `nak`ed with a delay, never dropped.
@@ -80,7 +80,8 @@ const ACK_WAIT_MARGIN: Duration = Duration::from_secs(10);
 /// in-process attempt (`handle_timeout` each), the longest backoff
 /// between two of them, the longest pause before a requeue (see
 /// [`crate::settle`]), and a margin. A crashed consumer's messages come
-/// back after it (140 s with the default settings); [`progress`] covers a
+/// back after it (140 s with the default settings); the in-progress
+/// signal (module `progress`) covers a
 /// delivery held longer all the same.
 #[must_use]
 pub fn ack_wait_for(config: &WorkerConfig) -> Duration {
@@ -184,6 +185,13 @@ impl Broker for JetStream {
             .map_err(|e| {
                 AppError::broker(format!("declare the stream of exchange {exchange}"), e)
             })?;
+        let found = &work.cached_info().config;
+        if found.retention != RetentionPolicy::Interest {
+            // Still correct (each consumer acks its own), but acked
+            // messages stay until the stream's limits drop them.
+            tracing::warn!(stream = %found.name, retention = ?found.retention,
+                "the exchange's stream exists without interest retention; acked messages stay");
+        }
         self.js
             .get_or_create_stream(dead_letter_stream(exchange))
             .await

@@ -96,9 +96,10 @@ pub async fn publish_confirmed(
     send(js, subject.to_owned(), headers, body.into()).await
 }
 
-/// How long a publish acknowledgement may take beyond the context's own
-/// timeout before the publish counts as unconfirmed.
-const ACK_SLACK: Duration = Duration::from_secs(1);
+/// How long a publish acknowledgement may take before the publish counts
+/// as unconfirmed: async-nats' own limit (the context's timeout, 5 s by
+/// default) fires first; this only guards against one that never does.
+const ACK_LIMIT: Duration = Duration::from_secs(10);
 
 /// Publishes as it is (headers complete) and waits for the ack.
 pub(crate) async fn send(
@@ -111,10 +112,7 @@ pub(crate) async fn send(
         .publish_with_headers(subject, headers, body)
         .await
         .map_err(PublishFailure::of)?;
-    // The ack future has a timeout of its own (the context's); this bound
-    // only guards against one that never fires.
-    let timeout = js_timeout(js) + ACK_SLACK;
-    match tokio::time::timeout(timeout, pending.into_future()).await {
+    match tokio::time::timeout(ACK_LIMIT, pending.into_future()).await {
         Ok(Ok(ack)) => Ok(Published {
             stream: ack.stream,
             sequence: ack.sequence,
@@ -125,12 +123,6 @@ pub(crate) async fn send(
             PublishErrorKind::TimedOut,
         ))),
     }
-}
-
-/// The context's request timeout (async-nats keeps it private; this is
-/// its default, which the runtime does not change).
-fn js_timeout(_js: &async_nats::jetstream::Context) -> Duration {
-    Duration::from_secs(5)
 }
 
 #[cfg(test)]
