@@ -39,8 +39,12 @@ fn redact_userinfo(url: &str) -> String {
         return url.to_owned();
     };
     let userinfo = &authority[..at];
+    // NATS reads a user without a password as a token (`nats://s3cr3t@h`):
+    // the whole of it is the secret there.
+    let token_scheme = matches!(&url[..scheme_end], "nats" | "tls" | "NATS" | "TLS");
     let shown = match userinfo.find(':') {
         Some(colon) => format!("{}:***", &userinfo[..colon]),
+        None if token_scheme => "***".to_owned(),
         None => userinfo.to_owned(),
     };
     format!("{}{}{}", &url[..rest_start], shown, &url[rest_start + at..])
@@ -49,6 +53,13 @@ fn redact_userinfo(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::redact_url;
+
+    #[test]
+    fn a_nats_token_is_hidden() {
+        assert_eq!(redact_url("nats://s3cr3t@h:4222"), "nats://***@h:4222");
+        assert_eq!(redact_url("tls://u:p@h:4222"), "tls://u:***@h:4222");
+        assert_eq!(redact_url("amqp://guest@h"), "amqp://guest@h");
+    }
 
     #[test]
     fn passwords_are_hidden() {

@@ -34,7 +34,11 @@ async fn ship(mut cx: Context<'_, SqlxTransaction>, paid: PaymentTaken) -> Resul
     Ok(())
 }
 
-pub async fn start(pool: PgPool, amqp_url: &str, prefix: &str) -> Result<ServiceHandle, AppError> {
+pub async fn start(
+    pool: PgPool,
+    broker_url: &str,
+    prefix: &str,
+) -> Result<ServiceHandle, AppError> {
     migrator("shop_inbox").await?.run(&pool).await?; // or store.migrate()
     let store = SqlxStore::new(pool.clone(), "shop_inbox")?;
     let tables = sqlx::raw_sql(include_str!("orders.sql"));
@@ -43,7 +47,7 @@ pub async fn start(pool: PgPool, amqp_url: &str, prefix: &str) -> Result<Service
     let topology = Topology::new(format!("{prefix}shop"))
         .bind(&payments, OrderPlaced::TYPE)
         .bind(&shipping, PaymentTaken::TYPE);
-    Service::new(store, ServiceConfig::new(amqp_url, "shop"), topology)
+    Service::new(store, ServiceConfig::new(broker_url, "shop"), topology)
         .consume(payments, handler_fn("payments", charge)?)
         .consume(shipping, handler_fn("shipping", ship)?)
         .with_relay()

@@ -41,7 +41,7 @@ async fn ship(mut cx: Context<'_, DieselTransaction>, paid: PaymentTaken) -> Res
     Ok(())
 }
 
-pub async fn start(url: &str, amqp_url: &str, prefix: &str) -> Result<ServiceHandle, AppError> {
+pub async fn start(url: &str, broker_url: &str, prefix: &str) -> Result<ServiceHandle, AppError> {
     let store = DieselStore::connect(url, "shop_inbox_diesel", 8).await?;
     store.migrate().await?;
     let mut conn = store.pool().get().await?;
@@ -50,7 +50,7 @@ pub async fn start(url: &str, amqp_url: &str, prefix: &str) -> Result<ServiceHan
     let topology = Topology::new(format!("{prefix}shop"))
         .bind(&payments, OrderPlaced::TYPE)
         .bind(&shipping, PaymentTaken::TYPE);
-    Service::new(store, ServiceConfig::new(amqp_url, "shop"), topology)
+    Service::new(store, ServiceConfig::new(broker_url, "shop"), topology)
         .consume(payments, handler_fn("payments", charge)?)
         .consume(shipping, handler_fn("shipping", ship)?)
         .with_relay()

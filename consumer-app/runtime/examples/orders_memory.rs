@@ -36,14 +36,14 @@ async fn ship(mut cx: Context<'_, MemoryTransaction>, paid: PaymentTaken) -> Res
 
 pub async fn start(
     store: MemoryStore,
-    amqp_url: &str,
+    broker_url: &str,
     prefix: &str,
 ) -> Result<ServiceHandle, AppError> {
     let (payments, shipping) = (format!("{prefix}payments"), format!("{prefix}shipping"));
     let topology = Topology::new(format!("{prefix}shop"))
         .bind(&payments, OrderPlaced::TYPE)
         .bind(&shipping, PaymentTaken::TYPE);
-    Service::new(store, ServiceConfig::new(amqp_url, "shop"), topology)
+    Service::new(store, ServiceConfig::new(broker_url, "shop"), topology)
         .consume(payments, handler_fn("payments", charge)?)
         .consume(shipping, handler_fn("shipping", ship)?)
         .with_relay()

@@ -8,12 +8,22 @@ use crate::redact::redact_url;
 use crate::shutdown::TEARDOWN_LIMIT;
 use crate::topology::Topology;
 
+/// The URL schemes this build speaks, for the error that names them.
+const SCHEMES: &str = match (cfg!(feature = "rabbitmq"), cfg!(feature = "nats")) {
+    (true, true) => "amqp://, amqps://, nats:// or tls://",
+    (true, false) => "amqp:// or amqps://",
+    (false, _) => "nats:// or tls://",
+};
+
 /// The brokers the runtime speaks, as a URL's scheme names them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BrokerKind {
     /// RabbitMQ (AMQP 0-9-1): `amqp://` or `amqps://`.
     #[cfg(feature = "rabbitmq")]
     RabbitMq,
+    /// NATS JetStream: `nats://` or `tls://` (the `nats` feature).
+    #[cfg(feature = "nats")]
+    Nats,
 }
 
 impl BrokerKind {
@@ -28,8 +38,12 @@ impl BrokerKind {
             "amqp" | "amqps" => Ok(Self::RabbitMq),
             #[cfg(not(feature = "rabbitmq"))]
             "amqp" | "amqps" => Err(not_built(url, "rabbitmq")),
+            #[cfg(feature = "nats")]
+            "nats" | "tls" => Ok(Self::Nats),
+            #[cfg(not(feature = "nats"))]
+            "nats" | "tls" => Err(not_built(url, "nats")),
             _ => Err(AppError::Config(format!(
-                "broker URL {}: expected amqp:// or amqps://",
+                "broker URL {}: expected {SCHEMES}",
                 redact_url(url)
             ))),
         }
@@ -40,12 +54,14 @@ impl BrokerKind {
         match self {
             #[cfg(feature = "rabbitmq")]
             Self::RabbitMq => crate::rabbitmq::RabbitMq::NAME,
+            #[cfg(feature = "nats")]
+            Self::Nats => crate::nats::JetStream::NAME,
         }
     }
 }
 
 /// The error for a URL of a broker whose feature is off.
-#[cfg_attr(feature = "rabbitmq", allow(dead_code))]
+#[cfg_attr(all(feature = "rabbitmq", feature = "nats"), allow(dead_code))]
 fn not_built(url: &str, feature: &str) -> AppError {
     AppError::Config(format!(
         "broker URL {}: inbox-runtime was built without its `{feature}` feature",
@@ -54,9 +70,15 @@ fn not_built(url: &str, feature: &str) -> AppError {
 }
 
 /// A connection to whichever broker the URL named.
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one value per connection, held for its life: its size costs nothing"
+)]
 pub(crate) enum Connected {
     #[cfg(feature = "rabbitmq")]
     RabbitMq(crate::rabbitmq::RabbitMq),
+    #[cfg(feature = "nats")]
+    Nats(crate::nats::JetStream),
 }
 
 impl Connected {
@@ -71,6 +93,10 @@ impl Connected {
             BrokerKind::RabbitMq => crate::rabbitmq::RabbitMq::connect(url, name, options)
                 .await
                 .map(Self::RabbitMq),
+            #[cfg(feature = "nats")]
+            BrokerKind::Nats => crate::nats::JetStream::connect(url, name, options)
+                .await
+                .map(Self::Nats),
         }
     }
 
@@ -78,6 +104,8 @@ impl Connected {
         match self {
             #[cfg(feature = "rabbitmq")]
             Self::RabbitMq(broker) => broker.declare(topology).await,
+            #[cfg(feature = "nats")]
+            Self::Nats(broker) => broker.declare(topology).await,
         }
     }
 
@@ -85,6 +113,8 @@ impl Connected {
         match self {
             #[cfg(feature = "rabbitmq")]
             Self::RabbitMq(broker) => broker.delete(topology).await,
+            #[cfg(feature = "nats")]
+            Self::Nats(broker) => broker.delete(topology).await,
         }
     }
 
@@ -92,6 +122,8 @@ impl Connected {
         match self {
             #[cfg(feature = "rabbitmq")]
             Self::RabbitMq(broker) => broker.close(reason).await,
+            #[cfg(feature = "nats")]
+            Self::Nats(broker) => broker.close(reason).await,
         }
     }
 }
@@ -172,17 +204,52 @@ impl Drop for RemoveOnDrop {
 mod tests {
     use super::*;
 
+    #[cfg(feature = "rabbitmq")]
     #[test]
-    fn the_scheme_picks_the_broker() {
+    fn amqp_urls_pick_rabbitmq() {
         assert_eq!(
             BrokerKind::of("amqp://h/%2f").ok(),
             Some(BrokerKind::RabbitMq)
         );
         assert_eq!(BrokerKind::of("AMQPS://h").ok(), Some(BrokerKind::RabbitMq));
+    }
+
+    #[test]
+    fn an_unknown_scheme_names_the_known_ones_and_hides_the_password() {
         let error = BrokerKind::of("kafka://user:secret@h:9092")
             .expect_err("not a broker of ours")
             .to_string();
-        assert!(error.contains("amqp://"), "{error}");
+        assert!(error.contains(SCHEMES), "{error}");
+        assert!(!error.contains("secret"), "{error}");
+    }
+
+    #[cfg(feature = "nats")]
+    #[test]
+    fn nats_and_tls_urls_pick_jetstream() {
+        assert_eq!(
+            BrokerKind::of("nats://127.0.0.1:4222").ok(),
+            Some(BrokerKind::Nats)
+        );
+        assert_eq!(BrokerKind::of("tls://h:4222").ok(), Some(BrokerKind::Nats));
+        assert_eq!(BrokerKind::Nats.name(), "NATS JetStream");
+    }
+
+    #[cfg(not(feature = "nats"))]
+    #[test]
+    fn a_nats_url_without_the_feature_names_it() {
+        let error = BrokerKind::of("nats://user:secret@h:4222").expect_err("not compiled in");
+        assert!(matches!(error, AppError::Config(_)), "{error:?}");
+        let error = error.to_string();
+        assert!(error.contains("`nats` feature"), "{error}");
+        assert!(!error.contains("secret"), "{error}");
+    }
+
+    #[cfg(not(feature = "rabbitmq"))]
+    #[test]
+    fn an_amqp_url_without_the_feature_names_it() {
+        let error = BrokerKind::of("amqp://guest:secret@h").expect_err("not compiled in");
+        let error = error.to_string();
+        assert!(error.contains("`rabbitmq` feature"), "{error}");
         assert!(!error.contains("secret"), "{error}");
     }
 }

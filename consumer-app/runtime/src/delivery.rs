@@ -116,6 +116,70 @@ pub struct DeadLetter<'a> {
     pub traceparent: Option<String>,
 }
 
+/// A dead letter's reason, a header of its own on every broker.
+pub const DEAD_LETTER_REASON: &str = "x-dead-letter-reason";
+/// What went wrong, for a person (at most 1,000 bytes).
+pub const DEAD_LETTER_DETAIL: &str = "x-dead-letter-detail";
+/// The consumer that gave the message up.
+pub const DEAD_LETTER_CONSUMER: &str = "x-dead-letter-consumer";
+/// The queue the message was consumed from.
+pub const DEAD_LETTER_QUEUE: &str = "x-dead-letter-queue";
+/// The span of the attempt that dead-lettered the message (a W3C
+/// `traceparent` value), so that a replay links back to it.
+pub const DEAD_LETTER_TRACEPARENT: &str = "x-dead-letter-traceparent";
+/// The failures the attempt ledger counted (an integer).
+pub const INBOX_ATTEMPTS: &str = "x-inbox-attempts";
+/// The last failure's error text.
+pub const INBOX_LAST_ERROR: &str = "x-inbox-last-error";
+
+/// How long a dead letter's detail may be: a header, not a log.
+const DETAIL_LIMIT: usize = 1000;
+
+/// One value of a dead letter's headers, in the two kinds every broker
+/// can carry (AMQP as a long string or a 64-bit integer, NATS as text).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeadLetterField<'a> {
+    /// Text.
+    Text(Cow<'a, str>),
+    /// A count.
+    Count(u64),
+}
+
+impl DeadLetter<'_> {
+    /// The headers a dead letter adds to the message's own, by name: the
+    /// one list every broker writes, so that a dead letter reads the same
+    /// (and a replay strips the same names) whatever broker carried it.
+    #[must_use]
+    pub fn fields(&self) -> Vec<(&'static str, DeadLetterField<'_>)> {
+        let text = |value: &str| DeadLetterField::Text(Cow::Owned(value.to_owned()));
+        let mut fields = Vec::with_capacity(7);
+        if let Some((attempts, last_error)) = self.failure {
+            fields.push((INBOX_ATTEMPTS, DeadLetterField::Count(attempts)));
+            fields.push((INBOX_LAST_ERROR, DeadLetterField::Text(last_error.into())));
+        }
+        fields.push((
+            DEAD_LETTER_REASON,
+            DeadLetterField::Text(self.reason.into()),
+        ));
+        fields.push((
+            DEAD_LETTER_DETAIL,
+            text(&crate::text::truncate(self.detail, DETAIL_LIMIT)),
+        ));
+        fields.push((
+            DEAD_LETTER_CONSUMER,
+            DeadLetterField::Text(self.consumer.into()),
+        ));
+        fields.push((DEAD_LETTER_QUEUE, DeadLetterField::Text(self.queue.into())));
+        if let Some(traceparent) = &self.traceparent {
+            fields.push((
+                DEAD_LETTER_TRACEPARENT,
+                DeadLetterField::Text(traceparent.as_str().into()),
+            ));
+        }
+        fields
+    }
+}
+
 /// Settles one consumer's deliveries on the broker they came from.
 ///
 /// The worker decides (see [`crate::settle`]); a settler only says it to
@@ -200,4 +264,49 @@ pub trait Subscription: Send + 'static {
     /// Drops the subscription after a broker failure: nothing can go out
     /// any more, and the broker redelivers what was not settled.
     fn abandon(self);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dead_letter_names_its_fields_once() {
+        let detail = "x".repeat(2000);
+        let letter = DeadLetter {
+            reason: "retries_exhausted",
+            detail: &detail,
+            consumer: "payments",
+            queue: "payments.q",
+            failure: Some((3, "boom")),
+            traceparent: Some("00-abc-def-01".into()),
+        };
+        let fields = letter.fields();
+        let names: Vec<&str> = fields.iter().map(|(name, _)| *name).collect();
+        assert_eq!(
+            names,
+            [
+                INBOX_ATTEMPTS,
+                INBOX_LAST_ERROR,
+                DEAD_LETTER_REASON,
+                DEAD_LETTER_DETAIL,
+                DEAD_LETTER_CONSUMER,
+                DEAD_LETTER_QUEUE,
+                crate::trace::DEAD_LETTER_TRACEPARENT,
+            ]
+        );
+        assert_eq!(fields[0].1, DeadLetterField::Count(3));
+        match &fields[3].1 {
+            DeadLetterField::Text(text) => {
+                assert!(text.len() <= DETAIL_LIMIT + 3, "{}", text.len())
+            }
+            other => panic!("detail is text: {other:?}"),
+        }
+        let bad_input = DeadLetter {
+            failure: None,
+            traceparent: None,
+            ..letter
+        };
+        assert_eq!(bad_input.fields().len(), 4);
+    }
 }

@@ -53,11 +53,15 @@
 //! - [`amqp`], [`backoff`], [`shutdown`], [`telemetry`], [`tally`],
 //!   [`redact`], [`error`]: plumbing.
 //! - `http` (feature `http`): `/metrics`, `/live` and `/ready`.
+//! - `nats` (feature `nats`): NATS JetStream as a second broker, picked by
+//!   a `nats://` URL; its name mapping in `nats::names`.
 
 #![deny(missing_docs)]
 
-#[cfg(not(feature = "rabbitmq"))]
-compile_error!("inbox-runtime needs a broker: enable its `rabbitmq` feature (on by default)");
+#[cfg(not(any(feature = "rabbitmq", feature = "nats")))]
+compile_error!(
+    "inbox-runtime needs a broker: enable its `rabbitmq` feature (on by default) or `nats`"
+);
 
 #[cfg(feature = "rabbitmq")]
 pub mod amqp;
@@ -86,10 +90,13 @@ pub mod settle;
 pub mod shutdown;
 pub mod tally;
 pub mod telemetry;
+mod text;
 pub mod topology;
 pub mod trace;
 pub mod wakeups;
 
+#[cfg(feature = "nats")]
+pub mod nats;
 mod queue;
 #[cfg(feature = "rabbitmq")]
 mod rabbitmq;
@@ -98,6 +105,10 @@ mod worker;
 use inbox_api::{AttemptLedger, BatchTransaction, InboxStats, InboxStore};
 
 // What the public API names, so a service needs no version of its own.
+/// async-nats, for a NATS producer or test beside the runtime (the `nats`
+/// feature).
+#[cfg(feature = "nats")]
+pub use async_nats;
 pub use inbox_api;
 #[cfg(feature = "rabbitmq")]
 pub use lapin;

@@ -138,17 +138,7 @@ impl<'a> RawMessage<'a> {
     }
 }
 
-/// Cuts `text` to at most `max` bytes on a char boundary.
-pub fn truncate(text: &str, max: usize) -> String {
-    if text.len() <= max {
-        return text.to_owned();
-    }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &text[..end])
-}
+pub use crate::text::truncate;
 
 /// A header value as text, if it is a string.
 pub fn header_text(headers: &impl Headers, name: &str) -> Option<String> {

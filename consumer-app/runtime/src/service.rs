@@ -325,6 +325,8 @@ where
             match broker {
                 #[cfg(feature = "rabbitmq")]
                 Connected::RabbitMq(broker) => self.open_on(broker, inbox, config, circuit).await,
+                #[cfg(feature = "nats")]
+                Connected::Nats(broker) => self.open_on(broker, inbox, config, circuit).await,
             }
         })
     }

@@ -55,9 +55,9 @@ use std::time::Duration;
 use crate::backoff::Backoff;
 
 /// The longest in-process retry backoff.
-const MAX_RETRY_DELAY: Duration = Duration::from_secs(5);
+pub(crate) const MAX_RETRY_DELAY: Duration = Duration::from_secs(5);
 /// The longest pause before a requeue.
-const MAX_REQUEUE_PAUSE: Duration = Duration::from_secs(30);
+pub(crate) const MAX_REQUEUE_PAUSE: Duration = Duration::from_secs(30);
 
 /// What a failed attempt's error says should happen to its delivery.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

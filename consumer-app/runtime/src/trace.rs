@@ -61,7 +61,7 @@ pub const TRACESTATE: &str = "tracestate";
 
 /// The header of a dead letter that names the span of the attempt that
 /// dead-lettered it (a W3C `traceparent` value).
-pub const DEAD_LETTER_TRACEPARENT: &str = "x-dead-letter-traceparent";
+pub use crate::delivery::DEAD_LETTER_TRACEPARENT;
 
 /// The header of a replayed dead letter that names the span of the attempt
 /// that dead-lettered it: the replayed delivery's span links to it.
@@ -114,13 +114,13 @@ pub fn with_current_context(message: OutgoingMessage) -> Result<OutgoingMessage,
 
 /// The span a relay publishes `message` in: its parent is the context the
 /// message carries.
-pub(crate) fn publish_span(message: &OutgoingMessage) -> Span {
+pub(crate) fn publish_span(message: &OutgoingMessage, system: &str) -> Span {
     let span = tracing::span!(
         SPAN_LEVEL,
         "publish",
         otel.name = %format!("{} publish", message.exchange()),
         otel.kind = "producer",
-        messaging.system = "rabbitmq",
+        messaging.system = %system,
         messaging.operation.type = "send",
         messaging.destination.name = %message.exchange(),
         messaging.rabbitmq.destination.routing_key = %message.routing_key(),

@@ -1,4 +1,4 @@
-//! A PostgreSQL cluster and a RabbitMQ node of a test's own, for the faults
+//! A PostgreSQL cluster, a RabbitMQ node and a NATS server of a test's own, for the faults
 //! that stop a server: `initdb`/`pg_ctl` into a temporary directory on a
 //! free port, and a RabbitMQ node with its own name, ports and files. The
 //! shared servers (127.0.0.1:5432, 127.0.0.1:5672) that other tests use are
@@ -487,6 +487,128 @@ impl Drop for PrivateRabbit {
         if let Ok(pid) = std::fs::read_to_string(self.dir.join("pid")) {
             let _ = Command::new("kill").args(["-9", pid.trim()]).output();
         }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+// ------------------------------------------------------------ private NATS
+
+/// A NATS server with JetStream of the test's own (`nats-server`), its
+/// store in a temporary directory, on a free port: stopped
+/// ([`PrivateNats::stop`]) and started again ([`PrivateNats::resume`]) on
+/// the same port and store, killed and removed on drop.
+pub struct PrivateNats {
+    dir: PathBuf,
+    port: u16,
+    login: Option<(String, String)>,
+    /// TLS only, with these server files and client certificates verified.
+    tls: Option<pki::Pki>,
+    server: Option<std::process::Child>,
+}
+
+impl PrivateNats {
+    /// Starts a server that takes anyone.
+    pub async fn start() -> Self {
+        Self::start_with(None, None).await
+    }
+
+    /// Starts a server that takes only `user` with `password`.
+    pub async fn start_with_login(user: &str, password: &str) -> Self {
+        Self::start_with(Some((user.to_owned(), password.to_owned())), None).await
+    }
+
+    /// Starts a server that takes TLS connections only, with `pki`'s
+    /// server certificate, and only clients with a certificate of `pki`'s
+    /// CA.
+    pub async fn start_tls(pki: &pki::Pki) -> Self {
+        Self::start_with(None, Some(pki.clone())).await
+    }
+
+    async fn start_with(login: Option<(String, String)>, tls: Option<pki::Pki>) -> Self {
+        let dir = std::env::temp_dir().join(format!("private-nats-{}", id()));
+        std::fs::create_dir_all(&dir).expect("the server's directory");
+        let mut server = Self {
+            dir,
+            port: free_port(),
+            login,
+            tls,
+            server: None,
+        };
+        server.resume().await;
+        server
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `nats://127.0.0.1:<port>` (no credentials; `tls://` for a TLS
+    /// server, without its files).
+    pub fn url(&self) -> String {
+        let scheme = if self.tls.is_some() { "tls" } else { "nats" };
+        format!("{scheme}://127.0.0.1:{}", self.port)
+    }
+
+    /// Starts the server (again), and waits until it listens.
+    pub async fn resume(&mut self) {
+        let port = self.port.to_string();
+        let store = self.dir.join("jetstream");
+        let store = store.to_string_lossy();
+        let log = self.dir.join("server.log");
+        let log = log.to_string_lossy();
+        let mut args = vec![
+            "-a",
+            "127.0.0.1",
+            "-p",
+            &port,
+            "-js",
+            "-sd",
+            &store,
+            "-l",
+            &log,
+        ];
+        if let Some((user, password)) = &self.login {
+            args.extend(["--user", user.as_str(), "--pass", password.as_str()]);
+        }
+        let tls_files = self.tls.as_ref().map(|pki| {
+            [&pki.server_cert, &pki.server_key, &pki.ca].map(|p| p.to_string_lossy().into_owned())
+        });
+        if let Some([cert, key, ca]) = &tls_files {
+            args.extend([
+                "--tls",
+                "--tlscert",
+                cert.as_str(),
+                "--tlskey",
+                key.as_str(),
+                "--tlscacert",
+                ca.as_str(),
+                "--tlsverify",
+            ]);
+        }
+        let child = Command::new("nats-server")
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run nats-server: {e}"));
+        self.server = Some(child);
+        listening(self.port, "nats-server", Duration::from_secs(10)).await;
+    }
+
+    /// Kills the server (as a crash would), keeping its store.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.server.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for PrivateNats {
+    fn drop(&mut self) {
+        self.stop();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -42,8 +42,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use crate::AppError;
 use crate::amqp::{Publisher, long_string};
 pub(crate) use crate::delivery::Frame;
-use crate::delivery::{DeadLetter, Settler};
-use crate::message::truncate;
+use crate::delivery::{DeadLetter, DeadLetterField, Settler};
 use crate::topology::Topology;
 
 /// The unsettled delivery tags of one consuming channel, and the acks
@@ -282,7 +281,8 @@ impl Settler for AmqpSettler {
 
 /// A dead letter's headers: the message's own, without the broker's count
 /// (it belongs to this queue's delivery; a replay from the dead-letter
-/// queue is a new delivery with a fresh count), with `letter`'s.
+/// queue is a new delivery with a fresh count), with `letter`'s
+/// ([`DeadLetter::fields`]).
 fn dead_letter_headers(original: Option<&FieldTable>, letter: &DeadLetter<'_>) -> FieldTable {
     let mut headers: FieldTable = original
         .map(|headers| {
@@ -292,28 +292,14 @@ fn dead_letter_headers(original: Option<&FieldTable>, letter: &DeadLetter<'_>) -
         })
         .unwrap_or_default()
         .into();
-    if let Some((attempts, last_error)) = letter.failure {
-        headers.insert(
-            "x-inbox-attempts".into(),
-            AMQPValue::LongLongInt(i64::try_from(attempts).unwrap_or(i64::MAX)),
-        );
-        headers.insert("x-inbox-last-error".into(), long_string(last_error));
-    }
-    headers.insert("x-dead-letter-reason".into(), long_string(letter.reason));
-    headers.insert(
-        "x-dead-letter-detail".into(),
-        long_string(&truncate(letter.detail, 1000)),
-    );
-    headers.insert(
-        "x-dead-letter-consumer".into(),
-        long_string(letter.consumer),
-    );
-    headers.insert("x-dead-letter-queue".into(), long_string(letter.queue));
-    if let Some(traceparent) = &letter.traceparent {
-        headers.insert(
-            crate::trace::DEAD_LETTER_TRACEPARENT.into(),
-            long_string(traceparent),
-        );
+    for (name, value) in letter.fields() {
+        let value = match value {
+            DeadLetterField::Text(text) => long_string(&text),
+            DeadLetterField::Count(count) => {
+                AMQPValue::LongLongInt(i64::try_from(count).unwrap_or(i64::MAX))
+            }
+        };
+        headers.insert(name.into(), value);
     }
     headers
 }

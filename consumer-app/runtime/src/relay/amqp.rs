@@ -148,7 +148,7 @@ async fn publish_batch(
     let mut pending = Vec::with_capacity(messages.len());
     for message in messages {
         let started = Instant::now();
-        let span = crate::trace::publish_span(message);
+        let span = crate::trace::publish_span(message, "rabbitmq");
         let sent = tokio::time::timeout_at(
             deadline,
             channel.basic_publish(

@@ -58,6 +58,8 @@
 #[cfg(feature = "rabbitmq")]
 mod amqp;
 mod config;
+#[cfg(feature = "nats")]
+mod nats;
 mod outlet;
 mod settle;
 mod tally;
@@ -160,6 +162,8 @@ impl<S: OutboxStore + Clone + 'static> Relay<S> {
         match BrokerKind::of(&self.config.broker_url)? {
             #[cfg(feature = "rabbitmq")]
             BrokerKind::RabbitMq => self.run_on::<amqp::Pool>(shutdown).await,
+            #[cfg(feature = "nats")]
+            BrokerKind::Nats => self.run_on::<nats::JetStreamOutlet>(shutdown).await,
         }
     }
 

@@ -68,6 +68,7 @@ pub(crate) enum PublishFailure {
     /// The broker refused it (AMQP: a nack, e.g. its queue is full and
     /// rejects publishes).
     #[error("nacked by the broker")]
+    #[cfg_attr(not(feature = "rabbitmq"), allow(dead_code))]
     Nack,
     /// No queue or stream takes it (AMQP: returned unroutable).
     #[error("returned unroutable: {0}")]
