@@ -271,3 +271,14 @@ async fn the_sqlx_shop_on_nats_charges_and_ships_each_order_once() {
     .await;
     assert_eq!(rows(&ids).await, (ORDERS, ORDERS));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_diesel_shop_on_nats_charges_and_ships_each_order_once() {
+    let _one_at_a_time = POSTGRES.lock().await;
+    let url = database_url();
+    let ids = run_shop(NATS_URL, async |prefix| {
+        orders_diesel::start(&url, NATS_URL, &prefix).await
+    })
+    .await;
+    assert_eq!(rows(&ids).await, (ORDERS, ORDERS));
+}
