@@ -67,6 +67,15 @@ pub trait Broker: Sized + Send + Sync + 'static {
     /// The broker's.
     fn delete(&self, topology: &Topology) -> impl Future<Output = Result<(), AppError>> + Send;
 
+    /// Whether the connection stands right now. A broker whose client
+    /// reconnects by itself under a running session (NATS) says here that
+    /// it lost its server, so that readiness does not claim to consume
+    /// meanwhile; one whose lost connection ends the session (RabbitMQ)
+    /// keeps the default.
+    fn is_connected(&self) -> bool {
+        true
+    }
+
     /// Closes the connection, bounded: a close that never answers is given
     /// up with a log line.
     fn close(&self, reason: &str) -> impl Future<Output = ()> + Send;

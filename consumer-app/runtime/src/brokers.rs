@@ -118,6 +118,15 @@ impl Connected {
         }
     }
 
+    pub(crate) fn is_connected(&self) -> bool {
+        match self {
+            #[cfg(feature = "rabbitmq")]
+            Self::RabbitMq(broker) => broker.is_connected(),
+            #[cfg(feature = "nats")]
+            Self::Nats(broker) => broker.is_connected(),
+        }
+    }
+
     pub(crate) async fn close(&self, reason: &str) {
         match self {
             #[cfg(feature = "rabbitmq")]

@@ -61,6 +61,10 @@ use crate::wakeups::OutboxWakeups;
 use crate::worker::Worker;
 use crate::{AppError, ServiceStore};
 
+/// How often a running session looks at its broker connection, for
+/// readiness (see [`Broker::is_connected`]).
+const CONNECTION_CHECK: Duration = Duration::from_millis(500);
+
 /// A service being put together: a store, settings, the topology to declare,
 /// and a [`Handler`] per queue. [`Service::spawn`] starts it.
 pub struct Service<S: ServiceStore> {
@@ -658,6 +662,21 @@ impl<S: ServiceStore> Supervisor<S> {
         }
     }
 
+    /// Keeps readiness true to a connection its client reconnects by
+    /// itself: not consuming while it has no server, with that as the
+    /// reason.
+    fn follow_connection(&self, connection: &Connected) {
+        let connected = connection.is_connected();
+        let changed = self
+            .broker
+            .send_if_modified(|up| std::mem::replace(up, connected) != connected);
+        if changed && !connected {
+            self.broker_error.send_replace(Some(
+                "the broker connection is lost; its client reconnects".to_owned(),
+            ));
+        }
+    }
+
     /// Consumes on one connection until shutdown (`Ok`) or a failure (`Err`).
     async fn session(
         &self,
@@ -682,7 +701,16 @@ impl<S: ServiceStore> Supervisor<S> {
         self.broker.send_replace(true);
         tracing::info!(exchange = %self.topology.exchange(), "consuming");
 
-        while let Some(ended) = loops.join_next().await {
+        let mut watch_connection = tokio::time::interval(CONNECTION_CHECK);
+        loop {
+            let ended = tokio::select! {
+                ended = loops.join_next() => ended,
+                _ = watch_connection.tick() => {
+                    self.follow_connection(connection);
+                    continue;
+                }
+            };
+            let Some(ended) = ended else { break };
             let error = match ended {
                 Ok(Ok(())) => continue,
                 Ok(Err(error)) => error,

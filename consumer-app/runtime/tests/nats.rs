@@ -554,6 +554,12 @@ async fn the_consuming_loop_rides_out_a_server_restart() {
 
     server.stop();
     tokio::time::sleep(Duration::from_secs(12)).await;
+    let readiness = service.broker_readiness();
+    let during = readiness.status();
+    assert!(
+        during.as_ref().is_err_and(|why| why.contains("lost")),
+        "readiness while the server is away: {during:?}"
+    );
     server.resume().await;
 
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -593,6 +599,7 @@ async fn the_consuming_loop_rides_out_a_server_restart() {
         1,
         "the first session's loop never ended"
     );
+    assert_eq!(readiness.status(), Ok(()), "ready again after the restart");
     assert_eq!(calls(&setup.test), (6, 6));
     service.shutdown();
     service.join().await.expect("clean shutdown");

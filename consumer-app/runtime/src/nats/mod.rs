@@ -321,6 +321,10 @@ impl Broker for JetStream {
         Ok(())
     }
 
+    fn is_connected(&self) -> bool {
+        self.is_open()
+    }
+
     /// Drains the connection (what was published goes out, then it
     /// closes), bounded.
     async fn close(&self, reason: &str) {
