@@ -133,8 +133,11 @@ async fn cleanup<S: ParcelStore>(
     topology: &Topology,
     broker_url: &str,
 ) -> Result<(), AppError> {
-    topology.remove(broker_url).await?;
-    store.drop_schema().await
+    // The schema goes even when the broker is away (the run may have
+    // failed for that very reason).
+    let removed = topology.remove(broker_url).await;
+    let dropped = store.drop_schema().await;
+    removed.and(dropped)
 }
 
 impl Demo {
@@ -167,6 +170,13 @@ impl Demo {
             ConsumerName::new(Role::CarrierAssignedNotification.consumer_name())?,
         ));
         let repeated = repeated(parcels.len(), cfg.duplicate_rate, 2)?;
+        // First, so that a broker that is away says so at once, with its
+        // cause, rather than as a service that never starts consuming.
+        let broker = Broker::connect(
+            &cfg.broker_url,
+            &format!("parcel-inbox demo inspect {}", self.run_id),
+        )
+        .await?;
 
         let carrier = Arc::new(StubCarrier::default());
         let notifier = Arc::new(StubNotifier::default());
@@ -195,11 +205,6 @@ impl Demo {
             topology,
             &cfg.broker_url,
             &format!("parcel-inbox demo relay {}", self.run_id),
-        )
-        .await?;
-        let broker = Broker::connect(
-            &cfg.broker_url,
-            &format!("parcel-inbox demo inspect {}", self.run_id),
         )
         .await?;
 
