@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use consumer_app::parcel::store::{ParcelStore, StoreKind};
+use consumer_app::tools::broker::BrokerChoice;
 use consumer_app::tools::cli::{
     ApiArgs, CleanupArgs, ConsumeArgs, Global, Idle, OutboxPurgeArgs, Plain, RelayArgs, Uses,
     WorkerArgs, refuse_idle, run_main,
@@ -19,6 +20,7 @@ use consumer_app::tools::stores::{WithOutbox, WithStore, with_outbox, with_store
 use futures::stream::BoxStream;
 use inbox_api::{ConsumerName, MessageId, OutboxStore};
 use inbox_postgres::Layout;
+use inbox_runtime::brokers::BrokerKind;
 use inbox_runtime::redact::redact_url;
 use inbox_runtime::relay::purge_published_once;
 use inbox_runtime::service::cleanup_once;
@@ -124,8 +126,21 @@ enum Command {
         all: bool,
     },
     /// Run the full loop in process (POST /parcels over HTTP, the relay, three consumers),
-    /// with client retries, message copies and a crash per hop, and prove exactly-once effects.
+    /// with client retries, message copies and a crash per hop, and prove exactly-once effects,
+    /// on RabbitMQ (--amqp-url) or, with --broker nats, on NATS JetStream (--nats-url).
     Demo {
+        /// The broker to run it on: rabbitmq (at --amqp-url) or nats (NATS JetStream, at
+        /// --nats-url; a copy JetStream drops as a duplicate is counted as the broker's).
+        #[arg(long, env = "PARCEL_BROKER", value_enum, default_value_t)]
+        broker: BrokerChoice,
+        /// NATS URL (nats:// or tls://), for --broker nats.
+        #[arg(
+            long,
+            env = "NATS_URL",
+            hide_env_values = true,
+            default_value = "nats://127.0.0.1:4222"
+        )]
+        nats_url: String,
         /// Distinct events.
         #[arg(long, default_value_t = 200)]
         events: usize,
@@ -263,15 +278,32 @@ impl Command {
                 args.idle(),
             ),
             // A fresh schema and topology of its own per run.
-            Command::Demo { worker, .. } => (
-                Uses {
-                    command: "demo",
-                    store: true,
-                    broker: true,
-                    ..Uses::default()
-                },
-                worker.idle(),
-            ),
+            Command::Demo { worker, broker, .. } => {
+                let mut own = worker.idle();
+                own.push(match broker {
+                    BrokerChoice::RabbitMq => Idle::new(
+                        &["nats_url"],
+                        "`demo` runs on RabbitMQ (--amqp-url) unless --broker nats",
+                    ),
+                    BrokerChoice::Nats => Idle::new(
+                        &[
+                            "amqp_url",
+                            "amqp_connect_timeout_secs",
+                            "amqp_heartbeat_secs",
+                        ],
+                        "`demo --broker nats` does not connect to RabbitMQ",
+                    ),
+                });
+                (
+                    Uses {
+                        command: "demo",
+                        store: true,
+                        broker: true,
+                        ..Uses::default()
+                    },
+                    own,
+                )
+            }
         };
         let mut idle = global.idle(uses);
         idle.extend(own);
@@ -300,15 +332,32 @@ async fn run(cli: Cli) -> Result<(), consumer_app::Error> {
         "parcel-inbox starting");
     match command {
         Command::Demo {
+            broker,
+            nats_url,
             events,
             duplicate_rate,
             keep,
             drain_timeout_secs,
             worker,
         } => {
+            let (flag, broker_url) = match broker {
+                BrokerChoice::RabbitMq => ("--amqp-url", global.amqp_url.clone()),
+                BrokerChoice::Nats => ("--nats-url", nats_url),
+            };
+            // `--broker` says which broker; a URL of the other would run the
+            // demo somewhere the user did not ask for.
+            if BrokerKind::of(&broker_url)? != broker.kind() {
+                return Err(AppError::Config(format!(
+                    "{flag} {} is not a {} URL (--broker {})",
+                    redact_url(&broker_url),
+                    broker.kind().name(),
+                    broker.name()
+                ))
+                .into());
+            }
             let summary = demo::run(DemoConfig {
                 store: global.store(),
-                amqp_url: global.amqp_url.clone(),
+                broker_url,
                 events,
                 duplicate_rate,
                 keep,

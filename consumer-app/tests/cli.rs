@@ -339,6 +339,16 @@ fn flags_without_effect_are_refused_by_name_and_reason() {
             "--batch-size",
             "batched mode needs",
         ),
+        (
+            vec!["--amqp-url=amqp://127.0.0.1:1", "demo", "--broker=nats"],
+            "--amqp-url",
+            "`demo --broker nats` does not connect to RabbitMQ",
+        ),
+        (
+            vec!["demo", "--nats-url=nats://127.0.0.1:1"],
+            "--nats-url",
+            "unless --broker nats",
+        ),
     ];
     if cfg!(feature = "memory") {
         let memory = "the memory store has no database";

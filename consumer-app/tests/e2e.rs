@@ -1,6 +1,7 @@
 //! End-to-end tests against a real RabbitMQ (127.0.0.1:5672, guest/guest)
 //! and a real PostgreSQL (`DATABASE_URL`, default
-//! postgres://postgres@127.0.0.1:5432/test).
+//! postgres://postgres@127.0.0.1:5432/test); the demo also on NATS
+//! JetStream (127.0.0.1:4222).
 //!
 //! Every scenario runs once per compiled store (`cargo test -p consumer-app
 //! --all-features` runs all three), each test with its own exchange/queue
@@ -27,6 +28,7 @@ use inbox_runtime::{QueueType, ServiceConfig, ServiceHandle, WorkerConfig};
 use lapin::options::BasicGetOptions;
 
 const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+const NATS_URL: &str = "nats://127.0.0.1:4222";
 
 /// `url` with `application_name` set, so a test can find its connections.
 #[cfg(any(feature = "sqlx", feature = "diesel"))]
@@ -76,6 +78,24 @@ async fn require_rabbitmq() {
             "RabbitMQ is not reachable at 127.0.0.1:5672 ({}); start it with `bash .ci/services.sh`",
             inbox_runtime::error::chain(&error)
         );
+    }
+}
+
+/// Fails (never skips, under `CI=true` or not) when NATS is away: the
+/// demo on NATS is a test like the others.
+async fn require_nats() {
+    let probe = inbox_runtime::nats::connect(
+        NATS_URL,
+        "parcel-inbox test probe",
+        inbox_runtime::broker::ConnectOptions::default(),
+    )
+    .await;
+    match probe {
+        Ok(client) => drop(client.drain().await),
+        Err(error) => panic!(
+            "NATS is not reachable at {NATS_URL} ({}); start it with `bash .ci/services.sh`",
+            inbox_runtime::error::chain(&error)
+        ),
     }
 }
 
@@ -1186,24 +1206,63 @@ async fn graceful_shutdown_loses_nothing<S: ParcelStore>(store: S, names: Names)
 /// and no password from the URLs it was given appears in its output.
 async fn demo_command_proves_exactly_once(store: &str) {
     require_rabbitmq().await;
+    let (stdout, _) = run_demo(&["--store", store, "--amqp-url", AMQP_URL, "demo"]).await;
+    assert!(
+        stdout.contains("duplicates discarded 30 = copies sent 30"),
+        "{stdout}"
+    );
+}
+
+/// The same demo on NATS JetStream (`demo --broker nats`): every check ok,
+/// each copy discarded by the inbox or dropped by JetStream's duplicate
+/// window (which of the two depends on the window, so only their sum is
+/// fixed).
+async fn demo_on_nats_proves_exactly_once(store: &str) {
+    require_nats().await;
+    let (stdout, _) = run_demo(&[
+        "--store",
+        store,
+        "demo",
+        "--broker",
+        "nats",
+        "--nats-url",
+        NATS_URL,
+    ])
+    .await;
+    assert!(stdout.contains(", NATS JetStream) =="), "{stdout}");
+    let copies: Vec<&str> = stdout
+        .lines()
+        .filter(|line| line.contains("[ok]") && line.contains(" = copies sent 30"))
+        .collect();
+    assert_eq!(copies.len(), 3, "one line per consumer:\n{stdout}");
+    assert!(
+        copies
+            .iter()
+            .all(|line| line.contains("dropped by the broker as duplicates")),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("queues and dead-letter queues empty (0 messages left)"),
+        "{stdout}"
+    );
+}
+
+/// Runs `parcel-inbox {args} --events 60 --duplicate-rate 0.5` and checks
+/// what every run must show: exit 0, every check ok, 60 bookings, and no
+/// password in the output. Returns (stdout, stderr).
+async fn run_demo(args: &[&str]) -> (String, String) {
     // Trust auth ignores the password; it is there to be kept out of logs.
     let database_url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres:pg-s3cret@127.0.0.1:5432/test".to_owned());
     let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_parcel-inbox"))
-        .args([
-            "--store",
-            store,
-            "--amqp-url",
-            AMQP_URL,
-            "demo",
-            "--events",
-            "60",
-            "--duplicate-rate",
-            "0.5",
-        ])
+        .args(args)
+        .args(["--events", "60", "--duplicate-rate", "0.5"])
         // From the environment: the memory store would refuse the flag.
         .env("DATABASE_URL", &database_url)
-        .env("RUST_LOG", "debug,lapin=info,sqlx=info,tokio_postgres=info")
+        .env(
+            "RUST_LOG",
+            "debug,lapin=info,sqlx=info,tokio_postgres=info,async_nats=info",
+        )
         .output()
         .await
         .expect("run parcel-inbox demo");
@@ -1219,14 +1278,11 @@ async fn demo_command_proves_exactly_once(store: &str) {
         stdout.contains("carrier bookings 60 = distinct parcels 60"),
         "{stdout}"
     );
-    assert!(
-        stdout.contains("duplicates discarded 30 = copies sent 30"),
-        "{stdout}"
-    );
     for secret in ["guest:guest", "pg-s3cret"] {
         assert!(!stderr.contains(secret), "{secret} leaked into the logs");
         assert!(!stdout.contains(secret), "{secret} leaked into the output");
     }
+    (stdout.into_owned(), stderr.into_owned())
 }
 
 // ------------------------------------------------------------ the backends
@@ -1268,6 +1324,11 @@ macro_rules! e2e_tests {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn demo_command_proves_exactly_once() {
             super::demo_command_proves_exactly_once($kind).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn demo_on_nats_proves_exactly_once() {
+            super::demo_on_nats_proves_exactly_once($kind).await;
         }
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,9 +16,19 @@
 //! - parcels = outbox rows published = carrier-assigned events =
 //!   notifications of each kind = carrier bookings, and nothing twice;
 //! - duplicates discarded = copies sent, for each consumer;
-//! - each crashed message was redelivered and processed exactly once.
+//! - each crashed message was redelivered and processed exactly once;
+//! - nothing dead-lettered, nothing left in the queues.
 //!
 //! Any failed check makes it exit non-zero.
+//!
+//! The same run works on RabbitMQ and on NATS JetStream: the service and
+//! the relay pick their broker from the URL, and what the demo does on the
+//! broker itself (the copies, the leftovers, the dead letters) goes through
+//! [`crate::tools::broker::Broker`]. One difference shows in the counts:
+//! JetStream drops a copy published under an id it stored within its
+//! duplicate window (2 minutes), before any consumer sees it, so there a
+//! copy is discarded by the broker or by the inbox, and the demo counts
+//! both.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -35,10 +45,11 @@ use crate::parcel::role::Role;
 use crate::parcel::service::{consumers, with_handlers};
 use crate::parcel::store::{ParcelStore, Stats};
 use crate::parcel::topology::Topology;
+use crate::tools::broker::{Broker, DeadLetter, Sent};
 use crate::tools::faults::Faults;
-use crate::tools::producer::{Producer, create_parcels, publish_copies};
+use crate::tools::producer::{Producer, copy_messages, create_parcels};
 use crate::tools::stores::{StoreConfig, WithStore, with_store};
-use inbox_runtime::amqp::{close_bounded, connect, open_channel};
+use inbox_runtime::brokers::BrokerKind;
 use inbox_runtime::message::follow_up_id;
 use inbox_runtime::tally::Tally;
 use inbox_runtime::{AppError, ServiceConfig, WorkerConfig};
@@ -48,8 +59,9 @@ use inbox_runtime::{AppError, ServiceConfig, WorkerConfig};
 pub struct DemoConfig {
     /// The store; its schema is replaced by a fresh one per run.
     pub store: StoreConfig,
-    /// The broker.
-    pub amqp_url: String,
+    /// The broker: an `amqp://` URL runs the demo on RabbitMQ, a `nats://`
+    /// one on NATS JetStream.
+    pub broker_url: String,
     /// Distinct events.
     pub events: usize,
     /// Copies per event, on average.
@@ -67,8 +79,8 @@ impl std::fmt::Debug for DemoConfig {
         f.debug_struct("DemoConfig")
             .field("store", &self.store)
             .field(
-                "amqp_url",
-                &inbox_runtime::redact::redact_url(&self.amqp_url),
+                "broker_url",
+                &inbox_runtime::redact::redact_url(&self.broker_url),
             )
             .field("events", &self.events)
             .field("duplicate_rate", &self.duplicate_rate)
@@ -85,6 +97,8 @@ impl std::fmt::Debug for DemoConfig {
 /// [`Error::CheckFailed`] (with the summary) when a check fails; any
 /// infrastructure error otherwise.
 pub async fn run(mut config: DemoConfig) -> Result<String, Error> {
+    // An unknown scheme is refused before a schema is made.
+    BrokerKind::of(&config.broker_url)?;
     let run_id = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
     config.store.schema = format!("parcel_demo_{run_id}");
     with_store(&config.store.clone(), Some(5), Demo { config, run_id })
@@ -106,7 +120,7 @@ impl WithStore for Demo {
         store.migrate_all().await?;
         let outcome = self.exercise(&store, &topology).await;
         if !self.config.keep
-            && let Err(error) = cleanup(&store, &topology, &self.config.amqp_url).await
+            && let Err(error) = cleanup(&store, &topology, &self.config.broker_url).await
         {
             tracing::warn!(error = %inbox_runtime::error::chain(&error), "demo cleanup failed");
         }
@@ -117,10 +131,13 @@ impl WithStore for Demo {
 async fn cleanup<S: ParcelStore>(
     store: &S,
     topology: &Topology,
-    amqp_url: &str,
+    broker_url: &str,
 ) -> Result<(), AppError> {
-    topology.remove(amqp_url).await?;
-    store.drop_schema().await
+    // The schema goes even when the broker is away (the run may have
+    // failed for that very reason).
+    let removed = topology.remove(broker_url).await;
+    let dropped = store.drop_schema().await;
+    removed.and(dropped)
 }
 
 impl Demo {
@@ -153,6 +170,13 @@ impl Demo {
             ConsumerName::new(Role::CarrierAssignedNotification.consumer_name())?,
         ));
         let repeated = repeated(parcels.len(), cfg.duplicate_rate, 2)?;
+        // First, so that a broker that is away says so at once, with its
+        // cause, rather than as a service that never starts consuming.
+        let broker = Broker::connect(
+            &cfg.broker_url,
+            &format!("parcel-inbox demo inspect {}", self.run_id),
+        )
+        .await?;
 
         let carrier = Arc::new(StubCarrier::default());
         let notifier = Arc::new(StubNotifier::default());
@@ -164,12 +188,12 @@ impl Demo {
         let service = with_handlers(
             store.clone(),
             ServiceConfig {
-                broker_url: cfg.amqp_url.clone(),
+                broker_url: cfg.broker_url.clone(),
                 worker: cfg.worker.clone(),
                 connection_name: format!("parcel-inbox demo {}", self.run_id),
                 cleanup: None,
                 gauge_interval: Some(Duration::from_secs(5)),
-                ..ServiceConfig::new(&cfg.amqp_url, "")
+                ..ServiceConfig::new(&cfg.broker_url, "")
             },
             topology,
             consumers,
@@ -179,7 +203,7 @@ impl Demo {
         let producer = Producer::start(
             store.clone(),
             topology,
-            &cfg.amqp_url,
+            &cfg.broker_url,
             &format!("parcel-inbox demo relay {}", self.run_id),
         )
         .await?;
@@ -199,17 +223,27 @@ impl Demo {
         // Copies of both kinds, under their ids, once the originals are in.
         let mut copies: Vec<MessageId> = repeated.iter().map(|&i| created[i]).collect();
         copies.extend(repeated.iter().map(|&i| follow_ups[i]));
-        publish_copies(store, &cfg.amqp_url, &copies).await?;
+        let sent = copy_messages(store, &broker, &copies).await?;
         let k = repeated.len() as u64;
+        let dropped = |role: Role| {
+            sent.iter()
+                .filter(|(key, outcome)| {
+                    key == role.routing_key() && *outcome == Sent::DroppedAsDuplicate
+                })
+                .count() as u64
+        };
         drained &= wait_for(&tally, cfg.drain_timeout, |t, role| {
-            t.consumer(role.consumer_name()).finished() >= n + k
+            t.consumer(role.consumer_name()).finished() >= n + k - dropped(role)
         })
         .await;
         let deadline = Instant::now() + cfg.drain_timeout;
         while store.pending_count().await? > 0 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        let ready = queue_depths(&cfg.amqp_url, topology).await?;
+        let left = leftovers(&broker, topology).await?;
+        let dead_letters = broker.dead_letters(topology).await?;
+        let broker_name = broker.name();
+        broker.close().await;
         let elapsed = started.elapsed();
         let relay = producer.relay_tally();
         producer.stop().await?;
@@ -229,6 +263,8 @@ impl Demo {
 
         let report = Report {
             store: store.kind().as_str(),
+            broker: broker_name,
+            dropped_by_broker: Role::ALL.map(dropped),
             distinct: n,
             created_201,
             retried: retry.len() as u64,
@@ -242,7 +278,8 @@ impl Demo {
             stats: &stats,
             carrier: &carrier,
             notifier: &notifier,
-            ready,
+            left,
+            dead_letters,
             drained,
             elapsed,
         };
@@ -308,23 +345,29 @@ async fn wait_for(tally: &Tally, timeout: Duration, done: impl Fn(&Tally, Role) 
     }
 }
 
-/// Ready messages left in each queue and dead-letter queue.
-async fn queue_depths(amqp_url: &str, topology: &Topology) -> Result<Vec<(String, u32)>, AppError> {
-    let connection = connect(amqp_url, "parcel-inbox demo inspect").await?;
-    let channel = open_channel(&connection, "channel").await?;
-    let mut depths = Vec::new();
-    for role in Role::ALL {
-        for queue in [topology.queue(role), topology.dead_letter_queue(role)] {
-            let ready = topology.ready_messages(&channel, &queue).await?;
-            depths.push((queue, ready));
+/// How long the leftovers may take to reach zero once every delivery is
+/// finished: a settled delivery's ack may still be on its way (acks are
+/// flushed in batches), and JetStream counts it as pending until then.
+const SETTLE_GRACE: Duration = Duration::from_secs(10);
+
+/// What is left in each queue and dead-letter queue, polled until it is
+/// all zero or [`SETTLE_GRACE`] passed.
+async fn leftovers(broker: &Broker, topology: &Topology) -> Result<Vec<(String, u64)>, AppError> {
+    let deadline = Instant::now() + SETTLE_GRACE;
+    loop {
+        let left = broker.leftovers(topology).await?;
+        if left.iter().all(|(_, n)| *n == 0) || Instant::now() >= deadline {
+            return Ok(left);
         }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    close_bounded(&connection, "bye").await;
-    Ok(depths)
 }
 
 struct Report<'a> {
     store: &'static str,
+    broker: &'static str,
+    /// Copies the broker dropped as duplicates, per role of [`Role::ALL`].
+    dropped_by_broker: [u64; 3],
     distinct: u64,
     created_201: u64,
     retried: u64,
@@ -338,7 +381,8 @@ struct Report<'a> {
     stats: &'a Stats,
     carrier: &'a StubCarrier,
     notifier: &'a StubNotifier,
-    ready: Vec<(String, u32)>,
+    left: Vec<(String, u64)>,
+    dead_letters: Vec<DeadLetter>,
     drained: bool,
     elapsed: Duration,
 }
@@ -354,7 +398,11 @@ impl Report<'_> {
             }
         };
         let n = self.distinct;
-        let _ = writeln!(out, "== parcel-inbox demo ({} store) ==", self.store);
+        let _ = writeln!(
+            out,
+            "== parcel-inbox demo ({} store, {}) ==",
+            self.store, self.broker
+        );
         let _ = writeln!(
             out,
             "POST /parcels: {n} parcels created over HTTP + {} client retries; {} copies of each kind of message published again under their ids; drained in {:.2?}",
@@ -463,13 +511,19 @@ impl Report<'_> {
                 ),
             );
         }
-        for role in Role::ALL {
+        for (role, dropped) in Role::ALL.into_iter().zip(self.dropped_by_broker) {
             let dups = self.tally.consumer(role.consumer_name()).duplicates();
+            // RabbitMQ never drops a copy: its line stays as it always read.
+            let by_broker = if self.broker == BrokerKind::RabbitMq.name() && dropped == 0 {
+                String::new()
+            } else {
+                format!(" + dropped by the broker as duplicates {dropped}")
+            };
             check(
                 &mut out,
-                dups == self.copies,
+                dups + dropped == self.copies,
                 format!(
-                    "{}: duplicates discarded {dups} = copies sent {}",
+                    "{}: duplicates discarded {dups}{by_broker} = copies sent {}",
                     role.consumer_name(),
                     self.copies
                 ),
@@ -495,15 +549,30 @@ impl Report<'_> {
             .sum();
         check(
             &mut out,
-            dead == 0,
-            format!("nothing dead-lettered ({dead})"),
+            dead == 0 && self.dead_letters.is_empty(),
+            format!(
+                "nothing dead-lettered ({dead} counted, {} dead letters on the broker)",
+                self.dead_letters.len()
+            ),
         );
-        let left: u32 = self.ready.iter().map(|(_, n)| n).sum();
+        for letter in &self.dead_letters {
+            let _ = writeln!(
+                out,
+                "    dead letter of {}: message {} ({})",
+                letter.queue,
+                letter.message_id.as_deref().unwrap_or("without an id"),
+                letter.reason.as_deref().unwrap_or("no reason given")
+            );
+        }
+        let left: u64 = self.left.iter().map(|(_, n)| n).sum();
         check(
             &mut out,
             left == 0,
-            format!("queues and dead-letter queues empty ({left} ready messages left)"),
+            format!("queues and dead-letter queues empty ({left} messages left)"),
         );
+        for (queue, count) in self.left.iter().filter(|(_, n)| *n > 0) {
+            let _ = writeln!(out, "    {queue}: {count} left");
+        }
         check(
             &mut out,
             self.stats.inbox_rows == 3 * n,

@@ -3,6 +3,8 @@
 //! injection for tests. Nothing here is on the message path of a
 //! production service.
 //!
+//! - [`broker`]: the broker as the tools see it (publish, what is left
+//!   in the queues, dead letters), on RabbitMQ or NATS JetStream.
 //! - [`cli`]: flags and the `consume` path, shared by the binaries.
 //! - [`dead`]: `parcel-inbox dead` and `replay`, the dead letters' tools.
 //! - [`demo`]: `parcel-inbox demo`, the whole story in one checked command.
@@ -15,6 +17,7 @@
 //! - [`http`]: a one-request HTTP client, the demo's and the tests' caller
 //!   of `POST /parcels`.
 
+pub mod broker;
 pub mod cli;
 pub mod dead;
 pub mod demo;

@@ -14,9 +14,10 @@ use crate::parcel::api::{ApiServer, ParcelApi};
 use crate::parcel::events::ParcelCreatedEvent;
 use crate::parcel::store::ParcelStore;
 use crate::parcel::topology::Topology;
+use crate::tools::broker::{Broker, Sent};
 use crate::tools::http::{Answer, post_json};
 use inbox_runtime::AppError;
-use inbox_runtime::amqp::{Outgoing, Publisher, close_bounded, connect};
+use inbox_runtime::amqp::Outgoing;
 use inbox_runtime::relay::{Relay, RelayConfig, RelayHandle, RelayTally};
 
 /// The endpoint and a relay, running in this process.
@@ -28,7 +29,7 @@ pub struct Producer {
 impl Producer {
     /// Serves `POST /parcels` on `store` (enqueueing to `topology`'s
     /// exchange) on 127.0.0.1 at a free port, with a relay publishing to
-    /// `amqp_url`, woken by each creation and polling every 100 ms for the
+    /// `broker_url` (RabbitMQ or NATS JetStream, by its scheme), woken by each creation and polling every 100 ms for the
     /// consumers' follow-ups.
     ///
     /// # Errors
@@ -36,13 +37,13 @@ impl Producer {
     pub async fn start<S: ParcelStore>(
         store: S,
         topology: &Topology,
-        amqp_url: &str,
+        broker_url: &str,
         connection_name: &str,
     ) -> Result<Self, AppError> {
         let api = ParcelApi::new(store.clone(), topology);
         let config = RelayConfig {
             poll_interval: Duration::from_millis(100),
-            ..RelayConfig::new(amqp_url, connection_name)
+            ..RelayConfig::new(broker_url, connection_name)
         };
         let relay = Relay::new(store, config)?.wake_on(api.committed()).spawn();
         let server = ApiServer::start(([127, 0, 0, 1], 0).into(), api.router()).await?;
@@ -100,39 +101,46 @@ pub async fn create_parcels(
 /// Store or broker failures.
 pub async fn publish_copies<S: OutboxStore>(
     store: &S,
-    amqp_url: &str,
+    broker_url: &str,
     ids: &[MessageId],
 ) -> Result<usize, AppError> {
-    let connection = connect(amqp_url, "parcel-inbox copies").await?;
-    let mut publishers: Vec<((String, String), Publisher)> = Vec::new();
-    let mut sent = 0;
+    let broker = Broker::connect(broker_url, "parcel-inbox copies").await?;
+    let copies = copy_messages(store, &broker, ids).await;
+    broker.close().await;
+    Ok(copies?.len())
+}
+
+/// [`publish_copies`] on an open connection: what became of each copy, by
+/// its routing key. On JetStream a copy within the stream's duplicate
+/// window is dropped by the stream ([`Sent::DroppedAsDuplicate`]), so no
+/// consumer sees it; on RabbitMQ every copy reaches the consumers, whose
+/// inboxes discard it.
+///
+/// # Errors
+/// Store or broker failures.
+pub async fn copy_messages<S: OutboxStore>(
+    store: &S,
+    broker: &Broker,
+    ids: &[MessageId],
+) -> Result<Vec<(String, Sent)>, AppError> {
+    let mut sent = Vec::with_capacity(ids.len());
     for id in ids {
         let Some(record) = store.lookup_outgoing(id).await? else {
             continue;
         };
         let message = record.message;
-        let route = (
-            message.exchange().to_owned(),
-            message.routing_key().to_owned(),
-        );
-        let index = match publishers.iter().position(|(r, _)| *r == route) {
-            Some(index) => index,
-            None => {
-                let publisher = Publisher::new(&connection, &route.0, &route.1).await?;
-                publishers.push((route, publisher));
-                publishers.len() - 1
-            }
-        };
-        publishers[index]
-            .1
-            .publish(&Outgoing {
-                message_id: Some(message.id().to_string()),
-                kind: Some(message.message_type().to_owned()),
-                body: message.body().to_vec(),
-            })
+        let outcome = broker
+            .publish(
+                message.exchange(),
+                message.routing_key(),
+                &Outgoing {
+                    message_id: Some(message.id().to_string()),
+                    kind: Some(message.message_type().to_owned()),
+                    body: message.body().to_vec(),
+                },
+            )
             .await?;
-        sent += 1;
+        sent.push((message.routing_key().to_owned(), outcome));
     }
-    close_bounded(&connection, "copies sent").await;
     Ok(sent)
 }

@@ -104,13 +104,16 @@ fn tls_files(
     Ok(connect.require_tls(true))
 }
 
-/// Connects once to the server at `url`, within `options.timeout`.
+/// Connects once to the server at `url`, within `options.timeout`: the
+/// runtime's own connection, public so that a tool beside a service (a
+/// demo's inspection, a test's producer) reads the URL's credentials and
+/// TLS files exactly as the service does.
 ///
 /// # Errors
 /// [`AppError::CredentialsRefused`] when the server refuses the login;
 /// [`AppError::Config`] for an unusable URL; [`AppError::Unavailable`]
 /// when it does not answer in time; otherwise [`AppError::Broker`].
-pub(crate) async fn connect(
+pub async fn connect(
     url: &str,
     name: &str,
     connect_options: ConnectOptions,

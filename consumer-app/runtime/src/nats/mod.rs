@@ -57,6 +57,7 @@ use crate::config::WorkerConfig;
 use crate::shutdown::bounded;
 use crate::topology::Topology;
 
+pub use connect::connect;
 pub use publish::{PublishFailure, Published, publish_confirmed};
 pub(crate) use subscription::JetStreamSubscription;
 
