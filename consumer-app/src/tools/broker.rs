@@ -19,8 +19,7 @@ use inbox_runtime::broker::ConnectOptions;
 use inbox_runtime::brokers::BrokerKind;
 use inbox_runtime::delivery::DEAD_LETTER_REASON;
 use inbox_runtime::nats::{self, names};
-use lapin::options::{BasicGetOptions, QueueDeclareOptions};
-use lapin::types::FieldTable;
+use lapin::options::BasicGetOptions;
 
 use crate::parcel::role::Role;
 use crate::parcel::topology::Topology;
@@ -264,17 +263,8 @@ async fn peek_dead_letters(
     for role in Role::ALL {
         let queue = topology.dead_letter_queue(role);
         let channel = open_channel(connection, "a dead-letter channel").await?;
-        channel
-            .queue_declare(
-                queue.as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|e| AppError::broker(format!("inspect queue {queue}"), e))?;
+        // A missing queue fails here, before any read.
+        inbox_runtime::Topology::ready_messages(&channel, &queue).await?;
         while let Some(message) = channel
             .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
             .await
