@@ -567,6 +567,14 @@ fn worst(candidate: &[Vec<f64>], baseline: &[Vec<f64>]) -> Option<(usize, Spread
         .min_by(|a, b| a.1.median.total_cmp(&b.1.median))
 }
 
+/// A row of the consume table: rates per concurrency per repetition, and
+/// the row its ratios are taken to (with its label).
+struct Row<'a> {
+    label: &'a str,
+    rates: &'a [Vec<f64>],
+    baseline: Option<(&'a [Vec<f64>], &'a str)>,
+}
+
 impl NatsRates {
     /// The Markdown section: the consume table (rates and ratios with
     /// their spread), the publish table, and the two targets.
@@ -617,31 +625,41 @@ impl NatsRates {
                 "NATS + runtime batched K={}, business write only (sqlx)",
                 plan.batch_k
             );
-            let rows: [(&str, &Vec<Vec<f64>>, Option<(&Vec<Vec<f64>>, &str)>); 4] = [
-                (BARE, bare, None),
-                (BESIDE, &self.beside, None),
-                (
-                    "NATS + runtime per message, business write only (sqlx)",
-                    &self.consume[Consume::PerMessage.index()],
-                    Some((&self.beside, BESIDE)),
-                ),
-                (
-                    &batched,
-                    &self.consume[Consume::Batched.index()],
-                    Some((bare, BARE)),
-                ),
+            let rows = [
+                Row {
+                    label: BARE,
+                    rates: bare,
+                    baseline: None,
+                },
+                Row {
+                    label: BESIDE,
+                    rates: &self.beside,
+                    baseline: None,
+                },
+                Row {
+                    label: "NATS + runtime per message, business write only (sqlx)",
+                    rates: &self.consume[Consume::PerMessage.index()],
+                    baseline: Some((&self.beside, BESIDE)),
+                },
+                Row {
+                    label: &batched,
+                    rates: &self.consume[Consume::Batched.index()],
+                    baseline: Some((bare, BARE)),
+                },
             ];
-            for (label, rates, baseline) in rows {
-                let _ = write!(out, "| {label} |");
-                for per_task in rates {
+            for row in rows {
+                let _ = write!(out, "| {} |", row.label);
+                for per_task in row.rates {
                     let s = Spread::of(per_task.iter().copied());
                     let _ = write!(out, " {} |", spread::cell(s, 0));
                 }
-                for (c, per_task) in rates.iter().enumerate() {
-                    let r = baseline.and_then(|(b, _)| Spread::ratios(per_task, b.get(c)?));
+                for (c, per_task) in row.rates.iter().enumerate() {
+                    let r = row
+                        .baseline
+                        .and_then(|(b, _)| Spread::ratios(per_task, b.get(c)?));
                     let _ = write!(out, " {} |", spread::cell(r, 2));
                 }
-                let _ = writeln!(out, " {} |", baseline.map_or("", |(_, name)| name));
+                let _ = writeln!(out, " {} |", row.baseline.map_or("", |(_, name)| name));
             }
             out.push('\n');
         }
