@@ -51,6 +51,10 @@
 //! - the outbox relay's publish rate (`support/relay.rs`) over the sqlx and
 //!   the diesel outbox, against a bare lapin publisher with confirms and
 //!   the same window, in interleaved repetitions;
+//! - NATS JetStream (`support/nats.rs`): bare pull consume+ack, the runtime
+//!   on a `nats://` URL per message (against (b) beside its drains) and
+//!   batched, and the relay's JetStream outlet against a bare JetStream
+//!   publisher with the same window;
 //! - claim cost against table size (`support/table_size.rs`): the inbox
 //!   pre-filled with 1,000,000 and 10,000,000 rows of v4 and of v7 ids,
 //!   against an empty one, both drivers, per message and batched; written
@@ -63,8 +67,8 @@
 //!   steady rate, from the 201 to the last consumer's transaction of the
 //!   parcel (p50, p99).
 //!
-//! Run: `cargo bench -p parcel-lab --bench report` (PostgreSQL
-//! and RabbitMQ up: `bash .ci/services.sh`).
+//! Run: `cargo bench -p parcel-lab --bench report` (PostgreSQL,
+//! RabbitMQ and NATS with JetStream up: `bash .ci/services.sh`).
 //! `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test?sslmode=disable`),
 //! `INBOX_BENCH_SECS` (seconds per cell, default 2), `INBOX_BENCH_TASKS`
 //! (default `1,4,16`), `INBOX_BENCH_E2E_EVENTS` (events per end-to-end
@@ -75,6 +79,9 @@
 //! `INBOX_BENCH_RELAY_DEPTH` (the relay's pipeline depth, default
 //! `RelayConfig`'s), `INBOX_BENCH_TLS_EVENTS` (messages per TLS cell,
 //! default 4,000; 0 skips),
+//! `INBOX_BENCH_NATS_EVENTS` (messages per NATS consume cell, default
+//! 2,000; 0 skips), `INBOX_BENCH_NATS_RELAY_MESSAGES` (messages per NATS
+//! publish cell, default 5,000; 0 skips),
 //! `INBOX_BENCH_REPS` (repetitions behind each ratio's spread, at least and
 //! by default 3), `INBOX_BENCH_TABLE_SIZES` (pre-filled sizes, default
 //! `1000000,10000000`; empty skips), `INBOX_BENCH_TABLE_TASKS` (default
@@ -664,6 +671,8 @@ mod cleanup;
 mod e2e;
 #[path = "support/latency.rs"]
 mod latency;
+#[path = "support/nats.rs"]
+mod nats;
 #[path = "support/relay.rs"]
 mod relay;
 #[path = "support/sections.rs"]
@@ -1254,6 +1263,31 @@ async fn bench(url: &str, schema: &str, sections: &Sections) -> Result<(String, 
                 let _ = write!(out, "\n{}", rates.markdown());
             }
             Err(error) => eprintln!("relay rows skipped (is RabbitMQ running?): {error}"),
+        }
+    }
+
+    // NATS JetStream: the broker's own ceiling, the runtime and the relay
+    // on it, with (b) beside the runtime's drains as on RabbitMQ.
+    let nats_events = env_count("INBOX_BENCH_NATS_EVENTS", 2_000);
+    let nats_relay = env_count("INBOX_BENCH_NATS_RELAY_MESSAGES", 5_000);
+    if sections.has(Section::Nats) && (nats_events > 0 || nats_relay > 0) {
+        let plan = nats::Plan {
+            tasks: tasks.clone(),
+            events: nats_events,
+            batch_k: 100,
+            relay_messages: nats_relay,
+            batch,
+            depth,
+            reps: spread::reps(),
+        };
+        match nats::run(&bench, &plan).await {
+            Ok(rates) => {
+                let _ = write!(out, "\n{}", rates.markdown());
+            }
+            Err(error) => eprintln!(
+                "NATS rows skipped (is NATS with JetStream at {}?): {error}",
+                nats::NATS_URL
+            ),
         }
     }
 

@@ -75,7 +75,7 @@ fn events(n: usize, tag: &str) -> Result<Vec<Outgoing>, BoxError> {
 
 /// The prefetch of the app's consumers per message: enough that the next
 /// delivery is there when a worker's slot frees, at any concurrency.
-fn per_message_prefetch(tasks: usize) -> u16 {
+pub(crate) fn per_message_prefetch(tasks: usize) -> u16 {
     u16::try_from((4 * tasks).max(32)).unwrap_or(u16::MAX)
 }
 
@@ -229,12 +229,14 @@ pub(crate) async fn cell(
 }
 
 /// The AMQP `type` of the runtime-alone cell's messages.
-const BUSINESS_WRITE: &str = "bench.write";
+pub(crate) const BUSINESS_WRITE: &str = "bench.write";
 
 /// The report's business write as a runtime [`Handler`]: the INSERT of (a)
 /// and (b), nothing else, so the runtime-alone cell differs from (b) only by
-/// the runtime around it. The message is the payload, a JSON string.
-struct BusinessWrite(ConsumerName);
+/// the runtime around it. The message is the payload, a JSON string. The
+/// NATS section (`support/nats.rs`) runs the same handler, so that its rows
+/// differ from these by the broker alone.
+pub(crate) struct BusinessWrite(pub(crate) ConsumerName);
 
 impl Handler<SqlxTransaction> for BusinessWrite {
     type Message = String;

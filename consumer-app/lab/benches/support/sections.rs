@@ -22,6 +22,9 @@ pub(crate) enum Section {
     Race,
     /// The outbox relay against a bare publisher.
     Relay,
+    /// NATS JetStream: bare consume+ack, the runtime per message and
+    /// batched, the relay against a bare JetStream publisher.
+    Nats,
     /// The runtime and the relay over TLS against plain connections.
     Tls,
     /// The full loop's latency, endpoint to last consumer.
@@ -34,13 +37,14 @@ pub(crate) enum Section {
 
 impl Section {
     /// Every section, in the report's order.
-    pub(crate) const ALL: [Self; 10] = [
+    pub(crate) const ALL: [Self; 11] = [
         Self::Postgres,
         Self::Memory,
         Self::EndToEnd,
         Self::Runtime,
         Self::Race,
         Self::Relay,
+        Self::Nats,
         Self::Tls,
         Self::Latency,
         Self::Cleanup,
@@ -56,6 +60,7 @@ impl Section {
             Self::Runtime => "runtime",
             Self::Race => "race",
             Self::Relay => "relay",
+            Self::Nats => "nats",
             Self::Tls => "tls",
             Self::Latency => "latency",
             Self::Cleanup => "cleanup",
