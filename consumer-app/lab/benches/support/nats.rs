@@ -46,14 +46,10 @@ use consumer_app::parcel::events::ROUTING_KEY;
 use futures::StreamExt as _;
 use futures::future::join_all;
 use inbox_api::{ConsumerName, MessageId, OutgoingMessage};
-use inbox_runtime::async_nats::jetstream::consumer::{
-    AckPolicy, DeliverPolicy, PullConsumer, pull,
-};
-use inbox_runtime::async_nats::jetstream::stream::{self, RetentionPolicy, StorageType};
+use inbox_runtime::async_nats::jetstream::consumer::PullConsumer;
 use inbox_runtime::async_nats::jetstream::{self, Context as JetStream};
 use inbox_runtime::async_nats::{self, HeaderMap};
 use inbox_runtime::nats::names::{self, MESSAGE_TYPE, NATS_MSG_ID};
-use inbox_runtime::nats::{DECLARED_ACK_WAIT, DUPLICATE_WINDOW};
 use inbox_runtime::{BatchConfig, Service, ServiceConfig, ServiceHandle, Topology, WorkerConfig};
 
 use super::e2e::{BUSINESS_WRITE, BoxError, BusinessWrite, per_message_prefetch};
@@ -267,24 +263,9 @@ async fn create(
     max_ack_pending: Option<i64>,
 ) -> Result<PullConsumer, BoxError> {
     let stream = js
-        .create_stream(stream::Config {
-            name: names::stream_name(exchange),
-            subjects: vec![names::stream_subjects(exchange)],
-            retention: RetentionPolicy::Interest,
-            storage: StorageType::File,
-            duplicate_window: DUPLICATE_WINDOW,
-            ..stream::Config::default()
-        })
+        .create_stream(inbox_runtime::nats::work_stream(exchange))
         .await?;
-    let mut config = pull::Config {
-        durable_name: Some(names::consumer_name(queue)),
-        filter_subject: names::filter_subject(exchange, routing_key),
-        deliver_policy: DeliverPolicy::All,
-        ack_policy: AckPolicy::Explicit,
-        ack_wait: DECLARED_ACK_WAIT,
-        max_deliver: -1,
-        ..pull::Config::default()
-    };
+    let mut config = inbox_runtime::nats::consumer(exchange, queue, routing_key);
     if let Some(max) = max_ack_pending {
         config.max_ack_pending = max;
     }

@@ -156,8 +156,9 @@ impl JetStream {
     }
 }
 
-/// The work stream of `exchange`.
-fn work_stream(exchange: &str) -> stream::Config {
+/// The work stream of `exchange`, as `declare` creates it.
+#[must_use]
+pub fn work_stream(exchange: &str) -> stream::Config {
     stream::Config {
         name: names::stream_name(exchange),
         subjects: vec![names::stream_subjects(exchange)],
@@ -181,8 +182,9 @@ fn dead_letter_stream(exchange: &str) -> stream::Config {
 }
 
 /// The durable pull consumer of `queue`, bound to `exchange` with
-/// `routing_key`.
-fn consumer(exchange: &str, queue: &str, routing_key: &str) -> pull::Config {
+/// `routing_key`, as `declare` creates it.
+#[must_use]
+pub fn consumer(exchange: &str, queue: &str, routing_key: &str) -> pull::Config {
     pull::Config {
         durable_name: Some(names::consumer_name(queue)),
         filter_subject: names::filter_subject(exchange, routing_key),
